@@ -1,0 +1,37 @@
+"""plait: every paradigm of multi-device training in one small codebase.
+
+    import plait, torch
+    plait.init()
+    engine = plait.parallelize(model, plait.Layout(dp=2), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4))
+    stats = engine.train_step((inputs, targets))
+"""
+
+from plait.comm import Comm, CommStats
+from plait.config import AXES, Layout
+from plait.distributed import World, init, shutdown
+from plait.engine import Engine, EvalStats, StepStats
+from plait.errors import CommError, ConfigError, LayoutError, PlaitError
+from plait.mesh import Mesh
+from plait.parallelize import parallelize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AXES",
+    "Comm",
+    "CommError",
+    "CommStats",
+    "ConfigError",
+    "Engine",
+    "EvalStats",
+    "Layout",
+    "LayoutError",
+    "Mesh",
+    "PlaitError",
+    "StepStats",
+    "World",
+    "__version__",
+    "init",
+    "parallelize",
+    "shutdown",
+]

@@ -1,0 +1,106 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP), written atomically.
+
+A checkpoint root holds one folder per saved step and a ``latest`` pointer::
+
+    ckpt/step-00000010/   DCP files (each rank writes its own part) + plait.json (step, layout; plain JSON)
+    ckpt/latest           "step-00000010"
+
+Every rank writes into ``step-N.partial``; after a barrier rank 0 renames it to ``step-N`` and then replaces
+``latest`` with ``os.replace`` (atomic on POSIX). A crash at any moment leaves ``latest`` naming the previous,
+complete checkpoint. Model and optimizer states are keyed by parameter name (DCP's ``get_state_dict``), so
+they do not depend on the rank layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from plait.errors import PlaitError
+from plait.logging import get_logger
+
+if TYPE_CHECKING:
+    from plait.engine import Engine
+
+LATEST = "latest"
+META = "plait.json"
+log = get_logger(__name__)
+
+
+class CheckpointError(PlaitError, FileNotFoundError):
+    """No complete checkpoint where one was expected."""
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _states(engine: Engine) -> dict[str, object]:
+    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save(engine: Engine, root: str | Path) -> Path:
+    """Save ``engine``'s model and optimizer under ``root``/step-N and point ``root``/latest at it."""
+    root = Path(root)
+    final = _step_dir(root, engine.step)
+    partial = final.with_name(final.name + ".partial")
+    if engine.mesh.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    engine.comm.barrier()
+    dcp.save(_states(engine), checkpoint_id=str(partial))
+    engine.comm.barrier()
+    if engine.mesh.rank == 0:
+        meta = {"step": engine.step, "layout": engine.layout.to_dict(), "world_size": engine.mesh.world_size}
+        _write_text_atomic(partial / META, json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_text_atomic(root / LATEST, final.name)
+        log.info("saved checkpoint %s", final)
+    engine.comm.barrier()
+    return final
+
+
+def latest(root: str | Path) -> Path:
+    """The folder of the newest complete checkpoint under ``root``."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"no checkpoint under {root}: {pointer} is missing. Fix: save one first with engine.save().")
+    folder = root / pointer.read_text().strip()
+    if not (folder / META).is_file():
+        raise CheckpointError(f"{pointer} names {folder}, which is not a complete checkpoint.")
+    return folder
+
+
+def load(engine: Engine, root: str | Path) -> int:
+    """Load the latest checkpoint under ``root`` into ``engine``; returns (and sets) its step."""
+    folder = latest(root)
+    meta = json.loads((folder / META).read_text())
+    states = _states(engine)
+    dcp.load(states, checkpoint_id=str(folder))
+    set_state_dict(engine.model, engine.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
+    engine.step = int(meta["step"])
+    if dist.is_available() and dist.is_initialized():
+        engine.comm.barrier()
+    log.info("loaded checkpoint %s (step %d)", folder, engine.step)
+    return engine.step

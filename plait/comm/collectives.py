@@ -1,0 +1,221 @@
+"""The only place that calls torch.distributed collectives.
+
+``Comm`` is bound to a Mesh: every call names a mesh axis (``"dp"``, ``"tp"``, ``"dp_cp"``, ...), is a no-op
+when that axis has one rank, is counted in ``CommStats``, and waits with a timeout. A failure or a timeout
+raises ``CommError`` naming this rank, the axis, the group's ranks and the operation, so a dead or stuck
+peer turns into an error instead of a hang. ``async_op=True`` returns a ``Pending`` whose ``wait()`` does
+the same checks later (used to overlap communication with compute).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.stats import CommStats
+from plait.errors import CommError
+from plait.mesh import Mesh
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on both sides of the rename.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Pending:
+    """An issued collective: ``wait()`` blocks (with the timeout), runs the finishing step and returns its result."""
+
+    def __init__(self, comm: Comm, axis: str, op: str, works: Sequence[Any], finish: Callable[[], Any]) -> None:
+        self._comm, self._axis, self._op = comm, axis, op
+        self._works, self._finish = list(works), finish
+        self._done = False
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        if not self._done:
+            for work in self._works:
+                self._comm._guard(self._axis, self._op, lambda w=work: w.wait(timeout=self._comm.timeout))
+            self._result = self._finish()
+            self._done = True
+        return self._result
+
+
+class Done(Pending):
+    """A collective that needed no communication (size-1 group): already finished."""
+
+    def __init__(self, result: Any) -> None:
+        self._done, self._result = True, result
+
+
+class Comm:
+    """Collectives over the axes of one Mesh, with byte accounting and timeouts."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        stats: CommStats | None = None,
+        timeout_s: float = 300.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.mesh = mesh
+        self.device = torch.device(device)
+        self.stats = stats if stats is not None else CommStats()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    # ----------------------------------------------------------------- helpers
+    def size(self, axis: str) -> int:
+        return self.mesh.size(axis)
+
+    def _guard(self, axis: str, op: str, call: Callable[[], Any]) -> Any:
+        """Run ``call``; turn any failure into a CommError that names rank, axis, group and op."""
+        try:
+            return call()
+        except CommError:
+            raise
+        except Exception as error:  # noqa: BLE001 - every backend error becomes a named CommError
+            text = str(error)
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            what = f"timed out after {self.timeout.total_seconds():g} s" if timed_out else "failed"
+            raise CommError(
+                f"rank {self.mesh.rank}: {op} on mesh axis '{axis}' (group ranks {self.mesh.ranks(axis)}) {what}: "
+                f"{text.strip().splitlines()[0] if text.strip() else type(error).__name__}. A peer rank has probably "
+                f"died or stopped calling collectives; check the other ranks' errors above.",
+                rank=self.mesh.rank,
+                axis=axis,
+                op=op,
+            ) from error
+
+    def _issue(
+        self, axis: str, op: str, payload: int, start: Callable[[dist.ProcessGroup], Any], finish: Callable[[], Any]
+    ) -> Pending:
+        group = self.mesh.group(axis)
+        self.stats.record(axis, op, payload, self.size(axis))
+        work = self._guard(axis, op, lambda: start(group))
+        return Pending(self, axis, op, [work] if work is not None else [], finish)
+
+    @staticmethod
+    def _result(pending: Pending, async_op: bool) -> Any:
+        return pending if async_op else pending.wait()
+
+    # ----------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``tensor`` in place over ``axis`` (``op``: sum, avg, max, min); returns the tensor."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+
+        def finish() -> torch.Tensor:
+            return tensor.div_(n) if op == "avg" else tensor
+
+        pending = self._issue(
+            axis, "all_reduce", _nbytes(tensor),
+            lambda g: dist.all_reduce(tensor, op=REDUCE_OPS[op], group=g, async_op=True), finish,
+        )
+        return self._result(pending, async_op)
+
+    def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``tensor`` along ``dim``, in axis order."""
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        pending = self._issue(
+            axis, "all_gather", _nbytes(out),
+            lambda g: _all_gather_tensor(out, moved, group=g, async_op=True), lambda: out.movedim(0, dim),
+        )
+        return self._result(pending, async_op)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, axis: str, dim: int = 0, op: str = "sum", async_op: bool = False
+    ) -> Any:
+        """Reduce over ``axis`` and keep this rank's 1/N slice along ``dim``."""
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+        if tensor.shape[dim] % n:
+            raise ValueError(
+                f"reduce_scatter on axis '{axis}': dim {dim} of size {tensor.shape[dim]} does not split into {n} ranks"
+            )
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // n,) + tuple(moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+        def finish() -> torch.Tensor:
+            result = out.movedim(0, dim)
+            return result.div_(n) if op == "avg" else result
+
+        pending = self._issue(
+            axis, "reduce_scatter", _nbytes(tensor),
+            lambda g: _reduce_scatter_tensor(out, moved, op=REDUCE_OPS[op], group=g, async_op=True), finish,
+        )
+        return self._result(pending, async_op)
+
+    def all_to_all(
+        self, tensor: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int, async_op: bool = False
+    ) -> Any:
+        """Split ``tensor`` into N chunks along ``scatter_dim``, send chunk j to rank j, concatenate what arrives
+        along ``gather_dim`` (the Ulysses exchange: [seq/N, heads] <-> [seq, heads/N])."""
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+        if tensor.shape[scatter_dim] % n:
+            raise ValueError(
+                f"all_to_all on axis '{axis}': dim {scatter_dim} of size {tensor.shape[scatter_dim]} does not split "
+                f"into {n} ranks"
+            )
+        send = torch.stack(tensor.chunk(n, dim=scatter_dim)).contiguous()
+        recv = torch.empty_like(send)
+        pending = self._issue(
+            axis, "all_to_all", _nbytes(send),
+            lambda g: dist.all_to_all_single(recv, send, group=g, async_op=True),
+            lambda: torch.cat(list(recv.unbind(0)), dim=gather_dim),
+        )
+        return self._result(pending, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False) -> Any:
+        """Copy the ``tensor`` of the rank at index ``src`` of this axis group to every member, in place."""
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+        root = self.mesh.ranks(axis)[src]
+        pending = self._issue(
+            axis, "broadcast", _nbytes(tensor),
+            lambda g: dist.broadcast(tensor, src=root, group=g, async_op=True), lambda: tensor,
+        )
+        return self._result(pending, async_op)
+
+    def send_recv(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]] = (),
+        recvs: Sequence[tuple[torch.Tensor, int]] = (),
+        axis: str = "pp",
+        async_op: bool = False,
+    ) -> Any:
+        """Batched point-to-point: send each ``(tensor, global_rank)`` and receive into each ``(buffer, global_rank)``."""
+        if not sends and not recvs:
+            return Done(None) if async_op else None
+        group = self.mesh.group(axis)
+        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
+        for tensor, _peer in sends:
+            self.stats.record(axis, "send", _nbytes(tensor), 2)
+        for tensor, _peer in recvs:
+            self.stats.record(axis, "recv", _nbytes(tensor), 2)
+        works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
+        return self._result(Pending(self, axis, "send_recv", works, lambda: None), async_op)
+
+    def barrier(self, axis: str = "world") -> None:
+        """Wait until every rank of the axis group arrives (a small all-reduce, so it honours the timeout)."""
+        self.all_reduce(torch.zeros(1, device=self.device), axis)

@@ -1,0 +1,212 @@
+"""The parallel ``Layout``: how many ranks each paradigm gets, and how they run.
+
+A Layout is plain data. ``Layout(...)`` checks what it can on its own (known names, positive degrees);
+``layout.resolve(world_size)`` fills a ``-1`` degree with the rest of the ranks and checks that the degrees
+multiply to the world size. Every check is pure and deterministic, so every rank raises the same
+``LayoutError`` before any collective runs.
+
+Ranks are laid out in the order ``AXES`` = (pp, dp, cp, tp): pp outermost, tp innermost (tp peers are
+neighbours, so on a cluster they share a node's fast links).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from plait.errors import LayoutError
+
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+"""Mesh axes from outermost to innermost: rank = ((pp * DP + dp) * CP + cp) * TP + tp."""
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full")
+CP_MODES = ("ring", "ulysses")
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a training job is spread over ranks.
+
+    Attributes:
+        dp: data-parallel degree (replicas that split the batch). -1 = the ranks left by the other degrees.
+        tp: tensor-parallel degree (layers split across ranks; innermost axis).
+        pp: pipeline-parallel degree (stages; outermost axis).
+        cp: context-parallel degree (the sequence split across ranks).
+        zero: ZeRO stage over the dp axis: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters.
+        microbatches: micro-batches per step (gradient accumulation; pipeline micro-batches).
+        schedule: pipeline schedule, one of ``SCHEDULES``.
+        virtual_stages: model chunks per pipeline rank (interleaved schedules).
+        recompute: activation recomputation: "none", "full", or a tuple of block indices to recompute.
+        precision: compute precision, one of ``PRECISIONS`` (master weights stay fp32).
+        cp_mode: context-parallel algorithm, one of ``CP_MODES``.
+        sequence_parallel: Megatron sequence parallelism inside the tp group.
+        offload: where ZeRO keeps optimizer states and master weights, one of ``OFFLOADS``.
+        bucket_mb: gradient bucket size for data-parallel reduction, in MiB.
+    """
+
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str | tuple[int, ...] = "none"
+    precision: str = "fp32"
+    cp_mode: str = "ring"
+    sequence_parallel: bool = False
+    offload: str = "none"
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, list):
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        self._check_degrees()
+        self._check_choices()
+
+    # ------------------------------------------------------------------ validation
+    def _check_degrees(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LayoutError(f"{axis}={value!r} is not an integer. Fix: give {axis} as a whole number >= 1 (or -1).")
+            if value == 0 or value < -1:
+                raise LayoutError(
+                    f"{axis}={value} is not a valid degree. Fix: use {axis} >= 1, or {axis}=-1 for 'the rest of the ranks'."
+                )
+        inferred = [axis for axis in AXES if getattr(self, axis) == -1]
+        if len(inferred) > 1:
+            raise LayoutError(
+                f"{' and '.join(inferred)} are all -1, but only one degree can be inferred from the world size. "
+                f"Fix: give all but one of them explicitly."
+            )
+        for name, low in (("microbatches", 1), ("virtual_stages", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise LayoutError(f"{name}={value!r} must be an integer >= {low}. Fix: set {name}={low} or more.")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"zero={self.zero!r} is not a ZeRO stage. Fix: use 0 (off), 1, 2 or 3.")
+        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
+            raise LayoutError(f"bucket_mb={self.bucket_mb!r} must be a positive size in MiB. Fix: e.g. bucket_mb=25.")
+
+    def _check_choices(self) -> None:
+        for name, choices in (
+            ("schedule", SCHEDULES),
+            ("precision", PRECISIONS),
+            ("cp_mode", CP_MODES),
+            ("offload", OFFLOADS),
+        ):
+            value = getattr(self, name)
+            if value not in choices:
+                raise LayoutError(f"{name}={value!r} is unknown. Fix: use one of {', '.join(map(repr, choices))}.")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE_MODES:
+                raise LayoutError(
+                    f"recompute={self.recompute!r} is unknown. Fix: use 'none', 'full' or a list of block indices."
+                )
+        elif not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.recompute):
+            raise LayoutError(f"recompute={self.recompute!r} must list block indices >= 0. Fix: e.g. recompute=[0, 2].")
+        if not isinstance(self.sequence_parallel, bool):
+            raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise LayoutError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "
+                f"Fix: set schedule='interleaved' or virtual_stages=1."
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2.")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The degree of each axis in ``AXES`` order (may contain one -1 before ``resolve``)."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def is_resolved(self) -> bool:
+        return all(d >= 1 for d in self.degrees.values())
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks this layout needs (only once resolved)."""
+        if not self.is_resolved:
+            raise LayoutError(f"{self.short()} has a -1 degree. Fix: call layout.resolve(world_size) first.")
+        size = 1
+        for degree in self.degrees.values():
+            size *= degree
+        return size
+
+    def resolve(self, world_size: int) -> Layout:
+        """Fill a -1 degree with ``world_size / (product of the others)`` and check the product is ``world_size``."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise LayoutError(f"world size {world_size!r} must be a positive integer. Fix: launch at least one process.")
+        known = 1
+        for degree in self.degrees.values():
+            known *= degree if degree > 0 else 1
+        formula = " * ".join(f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) != 1)
+        formula = formula or "all degrees 1"
+        inferred = [axis for axis in AXES if getattr(self, axis) == -1]
+        if inferred:
+            axis = inferred[0]
+            if world_size % known:
+                raise LayoutError(
+                    f"{axis}=-1 cannot be inferred: the other degrees multiply to {known}, which does not divide the "
+                    f"world size {world_size}. Fix: choose degrees whose product divides {world_size}, or launch a "
+                    f"multiple of {known} processes."
+                )
+            return dataclasses.replace(self, **{axis: world_size // known})
+        if known != world_size:
+            raise LayoutError(
+                f"the degrees ({formula}) multiply to {known} ranks, but the world size is {world_size}. "
+                f"Fix: set dp=-1 to give data parallelism the rest of the ranks, choose degrees whose product is "
+                f"{world_size}, or launch {known} processes (e.g. --nproc {known})."
+            )
+        return self
+
+    def check_batch(self, global_batch: int) -> int:
+        """Check that the global batch splits over dp ranks and micro-batches; return the micro-batch size."""
+        if not self.is_resolved:
+            raise LayoutError(f"{self.short()} has a -1 degree. Fix: call layout.resolve(world_size) first.")
+        parts = self.dp * self.microbatches
+        if global_batch < 1 or global_batch % parts:
+            raise LayoutError(
+                f"global batch {global_batch} does not split into dp={self.dp} x microbatches={self.microbatches} = "
+                f"{parts} equal parts. Fix: use a global batch that is a multiple of {parts}, or change dp/microbatches."
+            )
+        return global_batch // parts
+
+    def short(self) -> str:
+        """A compact description such as ``dp2 tp2 pp1 cp1 zero1 mb4``."""
+        parts = [f"{axis}{getattr(self, axis)}" for axis in AXES]
+        return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision])
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if isinstance(self.recompute, tuple):
+            data["recompute"] = list(self.recompute)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        """Build a Layout from a mapping (e.g. a TOML table), rejecting unknown keys with the valid ones listed."""
+        return from_mapping(cls, data, "layout", LayoutError)
+
+
+def from_mapping(cls: type, data: dict[str, Any], section: str, error: type[Exception]) -> Any:
+    """Construct dataclass ``cls`` from ``data``; unknown keys raise ``error`` naming the valid ones."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise error(
+            f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}. "
+            f"Fix: use one of {', '.join(f'{section}.{n}' for n in names)}."
+        )
+    return cls(**data)
+
+
+__all__ = ["AXES", "Layout", "from_mapping"]

@@ -1,0 +1,179 @@
+"""``Engine.train_step``: micro-batching, loss, gradient synchronisation, clipping, optimizer step, stats.
+
+One step on a data-parallel rank with m micro-batches of its share of the global batch::
+
+    for each micro-batch k:  loss_k = loss_fn(model(x_k), y_k);  backward(loss_k / m)
+    sync gradients (average over dp_cp);  clip;  optimizer.step();  zero_grad
+
+The mean of the m micro-batch means (equal sizes) is the mean over the rank's share, and the average over
+replicas is the mean over the global batch, so the step equals single-device training on the global batch.
+The loss reported is averaged over dp_cp too, so it is the same number on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import checkpoint
+from plait.comm import Comm, CommStats
+from plait.config import Layout
+from plait.errors import LayoutError
+from plait.mesh import Mesh
+from plait.parallel.data import GRAD_AXIS, AllReduceGradSync
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
+
+
+@dataclass
+class StepStats:
+    """What one ``train_step`` did. ``loss`` is identical on every rank; ``comm`` is this rank's traffic."""
+
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    grad_norm: float | None = None
+    comm: CommStats = field(default_factory=CommStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class EvalStats:
+    """Mean loss over the evaluated samples and, with a metric, the share it counts correct."""
+
+    loss: float
+    correct: int = 0
+    total: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+
+def apply_loss(loss_fn: LossFn, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Call ``loss_fn``, flattening a sequence model's [B, T, C] output and [B, T] target to [B*T, C] and [B*T]."""
+    if output.dim() > 2 and output.dim() == target.dim() + 1:
+        output, target = output.flatten(0, -2), target.flatten()
+    return loss_fn(output, target)
+
+
+class Engine:
+    """Trains one (possibly parallelised) model under a resolved Layout. Built by ``plait.parallelize``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        mesh: Mesh,
+        comm: Comm,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        device: torch.device,
+        max_grad_norm: float | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.mesh = mesh
+        self.comm = comm
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+        self.lr_scheduler = lr_scheduler
+        self.grad_sync = AllReduceGradSync(model.parameters(), comm, GRAD_AXIS)
+        self.step = 0
+        self.before_optimizer_step: list[Callable[[Engine], None]] = []
+        """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
+
+    # ----------------------------------------------------------------- training
+    def _split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError("a batch is (inputs, targets): the share of the global batch for this data-parallel rank")
+        inputs, targets = batch
+        m = self.layout.microbatches
+        if inputs.shape[0] % m or inputs.shape[0] == 0:
+            raise LayoutError(
+                f"this rank's batch of {inputs.shape[0]} samples does not split into microbatches={m}. "
+                f"Fix: make the per-rank batch (global batch / dp={self.layout.dp}) a multiple of {m}."
+            )
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        return list(zip(inputs.chunk(m), targets.chunk(m)))
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
+        """Forward and backward over the micro-batches, average gradients, clip, step the optimizer."""
+        start = time.perf_counter()
+        before = self.comm.stats.snapshot()
+        micro = self._split(batch)
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro:
+            loss = apply_loss(self.loss_fn, self.model(inputs), targets)
+            (loss / len(micro)).backward()
+            loss_sum += loss.detach()
+        self.grad_sync.sync()
+        grad_norm = self.grad_sync.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None
+        for hook in self.before_optimizer_step:
+            hook(self)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        mean_loss = self.comm.all_reduce(loss_sum / len(micro), GRAD_AXIS, op="avg")
+        self.step += 1
+        tokens = batch[1].numel() * self.mesh.size("dp")
+        return StepStats(
+            step=self.step,
+            loss=float(mean_loss),
+            tokens=tokens,
+            seconds=time.perf_counter() - start,
+            grad_norm=grad_norm,
+            comm=self.comm.stats.since(before),
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], metric: Metric | None = None) -> EvalStats:
+        """Mean loss (and ``metric``'s correct/total counts) over ``batches``, summed over every dp rank."""
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss*n, n, correct, total
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            output = self.model(inputs)
+            loss = apply_loss(self.loss_fn, output, targets)
+            totals[0] += float(loss) * inputs.shape[0]
+            totals[1] += inputs.shape[0]
+            if metric is not None:
+                correct, total = metric(output, targets)
+                totals[2] += correct
+                totals[3] += total
+        self.model.train(was_training)
+        self.comm.all_reduce(totals, GRAD_AXIS)
+        loss_value = float(totals[0] / totals[1]) if totals[1] else float("nan")
+        return EvalStats(loss=loss_value, correct=int(totals[2]), total=int(totals[3]))
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, directory: str | Path) -> Path:
+        """Write model and optimizer state under ``directory`` atomically; returns the checkpoint's folder."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory: str | Path) -> int:
+        """Load the latest complete checkpoint under ``directory``; returns its step."""
+        return checkpoint.load(self, directory)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model being trained (this rank's part of it)."""
+        return self.model

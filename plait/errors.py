@@ -1,0 +1,25 @@
+"""Errors that plait raises: each names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class PlaitError(Exception):
+    """Base class of every error plait raises on purpose."""
+
+
+class LayoutError(PlaitError, ValueError):
+    """A parallel layout that cannot work: raised on every rank before any collective runs."""
+
+
+class ConfigError(PlaitError, ValueError):
+    """A run configuration (TOML file or ``--set`` override) that cannot be used."""
+
+
+class CommError(PlaitError, RuntimeError):
+    """A collective failed or timed out; the message names the rank, the mesh axis and the operation."""
+
+    def __init__(self, message: str, *, rank: int, axis: str, op: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.axis = axis
+        self.op = op

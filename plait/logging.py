@@ -1,0 +1,47 @@
+"""A rank-aware logger: every record carries the rank, and by default only rank 0 speaks at INFO.
+
+Use ``get_logger(__name__)`` everywhere instead of print. ``configure(rank)`` is called once per process by
+``plait.init``; ranks other than 0 log warnings and errors only, unless ``PLAIT_LOG_ALL_RANKS=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_FORMAT = "[%(asctime)s rank %(rank)s %(levelname)s %(name)s] %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    """Stamps each record with this process's rank."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def configure(rank: int = 0, level: int | str | None = None) -> None:
+    """Set up the ``plait`` logger hierarchy for this process (idempotent: replaces its own handler)."""
+    root = logging.getLogger("plait")
+    if level is None:
+        level = os.environ.get("PLAIT_LOG_LEVEL", "INFO")
+    all_ranks = os.environ.get("PLAIT_LOG_ALL_RANKS", "0") == "1"
+    root.setLevel(level if (rank == 0 or all_ranks) else logging.WARNING)
+    for handler in list(root.handlers):
+        if getattr(handler, "_plait", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler._plait = True  # type: ignore[attr-defined]
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.propagate = False
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger for a plait module (a child of ``plait``)."""
+    return logging.getLogger(name if name.startswith("plait") else f"plait.{name}")

@@ -1,0 +1,163 @@
+"""Layout -> Mesh: the rank grid, this rank's coordinates, and one process group per axis.
+
+Ranks are numbered in ``AXES`` order, pp outermost and tp innermost::
+
+    rank = ((pp_i * DP + dp_i) * CP + cp_i) * TP + tp_i
+
+so the ranks of one tp group are consecutive (neighbours on a node) and pipeline stages are the largest
+blocks. Besides the four axes the mesh has the combined axes that paradigms need: ``dp_cp`` (gradients are
+averaged over data *and* context parallel ranks, which see different tokens of the same weights) and
+``world``. The grid arithmetic (``RankGrid``) is pure; ``Mesh.build`` creates the process groups once, on
+every rank in the same order, and the Mesh is then passed explicitly to whatever needs it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from plait.config import AXES, Layout
+from plait.errors import LayoutError
+
+COMBINED_AXES: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "world": AXES}
+"""Axes made of several mesh axes: name -> the axes they span."""
+
+ALL_AXES: tuple[str, ...] = AXES + tuple(COMBINED_AXES)
+
+
+def axis_members(axis: str) -> tuple[str, ...]:
+    """The mesh axes that ``axis`` spans (itself for a plain axis)."""
+    if axis in AXES:
+        return (axis,)
+    if axis in COMBINED_AXES:
+        return COMBINED_AXES[axis]
+    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES)}")
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Pure rank arithmetic for degrees in ``AXES`` order (no processes needed)."""
+
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> RankGrid:
+        return cls(tuple(layout.degrees[axis] for axis in AXES))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, axis: str) -> int:
+        return math.prod(self.sizes[AXES.index(a)] for a in axis_members(axis))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each of ``AXES``."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside a mesh of {self.world_size} ranks.")
+        coords: dict[str, int] = {}
+        for axis, size in zip(reversed(AXES), reversed(self.sizes)):
+            coords[axis] = rank % size
+            rank //= size
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis, size in zip(AXES, self.sizes):
+            rank = rank * size + coords[axis]
+        return rank
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The ranks that share ``rank``'s coordinates on every axis outside ``axis``, in mesh order."""
+        varying = axis_members(axis)
+        base = self.coords(rank)
+        ranks = []
+        for combo in itertools.product(*(range(self.sizes[AXES.index(a)]) for a in varying)):
+            ranks.append(self.rank_of({**base, **dict(zip(varying, combo))}))
+        return sorted(ranks)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The partition of all ranks into ``axis`` groups, each sorted, ordered by their first rank."""
+        seen: set[int] = set()
+        result = []
+        for rank in range(self.world_size):
+            if rank not in seen:
+                group = self.group_of(rank, axis)
+                seen.update(group)
+                result.append(group)
+        return result
+
+
+class Mesh:
+    """The ranks of a resolved Layout, with this rank's coordinates and a process group per axis.
+
+    ``group(axis)`` is None where the axis has one rank (collectives on it are no-ops) or where no process
+    group exists (a single process).
+    """
+
+    def __init__(self, layout: Layout, rank: int, groups: dict[str, dist.ProcessGroup | None]) -> None:
+        self.layout = layout
+        self.grid = RankGrid.from_layout(layout)
+        self.rank = rank
+        self.world_size = self.grid.world_size
+        self.coords = self.grid.coords(rank)
+        self._groups = groups
+
+    @classmethod
+    def build(cls, layout: Layout, timeout: datetime.timedelta | None = None) -> Mesh:
+        """Create the mesh for this process (every rank must call this, with the same layout)."""
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = 0, 1
+        layout = layout.resolve(world_size)
+        grid = RankGrid.from_layout(layout)
+        groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in ALL_AXES}
+        if world_size > 1:
+            created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+            for axis in ALL_AXES:
+                if grid.size(axis) == 1:
+                    continue
+                for members in grid.groups(axis):
+                    key = tuple(members)
+                    if key not in created:  # every rank creates every group, in the same order
+                        if len(members) == world_size:
+                            created[key] = dist.group.WORLD
+                        else:
+                            created[key] = dist.new_group(members, timeout=timeout)
+                    if rank in members:
+                        groups[axis] = created[key]
+        return cls(layout, rank, groups)
+
+    def size(self, axis: str) -> int:
+        """The number of ranks along ``axis``."""
+        return self.grid.size(axis)
+
+    def index(self, axis: str) -> int:
+        """This rank's position in its ``axis`` group."""
+        return self.ranks(axis).index(self.rank)
+
+    def ranks(self, axis: str) -> list[int]:
+        """The global ranks of this rank's ``axis`` group, in order."""
+        return self.grid.group_of(self.rank, axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        axis_members(axis)
+        return self._groups[axis]
+
+    def peer(self, axis: str, offset: int) -> int:
+        """The global rank ``offset`` steps along ``axis`` from this one (wrapping around)."""
+        ranks = self.ranks(axis)
+        return ranks[(ranks.index(self.rank) + offset) % len(ranks)]
+
+    def describe(self) -> str:
+        """E.g. ``rank 5 of 8: pp0 dp1 cp0 tp1``."""
+        where = " ".join(f"{axis}{self.coords[axis]}" for axis in AXES)
+        return f"rank {self.rank} of {self.world_size}: {where}"
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.layout.short()}; {self.describe()})"

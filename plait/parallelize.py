@@ -1,0 +1,106 @@
+"""``plait.parallelize(model, layout, ...)``: validate, build the mesh, place the model, return an Engine.
+
+Paradigms are applied in one fixed order (DESIGN.md): pipeline split -> tensor/sequence parallel -> context
+parallel -> activation recomputation -> ZeRO/FSDP/DDP. Everything that can be checked without
+communication is checked first, so a bad layout raises the same ``LayoutError`` on every rank before any
+collective runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.comm import Comm, CommStats
+from plait.config import Layout
+from plait.distributed import DEFAULT_TIMEOUT_S, default_device
+from plait.engine import Engine, LossFn
+from plait.errors import LayoutError
+from plait.mesh import Mesh
+from plait.parallel.data import broadcast_parameters
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+AVAILABLE = {
+    "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
+    "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
+    "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
+    "zero": (lambda l: l.zero == 0, "ZeRO sharding (zero > 0)"),
+    "precision": (lambda l: l.precision == "fp32", "mixed precision (precision other than 'fp32')"),
+    "recompute": (lambda l: l.recompute == "none", "activation recomputation (recompute other than 'none')"),
+    "offload": (lambda l: l.offload == "none", "offload (offload other than 'none')"),
+}
+"""What this version of plait can run: a layout asking for more raises LayoutError naming the field."""
+
+
+def check_available(layout: Layout) -> None:
+    """Raise LayoutError for a layout field whose paradigm this version does not implement."""
+    for name, (ok, what) in AVAILABLE.items():
+        if not ok(layout):
+            raise LayoutError(
+                f"{what} is not implemented in this version of plait (layout has {name}={getattr(layout, name)!r}). "
+                f"Fix: use data parallelism (dp) with {name} left at its default."
+            )
+
+
+def parallelize(
+    model: nn.Module,
+    layout: Layout | None = None,
+    *,
+    optimizer: OptimizerFactory | torch.optim.Optimizer,
+    loss_fn: LossFn = torch.nn.functional.cross_entropy,
+    max_grad_norm: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    device: torch.device | str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Engine:
+    """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
+
+    Args:
+        model: any nn.Module (it stays free of parallel code; plait wraps or swaps its parts).
+        layout: the parallel layout (default: data parallel over every rank).
+        optimizer: a factory ``params -> torch.optim.Optimizer`` (preferred: sharding strategies call it on
+            the parameters they own), or an optimizer already built on ``model.parameters()``.
+        loss_fn: ``loss_fn(output, target)``; [B, T, C] outputs are flattened against [B, T] targets.
+        max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
+        lr_scheduler: a factory ``optimizer -> scheduler`` stepped after every optimizer step.
+        device: where the model runs (default: cuda:LOCAL_RANK with CUDA, else CPU).
+        timeout_s: the timeout of every collective, after which the rank raises CommError.
+    """
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    layout = (layout or Layout()).resolve(world_size)
+    check_available(layout)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise TypeError("optimizer must be a factory params -> torch.optim.Optimizer (e.g. lambda p: AdamW(p)) or an optimizer")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(output, target)")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm} must be positive (or None to disable clipping)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to train")
+
+    device = torch.device(device) if device is not None else default_device(int(os.environ.get("LOCAL_RANK", "0")))
+    mesh = Mesh.build(layout)
+    comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
+    model.to(device)
+    broadcast_parameters(model, comm)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+        owned = {id(p) for p in model.parameters()}
+        if not all(id(p) in owned for group in opt.param_groups for p in group["params"]):
+            raise ValueError("the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ...")
+    else:
+        opt = optimizer(model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
+    comm.stats.reset()  # report training traffic only, not the start-up broadcast
+    return Engine(model, layout, mesh, comm, opt, loss_fn, device, max_grad_norm, scheduler)
+

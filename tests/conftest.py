@@ -1,0 +1,10 @@
+"""Test set-up: tests/ on sys.path (harness, reference), one thread per process, quiet logs."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)

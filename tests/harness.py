@@ -1,0 +1,132 @@
+"""Run a function in N spawned gloo processes, the way torchrun would, and fail fast and clearly.
+
+``run_distributed(fn, world_size, *args)`` starts N processes (forkserver with torch preloaded, so each
+starts in a fraction of a second), sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* like torchrun, initialises a gloo
+process group through a file:// rendezvous, calls ``fn(*args)`` on every rank and returns the list of their
+return values (rank order). If a rank raises, the first error is re-raised with its rank and traceback, after
+giving the other ranks a moment to report theirs; a rank that dies without a word (killed, os._exit) is
+named with its exit code; if the whole run outlasts ``timeout`` every process is killed and the error names
+the ranks that had not finished. CI never hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+GRACE_S = 20.0
+"""After the first failure, how long the other ranks get to report their own errors before they are killed."""
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed, died or timed out; ``failures`` maps rank -> what happened."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait"])
+    return ctx
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, comm_timeout_s: float,
+            results: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1", PLAIT_TIMEOUT_S=str(comm_timeout_s),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=comm_timeout_s),
+        )
+        value = fn(*args, **kwargs)
+        results.put((rank, "ok", value))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    comm_timeout_s: float = 30.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return their results in rank order."""
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="plait-test-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, comm_timeout_s, results, args, kwargs),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join(timeout=5)
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first_failure_at: float | None = None
+    while len(values) + len(failures) < world_size:
+        now = time.monotonic()
+        if now > deadline:
+            pending = [r for r in range(world_size) if r not in values and r not in failures]
+            for r in pending:
+                failures[r] = f"did not finish within the {timeout:g} s test timeout (hung or too slow)"
+            break
+        if first_failure_at is not None and now > first_failure_at + GRACE_S:
+            for r in range(world_size):
+                if r not in values and r not in failures:
+                    failures[r] = "still running when another rank had failed; killed"
+            break
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for r, proc in enumerate(procs):
+                if r not in values and r not in failures and not proc.is_alive() and proc.exitcode not in (0, None):
+                    time.sleep(0.3)  # its report may still be in the pipe
+                    if results.empty():
+                        failures[r] = f"died with exit code {proc.exitcode} without reporting (killed or os._exit)"
+                        first_failure_at = first_failure_at or time.monotonic()
+            continue
+        if status == "ok":
+            values[rank] = payload
+        else:
+            failures[rank] = payload
+            first_failure_at = first_failure_at or time.monotonic()
+    if failures:
+        text = "\n".join(f"--- rank {r}: {failures[r]}" for r in sorted(failures))
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{text}", failures)
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,103 @@
+"""Parity helpers: train a deep-copied single-device reference on the global batch, step by step, and
+compare loss, gradients and parameters with dtype-based tolerances.
+
+Tolerances (``TOLERANCES``), and why:
+- fp32: data parallelism averages N partial gradients (sum, then divide) where the reference sums one long
+  batch, so float addition is reordered: each gradient differs by a few ulps (~1e-7 relative). Adam divides
+  by sqrt(v) and so can enlarge a relative difference for coordinates whose gradient is near zero; after a
+  handful of steps parameters agree to rtol 1e-5 / atol 1e-6 (lr 1e-3), gradients to rtol 1e-4 / atol 1e-6.
+- bf16 has 8 bits of mantissa (relative step 2^-8 = 3.9e-3) and fp16 11 bits (2^-11 = 4.9e-4); the
+  tolerances are a few of those steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.engine import apply_loss
+
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
+    torch.float16: {"rtol": 5e-3, "atol": 1e-3},
+}
+GRAD_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"rtol": 1e-4, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 5e-2, "atol": 1e-2},
+    torch.float16: {"rtol": 1e-2, "atol": 1e-3},
+}
+
+
+@dataclass
+class Trajectory:
+    """Per step: the loss, the gradients before the optimizer step, and the parameters after it."""
+
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def snapshot_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def train_reference(
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    optimizer_fn: Callable[[object], torch.optim.Optimizer],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.cross_entropy,
+    max_grad_norm: float | None = None,
+) -> Trajectory:
+    """Plain single-device training of a deep copy of ``model`` on each whole global batch."""
+    model = copy.deepcopy(model)
+    optimizer = optimizer_fn(model.parameters())
+    out = Trajectory()
+    for inputs, targets in batches:
+        loss = apply_loss(loss_fn, model(inputs), targets)
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        out.losses.append(float(loss))
+        out.grads.append(snapshot_grads(model))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out.params.append(snapshot_params(model))
+    return out
+
+
+def assert_tensors_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str, tolerances: dict[str, float]
+) -> None:
+    """Every named tensor equal within ``tolerances``; the message names the tensor and the worst error."""
+    assert actual.keys() == expected.keys(), f"{what}: names differ: {sorted(actual.keys() ^ expected.keys())}"
+    for name in expected:
+        a, e = actual[name].float(), expected[name].float()
+        assert a.shape == e.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        if not torch.allclose(a, e, **tolerances):
+            worst = (a - e).abs().max().item()
+            raise AssertionError(f"{what} {name}: max abs error {worst:.3g} exceeds {tolerances}")
+
+
+def assert_trajectories_match(
+    actual: Trajectory, expected: Trajectory, dtype: torch.dtype = torch.float32, exact: bool = False
+) -> None:
+    """Losses, gradients and parameters equal step by step (bitwise with ``exact``)."""
+    assert len(actual.losses) == len(expected.losses), "different number of steps"
+    params_tol = {"rtol": 0.0, "atol": 0.0} if exact else TOLERANCES[dtype]
+    grads_tol = {"rtol": 0.0, "atol": 0.0} if exact else GRAD_TOLERANCES[dtype]
+    for step, (a, e) in enumerate(zip(actual.losses, expected.losses)):
+        ok = a == e if exact else abs(a - e) <= params_tol["atol"] + params_tol["rtol"] * abs(e)
+        assert ok, f"step {step}: loss {a!r} != reference {e!r}"
+    for step in range(len(expected.losses)):
+        if actual.grads:
+            assert_tensors_close(actual.grads[step], expected.grads[step], f"step {step} grad", grads_tol)
+        assert_tensors_close(actual.params[step], expected.params[step], f"step {step} param", params_tol)

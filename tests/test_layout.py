@@ -1,0 +1,100 @@
+"""Layout validation: every bad layout raises LayoutError naming the problem and the fix."""
+
+import pytest
+
+import plait
+from plait import Layout, LayoutError
+from plait.config import from_mapping
+
+
+def test_defaults_resolve_to_data_parallel():
+    layout = Layout().resolve(4)
+    assert (layout.dp, layout.tp, layout.pp, layout.cp) == (4, 1, 1, 1)
+    assert layout.world_size == 4
+
+
+def test_minus_one_takes_the_rest():
+    assert Layout(dp=2, tp=-1).resolve(8).tp == 4
+    assert Layout(dp=-1, tp=2, pp=2).resolve(8).dp == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"dp": 0}, ["dp=0", "Fix"]),
+        ({"tp": -2}, ["tp=-2", "-1"]),
+        ({"dp": -1, "tp": -1}, ["dp and tp", "only one"]),
+        ({"zero": 4}, ["zero=4", "0 (off)"]),
+        ({"microbatches": 0}, ["microbatches=0", ">= 1"]),
+        ({"schedule": "zigzag"}, ["schedule='zigzag'", "1f1b"]),
+        ({"precision": "fp8"}, ["precision='fp8'", "bf16"]),
+        ({"recompute": "some"}, ["recompute='some'", "block indices"]),
+        ({"recompute": (1, -1)}, ["block indices"]),
+        ({"bucket_mb": 0}, ["bucket_mb=0", "positive"]),
+        ({"virtual_stages": 2}, ["virtual_stages=2", "interleaved"]),
+        ({"sequence_parallel": True}, ["sequence_parallel", "tp >= 2"]),
+        ({"tp": 2.5}, ["tp=2.5", "whole number"]),
+    ],
+)
+def test_bad_fields(kwargs, words):
+    with pytest.raises(LayoutError) as info:
+        Layout(**kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(LayoutError, match=r"multiply to 8 ranks, but the world size is 4.*dp=-1.*--nproc 8"):
+        Layout(dp=2, tp=2, pp=2).resolve(4)
+
+
+def test_inferred_degree_must_divide():
+    with pytest.raises(LayoutError, match="does not divide the world size 6"):
+        Layout(dp=-1, tp=4).resolve(6)
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(LayoutError, match="positive"):
+        Layout().resolve(0)
+
+
+def test_batch_must_split():
+    layout = Layout(dp=2, microbatches=4).resolve(2)
+    assert layout.check_batch(16) == 2
+    with pytest.raises(LayoutError, match="multiple of 8"):
+        layout.check_batch(12)
+
+
+def test_unresolved_layout_has_no_world_size():
+    with pytest.raises(LayoutError, match="resolve"):
+        Layout().world_size
+
+
+def test_dict_round_trip_and_unknown_keys():
+    layout = Layout(dp=2, tp=2, recompute=[0, 1])
+    assert Layout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(LayoutError, match=r"layout\.tpp.*layout\.tp"):
+        Layout.from_dict({"tpp": 2})
+    assert from_mapping(Layout, {"dp": 3}, "layout", LayoutError).dp == 3
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        (Layout(dp=1, tp=2), "tensor parallelism"),
+        (Layout(dp=1, pp=2), "pipeline parallelism"),
+        (Layout(dp=1, cp=2), "context parallelism"),
+        (Layout(dp=1, zero=1), "ZeRO"),
+        (Layout(dp=1, precision="bf16"), "mixed precision"),
+    ],
+)
+def test_unimplemented_paradigm_is_named_before_any_work(layout, words):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    if layout.world_size > 1:
+        with pytest.raises(LayoutError, match="world size is 1"):
+            plait.parallelize(model, layout, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    else:
+        with pytest.raises(LayoutError, match=words):
+            plait.parallelize(model, layout, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
