@@ -12,6 +12,7 @@ the ranks that had not finished. CI never hangs.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -39,6 +40,22 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+def _to_bytes(value: Any) -> bytes:
+    """Serialise a result (tensors included) by value: torch's queue would share tensor storage through file
+    descriptors that vanish when the worker exits."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)  # our own workers' results, not a user file
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, comm_timeout_s: float,
             results: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     os.environ.update(
@@ -55,7 +72,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, 
             timeout=datetime.timedelta(seconds=comm_timeout_s),
         )
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        results.put((rank, "ok", _to_bytes(value)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -122,7 +139,7 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
                         first_failure_at = first_failure_at or time.monotonic()
             continue
         if status == "ok":
-            values[rank] = payload
+            values[rank] = _from_bytes(payload)
         else:
             failures[rank] = payload
             first_failure_at = first_failure_at or time.monotonic()

@@ -66,7 +66,7 @@ def train_reference(
         loss.backward()
         if max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        out.losses.append(float(loss))
+        out.losses.append(float(loss.detach()))
         out.grads.append(snapshot_grads(model))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

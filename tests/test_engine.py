@@ -1,0 +1,118 @@
+"""Engine parity: world size 1, dp=2 and dp=4 (with micro-batches and clipping) equal single-device training
+on the global batch, step by step (loss, gradients, parameters); evaluate and bad input."""
+
+import pytest
+import torch
+
+import plait
+from harness import run_distributed
+from plait import Layout, LayoutError
+from plait.data import AdditionTask, ShardedBatches
+from plait.models import GPT, GPTConfig
+from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
+
+STEPS = 5
+GLOBAL_BATCH = 8
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+}
+
+
+def make_model(position: str = "learned") -> tuple[GPT, AdditionTask]:
+    task = AdditionTask(digits=2, seed=1)
+    torch.manual_seed(1234)
+    # bias=False: the key projection's bias has an analytically zero gradient (softmax ignores a shift shared
+    # by every score), so its gradient is pure rounding noise that Adam normalises to +-lr: not a parity signal.
+    config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=2, n_head=2, d_model=16,
+                       position=position, bias=False)
+    return GPT(config), task
+
+
+def train_plait(layout: Layout, optimizer: str, max_grad_norm: float | None = None) -> Trajectory:
+    """Train with plait on this rank's share of each global batch; the trajectory as seen by this rank."""
+    model, task = make_model()
+    engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=max_grad_norm)
+    out = Trajectory()
+    engine.before_optimizer_step.append(lambda e: out.grads.append(snapshot_grads(e.model)))
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+    for step, batch in zip(range(STEPS), loader):
+        stats = engine.train_step(batch)
+        assert stats.step == step + 1 and stats.tokens == GLOBAL_BATCH * task.seq_len
+        out.losses.append(stats.loss)
+        out.params.append(snapshot_params(engine.model))
+    return out
+
+
+def reference(optimizer: str, max_grad_norm: float | None = None) -> Trajectory:
+    model, task = make_model()
+    loader = ShardedBatches(task, GLOBAL_BATCH)
+    batches = [loader.global_batch_at(step) for step in range(STEPS)]
+    return train_reference(model, batches, OPTIMIZERS[optimizer], max_grad_norm=max_grad_norm)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_world_size_one_is_bitwise_single_device(optimizer):
+    assert_trajectories_match(train_plait(Layout(), optimizer), reference(optimizer), exact=True)
+
+
+def test_world_size_one_with_microbatches_and_clipping():
+    actual = train_plait(Layout(microbatches=4), "adamw", max_grad_norm=0.05)
+    assert_trajectories_match(actual, reference("adamw", max_grad_norm=0.05))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world, microbatches, optimizer, clip",
+    [(2, 1, "adamw", None), (2, 2, "sgd", 0.05), (4, 1, "adamw", 0.05), (4, 2, "sgd", None)],
+)
+def test_data_parallel_matches_single_device(world, microbatches, optimizer, clip):
+    results = run_distributed(train_plait, world, Layout(dp=world, microbatches=microbatches), optimizer, clip)
+    expected = reference(optimizer, clip)
+    for rank, actual in enumerate(results):
+        assert_trajectories_match(actual, expected)
+        assert actual.losses == results[0].losses, f"rank {rank} reports a different loss"
+
+
+def _comm_per_step(world: int):
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(dp=world), optimizer=OPTIMIZERS["sgd"])
+    stats = engine.train_step(ShardedBatches(task, GLOBAL_BATCH, engine.mesh.index("dp"), world).batch_at(0))
+    n_params = sum(p.numel() for p in model.parameters())
+    return stats.comm.wire(op="all_reduce"), n_params, stats.comm.to_dict()
+
+
+@pytest.mark.distributed
+def test_bytes_per_step_equal_the_ring_theory():
+    world = 4
+    (wire, n_params, detail), *_ = run_distributed(_comm_per_step, world, world)
+    # DDP theory: 2(N-1)/N x P x 4 bytes for the fp32 gradients, plus the 4-byte loss average.
+    theory = 2 * (world - 1) / world * (n_params * 4 + 4)
+    assert wire == pytest.approx(theory, rel=1e-12), detail
+
+
+def test_evaluate_counts_accuracy():
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(), optimizer=OPTIMIZERS["sgd"])
+    loader = ShardedBatches(task, 8, offset=10**6)
+    stats = engine.evaluate([loader.batch_at(0), loader.batch_at(1)], metric=task.accuracy_counts)
+    assert stats.total == 16 and 0 <= stats.correct <= 16
+    x, y = loader.batch_at(0)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert stats.loss == pytest.approx((float(expected) + engine.evaluate([loader.batch_at(1)]).loss) / 2, rel=1e-6)
+
+
+def test_bad_input_is_refused_before_work():
+    model, task = make_model()
+    with pytest.raises(TypeError, match="factory"):
+        plait.parallelize(model, Layout(), optimizer="adam")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        plait.parallelize(model, Layout(), optimizer=OPTIMIZERS["sgd"], max_grad_norm=0)
+    with pytest.raises(ValueError, match="not the model's"):
+        plait.parallelize(model, Layout(), optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1))
+    engine = plait.parallelize(model, Layout(microbatches=3), optimizer=OPTIMIZERS["sgd"])
+    with pytest.raises(LayoutError, match="microbatches=3"):
+        engine.train_step(ShardedBatches(task, 8).batch_at(0))
+    with pytest.raises(TypeError, match="inputs, targets"):
+        engine.train_step(torch.zeros(2))
