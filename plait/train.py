@@ -1,0 +1,185 @@
+"""The program ``plait train`` runs on every rank: data, reference GPT, parallelize, train, evaluate, report.
+
+Rank 0 shows progress (a live bar in a terminal, log lines otherwise), writes ``metrics.jsonl``,
+``config.toml`` (the resolved configuration: ``plait train --config`` reruns it), ``summary.json`` and
+``loss.png`` to the run folder. With ``train.save_every`` it checkpoints into ``<run>/ckpt`` and resumes
+from there when restarted on the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.checkpoint import LATEST
+from plait.data import ShardedBatches, make_dataset
+from plait.distributed import World, init
+from plait.engine import Engine
+from plait.errors import ConfigError
+from plait.logging import get_logger
+from plait.metrics import MetricsWriter, eval_record, plot_metrics, step_record
+from plait.models import GPT, GPTConfig, lm_loss
+from plait.parallelize import parallelize
+from plait.run_config import RunConfig
+
+log = get_logger(__name__)
+EVAL_OFFSET = 10**9
+"""Evaluation reads samples from index 1e9 on: disjoint from the training stream."""
+
+
+@dataclass
+class Summary:
+    """The outcome of a run (identical on every rank)."""
+
+    run_dir: str
+    steps: int
+    final_loss: float
+    eval_loss: float
+    accuracy: float
+    tokens_per_s: float
+    seconds: float
+    world_size: int
+    layout: str
+
+
+def default_run_dir() -> Path:
+    """``runs/<id>``: the launcher's id when there is one (the same on every rank), else a timestamp."""
+    run_id = os.environ.get("PLAIT_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / run_id
+
+
+def warmup_cosine(warmup: int, total: int) -> Any:
+    """lr multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
+    """Dataset, model and engine for ``config`` (validated before any collective)."""
+    layout = config.layout.resolve(world.world_size)
+    layout.check_batch(config.train.global_batch)
+    dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
+    model_fields = {"vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len, **config.model}
+    try:
+        model_config = GPTConfig.from_dict(model_fields)
+    except ValueError as error:
+        raise ConfigError(f"[model] section: {error}") from error
+    if model_config.seq_len < dataset.seq_len or model_config.vocab_size < dataset.vocab_size:
+        raise ConfigError(
+            f"the model (seq_len={model_config.seq_len}, vocab_size={model_config.vocab_size}) is smaller than the "
+            f"data (seq_len={dataset.seq_len}, vocab_size={dataset.vocab_size}). Fix: drop model.seq_len/vocab_size "
+            f"to take them from the data."
+        )
+    torch.manual_seed(config.train.seed)
+    model = GPT(model_config)
+    train = config.train
+    engine = parallelize(
+        model,
+        layout,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay),
+        loss_fn=lm_loss,
+        max_grad_norm=train.max_grad_norm or None,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(train.warmup_steps, train.steps)),
+        device=world.device,
+    )
+    return engine, dataset, model_config
+
+
+class _Progress:
+    """A rich progress bar in a terminal; periodic log lines otherwise (CI, files). Rank 0 only."""
+
+    def __init__(self, enabled: bool, total: int, start: int, log_every: int) -> None:
+        self.enabled, self.log_every, self.bar = enabled, log_every, None
+        if enabled:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+                self.task = self.bar.add_task("train", total=total, completed=start, info="")
+                self.bar.start()
+
+    def update(self, step: int, info: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif self.enabled and step % self.log_every == 0:
+            log.info("step %d %s", step, info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(config: RunConfig, world: World | None = None) -> Summary:
+    """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder)."""
+    world = world or init()
+    engine, dataset, model_config = build(config, world)
+    train = config.train
+    run_dir = Path(train.out) if train.out else default_run_dir()
+    ckpt = run_dir / "ckpt"
+    if (ckpt / LATEST).exists():
+        engine.load(ckpt)
+    lead = world.rank == 0
+    writer = MetricsWriter(run_dir) if lead else None
+    if lead:
+        (run_dir / "config.toml").write_text(config.dumps())
+        log.info("%s | model %.2fM parameters | %s", engine.mesh, sum(p.numel() for p in engine.model.parameters()) / 1e6,
+                 run_dir)
+    dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
+    loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
+    eval_loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
+    eval_batches = [eval_loader.batch_at(i) for i in range(train.eval_batches)]
+    progress = _Progress(lead, train.steps, engine.step, train.log_every)
+    started, tokens, stats = time.perf_counter(), 0, None
+    try:
+        for batch in loader:
+            if engine.step >= train.steps:
+                break
+            stats = engine.train_step(batch)
+            tokens += stats.tokens
+            lr = engine.optimizer.param_groups[0]["lr"]
+            info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s"
+            if writer:
+                writer.write(step_record(stats, lr))
+            if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
+                result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+                info += f"  eval acc {100 * result.accuracy:.1f}%"
+                if writer:
+                    writer.write(eval_record(stats.step, result))
+            if train.save_every and stats.step % train.save_every == 0:
+                engine.save(ckpt)
+            progress.update(stats.step, info)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - started
+    result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+    summary = Summary(
+        run_dir=str(run_dir), steps=engine.step, final_loss=stats.loss if stats else float("nan"),
+        eval_loss=result.loss, accuracy=result.accuracy, tokens_per_s=tokens / seconds if seconds else 0.0,
+        seconds=seconds, world_size=world.world_size, layout=engine.layout.short(),
+    )
+    if writer:
+        writer.write(eval_record(engine.step, result))
+        writer.close()
+        (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        plot_metrics(writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks")
+        log.info("done: %d steps in %.1f s, final loss %.4f, eval accuracy %.1f%% (%d samples), %s tok/s -> %s",
+                 engine.step, seconds, summary.final_loss, 100 * result.accuracy, result.total,
+                 f"{summary.tokens_per_s:,.0f}", run_dir)
+    return summary
