@@ -13,9 +13,12 @@ they do not depend on the rank layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +54,15 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it 'assumes a single process' when no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _states(engine: Engine) -> dict[str, object]:
     model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
     return {"model": model_state, "optimizer": optim_state}
@@ -66,7 +78,8 @@ def save(engine: Engine, root: str | Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     engine.comm.barrier()
-    dcp.save(_states(engine), checkpoint_id=str(partial))
+    with _quiet_single_process():
+        dcp.save(_states(engine), checkpoint_id=str(partial))
     engine.comm.barrier()
     if engine.mesh.rank == 0:
         meta = {"step": engine.step, "layout": engine.layout.to_dict(), "world_size": engine.mesh.world_size}
@@ -97,7 +110,8 @@ def load(engine: Engine, root: str | Path) -> int:
     folder = latest(root)
     meta = json.loads((folder / META).read_text())
     states = _states(engine)
-    dcp.load(states, checkpoint_id=str(folder))
+    with _quiet_single_process():
+        dcp.load(states, checkpoint_id=str(folder))
     set_state_dict(engine.model, engine.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
     engine.step = int(meta["step"])
     if dist.is_available() and dist.is_initialized():
