@@ -116,3 +116,31 @@ def test_bad_input_is_refused_before_work():
         engine.train_step(ShardedBatches(task, 8).batch_at(0))
     with pytest.raises(TypeError, match="inputs, targets"):
         engine.train_step(torch.zeros(2))
+
+
+def _rank_dies_mid_backward(victim: int):
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(), optimizer=OPTIMIZERS["sgd"], timeout_s=20)
+    loader = ShardedBatches(task, GLOBAL_BATCH, engine.mesh.index("dp"), engine.mesh.size("dp"))
+    engine.train_step(loader.batch_at(0))
+    if engine.mesh.rank == victim:
+        import os
+
+        model.lm_head.weight.register_hook(lambda grad: os._exit(4))  # dies inside step 2's backward
+    engine.train_step(loader.batch_at(1))
+
+
+@pytest.mark.distributed
+def test_rank_killed_mid_step_fails_the_others_fast_with_names():
+    import time
+
+    from harness import DistributedTestError
+
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank_dies_mid_backward, 4, 2, timeout=90)
+    assert time.monotonic() - start < 60, "survivors must fail within the collective timeout, not hang"
+    failures = info.value.failures
+    assert "exit code 4" in failures[2]
+    for rank in (0, 1, 3):
+        assert "CommError" in failures[rank] and f"rank {rank}: all_reduce on mesh axis 'dp_cp'" in failures[rank]
