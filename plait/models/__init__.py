@@ -1,0 +1,26 @@
+"""Reference models: a GPT/Llama-style decoder-only transformer that knows nothing of parallelism."""
+
+from plait.models.config import GPTConfig
+from plait.models.gpt import GPT, lm_loss
+from plait.models.layers import (
+    MLP,
+    Attention,
+    Block,
+    RMSNorm,
+    ScaledDotProductAttention,
+    apply_rotary,
+    make_norm,
+)
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "lm_loss",
+    "Attention",
+    "Block",
+    "MLP",
+    "RMSNorm",
+    "ScaledDotProductAttention",
+    "apply_rotary",
+    "make_norm",
+]
