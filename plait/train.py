@@ -146,7 +146,7 @@ def run(config: RunConfig, world: World | None = None) -> Summary:
     eval_loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
     eval_batches = [eval_loader.batch_at(i) for i in range(train.eval_batches)]
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
-    started, tokens, stats = time.perf_counter(), 0, None
+    started, tokens, stats, last_eval = time.perf_counter(), 0, None, ""
     try:
         for batch in loader:
             if engine.step >= train.steps:
@@ -159,12 +159,12 @@ def run(config: RunConfig, world: World | None = None) -> Summary:
                 writer.write(step_record(stats, lr))
             if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
-                info += f"  eval acc {100 * result.accuracy:.1f}%"
+                last_eval = f"  eval acc {100 * result.accuracy:.1f}% (step {stats.step})"
                 if writer:
                     writer.write(eval_record(stats.step, result))
             if train.save_every and stats.step % train.save_every == 0:
                 engine.save(ckpt)
-            progress.update(stats.step, info)
+            progress.update(stats.step, info + last_eval)
     finally:
         progress.close()
     seconds = time.perf_counter() - started
