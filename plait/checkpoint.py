@@ -7,7 +7,7 @@ A checkpoint root holds one folder per saved step and a ``latest`` pointer::
 
 Every rank writes into ``step-N.partial``; after a barrier rank 0 renames it to ``step-N`` and then replaces
 ``latest`` with ``os.replace`` (atomic on POSIX). A crash at any moment leaves ``latest`` naming the previous,
-complete checkpoint. Model and optimizer states are keyed by parameter name (DCP's ``get_state_dict``), so
+complete checkpoint. Model and optimizer states are keyed by parameter name (the data-parallel strategy's ``state_dicts``), so
 they do not depend on the rank layout.
 """
 
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from plait.errors import PlaitError
 from plait.logging import get_logger
@@ -64,8 +63,7 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def _states(engine: Engine) -> dict[str, object]:
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
-    return {"model": model_state, "optimizer": optim_state}
+    return engine.strategy.state_dicts()
 
 
 def save(engine: Engine, root: str | Path) -> Path:
@@ -112,7 +110,7 @@ def load(engine: Engine, root: str | Path) -> int:
     states = _states(engine)
     with _quiet_single_process():
         dcp.load(states, checkpoint_id=str(folder))
-    set_state_dict(engine.model, engine.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
+    engine.strategy.load_state_dicts(states)
     engine.step = int(meta["step"])
     if dist.is_available() and dist.is_initialized():
         engine.comm.barrier()

@@ -12,6 +12,7 @@ The loss reported is averaged over dp_cp too, so it is the same number on every 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from plait.comm import Comm, CommStats
 from plait.config import Layout
 from plait.errors import LayoutError
 from plait.mesh import Mesh
-from plait.parallel.data import GRAD_AXIS, AllReduceGradSync
+from plait.parallel.precision import MixedPrecision
+from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
@@ -42,6 +44,9 @@ class StepStats:
     seconds: float
     grad_norm: float | None = None
     comm: CommStats = field(default_factory=CommStats)
+    skipped: bool = False
+    """True when fp16 loss scaling found inf/NaN gradients and skipped the optimizer step."""
+    loss_scale: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +82,7 @@ class Engine:
         layout: Layout,
         mesh: Mesh,
         comm: Comm,
-        optimizer: torch.optim.Optimizer,
+        strategy: DataParallelStrategy,
         loss_fn: LossFn,
         device: torch.device,
         max_grad_norm: float | None = None,
@@ -87,12 +92,12 @@ class Engine:
         self.layout = layout
         self.mesh = mesh
         self.comm = comm
-        self.optimizer = optimizer
+        self.strategy = strategy
         self.loss_fn = loss_fn
         self.device = device
         self.max_grad_norm = max_grad_norm
         self.lr_scheduler = lr_scheduler
-        self.grad_sync = AllReduceGradSync(model.parameters(), comm, GRAD_AXIS)
+        self.precision = MixedPrecision(layout.precision, device)
         self.step = 0
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
@@ -119,17 +124,23 @@ class Engine:
         micro = self._split(batch)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro:
-            loss = apply_loss(self.loss_fn, self.model(inputs), targets)
-            (loss / len(micro)).backward()
-            loss_sum += loss.detach()
-        self.grad_sync.sync()
-        grad_norm = self.grad_sync.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None
-        for hook in self.before_optimizer_step:
-            hook(self)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
+        for index, (inputs, targets) in enumerate(micro):
+            last = index == len(micro) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync():
+                with self.precision.autocast():
+                    loss = apply_loss(self.loss_fn, self.model(inputs), targets)
+                self.precision.scale(loss / len(micro)).backward()
+            loss_sum += loss.detach().float()
+        self.strategy.finish_backward()
+        skipped = not self.precision.unscale_and_check(self.strategy)
+        grad_norm = None
+        if not skipped:
+            grad_norm = self.strategy.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None
+            for hook in self.before_optimizer_step:
+                hook(self)
+            self.strategy.step()
+        self.strategy.zero_grad()
+        if self.lr_scheduler is not None and not skipped:
             self.lr_scheduler.step()
         mean_loss = self.comm.all_reduce(loss_sum / len(micro), GRAD_AXIS, op="avg")
         self.step += 1
@@ -141,6 +152,8 @@ class Engine:
             seconds=time.perf_counter() - start,
             grad_norm=grad_norm,
             comm=self.comm.stats.since(before),
+            skipped=skipped,
+            loss_scale=self.precision.loss_scale,
         )
 
     @torch.no_grad()
@@ -151,8 +164,9 @@ class Engine:
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss*n, n, correct, total
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            output = self.model(inputs)
-            loss = apply_loss(self.loss_fn, output, targets)
+            with self.precision.autocast():
+                output = self.model(inputs)
+                loss = apply_loss(self.loss_fn, output, targets)
             totals[0] += float(loss) * inputs.shape[0]
             totals[1] += inputs.shape[0]
             if metric is not None:
@@ -172,6 +186,11 @@ class Engine:
     def load(self, directory: str | Path) -> int:
         """Load the latest complete checkpoint under ``directory``; returns its step."""
         return checkpoint.load(self, directory)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that steps (over the model's parameters, or over this rank's shards under ZeRO)."""
+        return self.strategy.optimizer
 
     @property
     def module(self) -> nn.Module:

@@ -9,7 +9,7 @@ collective runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +23,7 @@ from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_parameters
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 
 AVAILABLE = {
     "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
@@ -46,6 +45,14 @@ def check_available(layout: Layout) -> None:
                 f"{what} is not implemented in this version of plait (layout has {name}={getattr(layout, name)!r}). "
                 f"Fix: use data parallelism (dp) with {name} left at its default."
             )
+
+
+def make_strategy(
+    model: nn.Module, comm: Comm, optimizer: OptimizerFactory | torch.optim.Optimizer, layout: Layout
+) -> DataParallelStrategy:
+    """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
+    gradients), 3 -> fully sharded parameters (FSDP-style)."""
+    return DataParallelStrategy(model, comm, optimizer, layout)
 
 
 def parallelize(
@@ -91,16 +98,8 @@ def parallelize(
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
     model.to(device)
     broadcast_parameters(model, comm)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        opt = optimizer
-        owned = {id(p) for p in model.parameters()}
-        if not all(id(p) in owned for group in opt.param_groups for p in group["params"]):
-            raise ValueError("the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ...")
-    else:
-        opt = optimizer(model.parameters())
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
+    strategy = make_strategy(model, comm, optimizer, layout)
+    scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
-    return Engine(model, layout, mesh, comm, opt, loss_fn, device, max_grad_norm, scheduler)
+    return Engine(model, layout, mesh, comm, strategy, loss_fn, device, max_grad_norm, scheduler)
 

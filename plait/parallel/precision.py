@@ -1,0 +1,77 @@
+"""Mixed precision: bf16/fp16 compute under autocast with fp32 master weights, and dynamic loss scaling for fp16.
+
+Parameters, gradients and optimizer states stay fp32 (the master copy); ``torch.autocast`` runs matmuls and
+other eligible ops in the low precision. fp16 has a narrow exponent range (min normal 6e-5), so small
+gradients underflow: the loss is multiplied by a scale S before backward and the gradients divided by S
+after (Micikevicius et al. 2018). Dynamic scaling: if any rank finds inf/NaN the step is skipped and S halves;
+after ``growth_interval`` clean steps S doubles. bf16 has fp32's exponent range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from plait.parallel.strategy import DataParallelStrategy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DynamicLossScaler:
+    """S starts at ``init_scale``; halves on overflow (step skipped); doubles after ``growth_interval`` good steps."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000, min_scale: float = 1.0) -> None:
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+
+class MixedPrecision:
+    """The Engine's precision policy for one Layout.precision value ("fp32", "bf16" or "fp16")."""
+
+    def __init__(self, precision: str, device: torch.device, scaler: DynamicLossScaler | None = None) -> None:
+        if precision not in DTYPES:
+            raise ValueError(f"precision={precision!r} is unknown; use one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[precision]
+        self.device = device
+        self.scaler = (scaler or DynamicLossScaler()) if precision == "fp16" else None
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Autocast to the compute dtype (a no-op for fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def unscale_and_check(self, strategy: DataParallelStrategy) -> bool:
+        """Divide the gradients by S; return False (skip the step) if any rank's gradients overflowed."""
+        if self.scaler is None:
+            return True
+        used = self.scaler.scale
+        found_inf = strategy.found_inf()
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False
+        strategy.scale_grads_(1.0 / used)
+        return True

@@ -1,0 +1,157 @@
+"""``DataParallelStrategy``: what the Engine asks of any data-parallel flavour (DDP, ZeRO-1/2/3).
+
+A strategy owns the optimizer that steps (over the model's parameters, or over this rank's shards) and keeps
+the replicas over one mesh axis (``dp_cp``) in step. Per training step the Engine calls::
+
+    with strategy.no_sync():  backward of micro-batches 1 .. m-1   # accumulate locally, no communication
+    backward of micro-batch m                                       # reductions may start during it
+    strategy.finish_backward()                                      # gradients complete (averaged / reduced)
+    strategy.found_inf(); strategy.scale_grads_(1/scale)            # fp16 loss scaling (all ranks agree)
+    strategy.clip_grad_norm(max_norm)                               # global norm over every shard
+    strategy.step(); strategy.zero_grad()
+
+Subclasses override what differs; this base class is the plain, correct version: one flat all-reduce of the
+gradients after the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from plait.comm import Comm
+from plait.config import Layout
+
+GRAD_AXIS = "dp_cp"
+"""Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def build_optimizer(factory: OptimizerFactory | torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Call the factory on ``params`` (or accept an optimizer already built on exactly those parameters)."""
+    if isinstance(factory, torch.optim.Optimizer):
+        owned = {id(p) for p in params}
+        if not all(id(p) in owned for group in factory.param_groups for p in group["params"]):
+            raise ValueError("the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ...")
+        return factory
+    optimizer = factory(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
+
+
+class DataParallelStrategy:
+    """Replicated parameters; gradients averaged over ``axis`` with one flat all-reduce after backward."""
+
+    sharded = False
+    """True when each rank owns only part of the gradients/optimizer state (norms then need an all-reduce)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer: OptimizerFactory | torch.optim.Optimizer,
+        layout: Layout | None = None,
+        axis: str = GRAD_AXIS,
+    ) -> None:
+        self.model = model
+        self.comm = comm
+        self.layout = layout or Layout().resolve(comm.mesh.world_size)
+        self.axis = axis
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(optimizer, self.params)
+        self._sync = True
+
+    # ----------------------------------------------------------------- backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communication."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_backward(self) -> None:
+        """Average every gradient over the axis (one flat buffer per dtype). A parameter without a gradient on
+        this rank contributes zeros, so that every rank runs the same collective with the same sizes."""
+        if self.comm.size(self.axis) == 1:
+            return
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            by_dtype.setdefault(param.grad.dtype, []).append(param)
+        for params in by_dtype.values():
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.comm.all_reduce(flat, self.axis, op="avg")
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    # ----------------------------------------------------------------- gradients
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank is responsible for after ``finish_backward`` (every one, when replicated)."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients: sqrt of the sum of squares over every rank's owned gradients."""
+        grads = self.owned_grads()
+        local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        for grad in grads:
+            local += grad.detach().double().pow(2).sum()
+        if self.sharded:
+            self.comm.all_reduce(local, self.axis)
+        return math.sqrt(float(local))
+
+    def scale_grads_(self, factor: float) -> None:
+        for grad in self.owned_grads():
+            grad.mul_(factor)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_); return the norm."""
+        norm = self.grad_norm()
+        self.scale_grads_(min(1.0, max_norm / (norm + 1e-6)))
+        return norm
+
+    def found_inf(self) -> bool:
+        """Whether any rank's owned gradients hold inf/NaN (the same answer on every rank)."""
+        flag = torch.zeros((), device=self.comm.device)
+        for grad in self.owned_grads():
+            if not torch.isfinite(grad).all():
+                flag.fill_(1.0)
+                break
+        if self.sharded:
+            self.comm.all_reduce(flag, self.axis, op="max")
+        return bool(flag > 0)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, whole, by name (a copy; sharded strategies gather it)."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dicts(self) -> dict[str, Any]:
+        """Model and optimizer state for torch.distributed.checkpoint, keyed by parameter name."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
