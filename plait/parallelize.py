@@ -29,7 +29,6 @@ AVAILABLE = {
     "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
     "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
     "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
-    "zero": (lambda l: l.zero == 0, "ZeRO sharding (zero > 0)"),
     "precision": (lambda l: l.precision == "fp32", "mixed precision (precision other than 'fp32')"),
     "recompute": (lambda l: l.recompute == "none", "activation recomputation (recompute other than 'none')"),
     "offload": (lambda l: l.offload == "none", "offload (offload other than 'none')"),
@@ -52,7 +51,18 @@ def make_strategy(
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
     gradients), 3 -> fully sharded parameters (FSDP-style)."""
-    return DataParallelStrategy(model, comm, optimizer, layout)
+    try:  # TRANSITIONAL while the strategies land: fall back to the plain version / refuse
+        if layout.zero == 0:
+            from plait.parallel.data import DistributedDataParallel as strategy_class
+        elif layout.zero in (1, 2):
+            from plait.parallel.zero.sharded import ShardedOptimizerStrategy as strategy_class
+        else:
+            from plait.parallel.zero.fsdp import FullyShardedStrategy as strategy_class
+    except ImportError:
+        if layout.zero:
+            raise LayoutError(f"ZeRO stage {layout.zero} is not implemented yet. Fix: use zero=0.") from None
+        strategy_class = DataParallelStrategy
+    return strategy_class(model, comm, optimizer, layout)
 
 
 def parallelize(

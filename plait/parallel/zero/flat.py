@@ -1,0 +1,89 @@
+"""Flat parameter buffers split into N equal shards: the bookkeeping every ZeRO stage shares.
+
+Parameters p_0 .. p_k are laid end to end in one 1-D buffer of length L = sum numel(p_i), padded with zeros
+to a multiple of N, so rank r owns elements [r L'/N, (r+1) L'/N) of the padded length L'. Reduce-scatter of a
+flat gradient buffer then gives each rank exactly the gradient of the elements it owns, and all-gather of
+the shards rebuilds the whole buffer (Rajbhandari et al. 2020, ZeRO, sec. 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """The part of parameter ``index`` that lies in a shard: param elements [start, end) at shard offset ``at``."""
+
+    index: int
+    start: int
+    end: int
+    at: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Offsets of parameters in a flat buffer of ``padded`` elements split into ``shards`` equal shards."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    shards: int
+
+    @classmethod
+    def of(cls, named_params: list[tuple[str, nn.Parameter]], shards: int) -> FlatLayout:
+        if shards < 1:
+            raise ValueError(f"shards={shards} must be >= 1")
+        offsets, total = [], 0
+        for _name, param in named_params:
+            offsets.append(total)
+            total += param.numel()
+        return cls(
+            names=tuple(name for name, _ in named_params),
+            shapes=tuple(param.shape for _, param in named_params),
+            offsets=tuple(offsets),
+            numel=total,
+            shards=shards,
+        )
+
+    @property
+    def shard_size(self) -> int:
+        return math.ceil(self.numel / self.shards) if self.numel else 0
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.shards
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the padded flat buffer."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.shapes]
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Concatenate ``tensors`` (one per parameter, in order) into a new zero-padded flat buffer."""
+        first = tensors[0]
+        flat = torch.zeros(self.padded, dtype=dtype or first.dtype, device=first.device)
+        for tensor, offset in zip(tensors, self.offsets):
+            flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views into ``flat`` shaped like each parameter (writing them writes the buffer)."""
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels(), self.shapes)]
+
+    def slices(self, rank: int) -> list[ParamSlice]:
+        """For each parameter overlapping rank's shard: which of its elements, and where they sit in the shard."""
+        lo, hi = self.shard_range(rank)
+        result = []
+        for index, (offset, numel) in enumerate(zip(self.offsets, self.numels())):
+            start, end = max(lo, offset), min(hi, offset + numel)
+            if start < end:
+                result.append(ParamSlice(index, start - offset, end - offset, start - lo))
+        return result
