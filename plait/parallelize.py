@@ -23,6 +23,7 @@ from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_parameters
+from plait.parallel.recompute import apply_recompute
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 
 AVAILABLE = {
@@ -30,7 +31,6 @@ AVAILABLE = {
     "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
     "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
     "precision": (lambda l: l.precision == "fp32", "mixed precision (precision other than 'fp32')"),
-    "recompute": (lambda l: l.recompute == "none", "activation recomputation (recompute other than 'none')"),
     "offload": (lambda l: l.offload == "none", "offload (offload other than 'none')"),
 }
 """What this version of plait can run: a layout asking for more raises LayoutError naming the field."""
@@ -107,6 +107,7 @@ def parallelize(
     mesh = Mesh.build(layout)
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
     model.to(device)
+    apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
     strategy = make_strategy(model, comm, optimizer, layout)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
