@@ -30,7 +30,6 @@ AVAILABLE = {
     "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
     "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
     "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
-    "precision": (lambda l: l.precision == "fp32", "mixed precision (precision other than 'fp32')"),
     "offload": (lambda l: l.offload == "none", "offload (offload other than 'none')"),
 }
 """What this version of plait can run: a layout asking for more raises LayoutError naming the field."""

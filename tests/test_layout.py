@@ -85,7 +85,6 @@ def test_dict_round_trip_and_unknown_keys():
         (Layout(dp=1, pp=2), "pipeline parallelism"),
         (Layout(dp=1, cp=2), "context parallelism"),
         (Layout(dp=1, zero=1), "ZeRO"),
-        (Layout(dp=1, precision="bf16"), "mixed precision"),
     ],
 )
 def test_unimplemented_paradigm_is_named_before_any_work(layout, words):
