@@ -11,6 +11,7 @@ from plait.config import AXES, Layout
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
 from plait.errors import CommError, ConfigError, LayoutError, PlaitError
+from plait.memory import MemoryEstimate, estimate_memory, measure_held
 from plait.mesh import Mesh
 from plait.parallelize import parallelize
 
@@ -26,12 +27,15 @@ __all__ = [
     "EvalStats",
     "Layout",
     "LayoutError",
+    "MemoryEstimate",
     "Mesh",
     "PlaitError",
     "StepStats",
     "World",
     "__version__",
+    "estimate_memory",
     "init",
+    "measure_held",
     "parallelize",
     "shutdown",
 ]
