@@ -10,7 +10,7 @@ from plait.comm import Comm, CommStats
 from plait.config import AXES, Layout
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
-from plait.errors import CommError, ConfigError, LayoutError, PlaitError
+from plait.errors import CommError, ConfigError, LayoutError, PlaitError, ScheduleError
 from plait.memory import MemoryEstimate, estimate_memory, measure_held
 from plait.mesh import Mesh
 from plait.parallelize import parallelize
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryEstimate",
     "Mesh",
     "PlaitError",
+    "ScheduleError",
     "StepStats",
     "World",
     "__version__",

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from plait.errors import PlaitError
+from plait.errors import LayoutError, PlaitError
 from plait.logging import get_logger
 
 if TYPE_CHECKING:
@@ -103,10 +103,26 @@ def latest(root: str | Path) -> Path:
     return folder
 
 
+def _check_same_sharding(meta: dict, engine: Engine) -> None:
+    """ZeRO optimizer states are saved per shard: refuse, clearly and before reading, a different sharding."""
+    saved = meta["layout"]
+    now = engine.layout
+    saved_shards = saved["dp"] * saved["cp"] if saved["zero"] else 1
+    now_shards = now.dp * now.cp if now.zero else 1
+    if (saved["zero"] or now.zero) and (saved["zero"] != now.zero or saved_shards != now_shards):
+        raise LayoutError(
+            f"checkpoint {meta['step']} was saved with zero={saved['zero']} over {saved_shards} data-parallel shards, "
+            f"but this engine has zero={now.zero} over {now_shards}. Loading sharded optimizer state under another "
+            f"sharding is not supported yet. Fix: load with the saved layout (dp={saved['dp']}, cp={saved['cp']}, "
+            f"zero={saved['zero']})."
+        )
+
+
 def load(engine: Engine, root: str | Path) -> int:
     """Load the latest checkpoint under ``root`` into ``engine``; returns (and sets) its step."""
     folder = latest(root)
     meta = json.loads((folder / META).read_text())
+    _check_same_sharding(meta, engine)
     states = _states(engine)
     with _quiet_single_process():
         dcp.load(states, checkpoint_id=str(folder))

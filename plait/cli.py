@@ -55,7 +55,7 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         run(torchrun_args)
     except ChildFailedError as error:
-        failed = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in error.failures.values())
+        failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in error.failures.items())
         print(f"plait: error: training failed on {failed}; see that rank's error above.", file=sys.stderr)  # noqa: T201
         return 1
     return 0

@@ -15,6 +15,10 @@ class ConfigError(PlaitError, ValueError):
     """A run configuration (TOML file or ``--set`` override) that cannot be used."""
 
 
+class ScheduleError(PlaitError, ValueError):
+    """A pipeline schedule that cannot run: malformed, wrongly ordered, or deadlocking. Names the action."""
+
+
 class CommError(PlaitError, RuntimeError):
     """A collective failed or timed out; the message names the rank, the mesh axis and the operation."""
 

@@ -22,15 +22,17 @@ from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
-from plait.parallel.data import broadcast_parameters
+from plait.parallel.data import DistributedDataParallel, broadcast_parameters
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
+from plait.parallel.zero.fsdp import FullyShardedStrategy
+from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 
 AVAILABLE = {
     "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
     "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
     "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
-    "offload": (lambda l: l.offload == "none", "offload (offload other than 'none')"),
+    "offload": (lambda l: l.offload == "none" or l.zero in (1, 2), "offload without ZeRO-1/2 (offload needs zero=1 or 2)"),
 }
 """What this version of plait can run: a layout asking for more raises LayoutError naming the field."""
 
@@ -46,22 +48,20 @@ def check_available(layout: Layout) -> None:
 
 
 def make_strategy(
-    model: nn.Module, comm: Comm, optimizer: OptimizerFactory | torch.optim.Optimizer, layout: Layout
+    model: nn.Module,
+    comm: Comm,
+    optimizer: OptimizerFactory | torch.optim.Optimizer,
+    layout: Layout,
+    find_unused_parameters: bool | None = None,
+    offload_dir: str | None = None,
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
     gradients), 3 -> fully sharded parameters (FSDP-style)."""
-    try:  # TRANSITIONAL while the strategies land: fall back to the plain version / refuse
-        if layout.zero == 0:
-            from plait.parallel.data import DistributedDataParallel as strategy_class
-        elif layout.zero in (1, 2):
-            from plait.parallel.zero.sharded import ShardedOptimizerStrategy as strategy_class
-        else:
-            from plait.parallel.zero.fsdp import FullyShardedStrategy as strategy_class
-    except ImportError:
-        if layout.zero:
-            raise LayoutError(f"ZeRO stage {layout.zero} is not implemented yet. Fix: use zero=0.") from None
-        strategy_class = DataParallelStrategy
-    return strategy_class(model, comm, optimizer, layout)
+    if layout.zero == 0:
+        return DistributedDataParallel(model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters)
+    if layout.zero in (1, 2):
+        return ShardedOptimizerStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
+    return FullyShardedStrategy(model, comm, optimizer, layout)
 
 
 def parallelize(
@@ -74,6 +74,8 @@ def parallelize(
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     device: torch.device | str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    find_unused_parameters: bool | None = None,
+    offload_dir: str | None = None,
 ) -> Engine:
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
@@ -87,6 +89,9 @@ def parallelize(
         lr_scheduler: a factory ``optimizer -> scheduler`` stepped after every optimizer step.
         device: where the model runs (default: cuda:LOCAL_RANK with CUDA, else CPU).
         timeout_s: the timeout of every collective, after which the rank raises CommError.
+        find_unused_parameters: DDP (zero=0) treats parameters without a gradient as zeros instead of raising
+            (None: the PLAIT_FIND_UNUSED_PARAMETERS environment variable decides).
+        offload_dir: where ZeRO-1/2 with offload="nvme" keeps its files (default: PLAIT_OFFLOAD_DIR or the temp dir).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layout = (layout or Layout()).resolve(world_size)
@@ -108,7 +113,7 @@ def parallelize(
     model.to(device)
     apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
-    strategy = make_strategy(model, comm, optimizer, layout)
+    strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
     return Engine(model, layout, mesh, comm, strategy, loss_fn, device, max_grad_norm, scheduler)

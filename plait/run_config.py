@@ -53,14 +53,14 @@ class DataConfig:
 class TrainConfig:
     """The training loop. ``global_batch`` is in samples, split over dp ranks and micro-batches."""
 
-    steps: int = 1000
+    steps: int = 1500
     global_batch: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 20
     max_grad_norm: float = 1.0
     seed: int = 0
-    eval_every: int = 200
+    eval_every: int = 300
     eval_batches: int = 4
     log_every: int = 10
     save_every: int = 0

@@ -79,3 +79,19 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     engine, _ = _engine(Layout())
     with pytest.raises(CheckpointError, match="save one first"):
         engine.load(tmp_path / "nothing")
+
+
+def _save_zero(root: str, zero: int):
+    engine, loader = _engine(Layout(dp=2, zero=zero))
+    engine.train_step(loader.batch_at(0))
+    engine.save(root)
+
+
+@pytest.mark.distributed
+def test_sharded_checkpoint_under_another_sharding_is_refused_clearly(tmp_path):
+    from plait import LayoutError
+
+    run_distributed(_save_zero, 2, str(tmp_path / "ckpt"), 1)
+    engine, _ = _engine(Layout())
+    with pytest.raises(LayoutError, match=r"zero=1 over 2 .* zero=0 over 1"):
+        engine.load(tmp_path / "ckpt")

@@ -61,6 +61,11 @@ def test_world_size_one_with_microbatches_and_clipping():
     assert_trajectories_match(actual, reference("adamw", max_grad_norm=0.05))
 
 
+def test_world_size_one_clipping_is_bitwise_torch():
+    """The norm and the scaling use torch's own foreach kernels, so clipping is bitwise torch.clip_grad_norm_."""
+    assert_trajectories_match(train_plait(Layout(), "adamw", 0.05), reference("adamw", 0.05), exact=True)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, microbatches, optimizer, clip",

@@ -84,7 +84,6 @@ def test_dict_round_trip_and_unknown_keys():
         (Layout(dp=1, tp=2), "tensor parallelism"),
         (Layout(dp=1, pp=2), "pipeline parallelism"),
         (Layout(dp=1, cp=2), "context parallelism"),
-        (Layout(dp=1, zero=1), "ZeRO"),
     ],
 )
 def test_unimplemented_paradigm_is_named_before_any_work(layout, words):

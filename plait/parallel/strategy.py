@@ -17,7 +17,6 @@ gradients after the last backward.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -104,24 +103,33 @@ class DataParallelStrategy:
         return [p.grad for p in self.params if p.grad is not None]
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the gradients: sqrt of the sum of squares over every rank's owned gradients."""
+        """Global L2 norm of the gradients: torch's foreach norm of this rank's owned gradients, and, when
+        sharded, the square root of the sum of every rank's squared norm."""
+        return float(self._grad_norm_tensor())
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
         grads = self.owned_grads()
-        local = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        for grad in grads:
-            local += grad.detach().double().pow(2).sum()
+        if not grads:
+            return torch.zeros((), device=self.comm.device)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if self.sharded:
-            self.comm.all_reduce(local, self.axis)
-        return math.sqrt(float(local))
+            squared = norm.double().pow(2)
+            self.comm.all_reduce(squared, self.axis)
+            norm = squared.sqrt().to(norm.dtype)
+        return norm
 
     def scale_grads_(self, factor: float) -> None:
-        for grad in self.owned_grads():
-            grad.mul_(factor)
+        grads = self.owned_grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_); return the norm."""
-        norm = self.grad_norm()
-        self.scale_grads_(min(1.0, max_norm / (norm + 1e-6)))
-        return norm
+        """Scale gradients by min(1, max_norm / (norm + 1e-6)) exactly as torch's clip_grad_norm_; return the norm."""
+        norm = self._grad_norm_tensor()
+        grads = self.owned_grads()
+        if grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return float(norm)
 
     def found_inf(self) -> bool:
         """Whether any rank's owned gradients hold inf/NaN (the same answer on every rank)."""

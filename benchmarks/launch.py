@@ -1,0 +1,61 @@
+"""Start the ranks of one launch with torchrun's own machinery and collect what each returns.
+
+``torch.distributed.launcher.api.elastic_launch`` is what ``torchrun --standalone`` runs: a local c10d
+rendezvous on a free port, one agent, ``nproc_per_node`` workers with RANK/WORLD_SIZE/MASTER_* set, and every
+worker's return value handed back to the caller. Workers are forked: the parent has already imported torch, so a
+launch costs a fraction of a second instead of the seconds a fresh interpreter needs to import torch on every rank
+(which would dominate a benchmark on two cores). The parent does no tensor work, and each worker pins itself to
+one intra-op thread before computing anything. Modules that the contenders import lazily on first use (torch's
+optimizers and DDP both pull in ``torch._dynamo``, about 2 s on a busy 2-core machine) are imported here once, so
+that the forked workers inherit them instead of importing them again in every launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch._dynamo  # noqa: F401 - preloaded for the forked workers (see above)
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+log = logging.getLogger("benchmarks.launch")
+
+
+class LaunchError(RuntimeError):
+    """A rank of a benchmark launch failed; the message names the rank and carries its error."""
+
+
+def _last_line(message: object) -> str:
+    """The exception line of a failure message (a dict from the rank's error file, or text ending in it)."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    lines = [line for line in str(message or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "fork") -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` local ranks (standalone rendezvous); return their results in rank order."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"plait-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method=start_method,
+    )
+    log.debug("launching %s on %d ranks (%s)", getattr(fn, "__name__", fn), world, start_method)
+    try:
+        results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as error:
+        failures = "; ".join(  # failures: global rank -> ProcessFailure
+            f"rank {rank} (exit code {failure.exitcode}): {_last_line(failure.message) or 'no message'}"
+            for rank, failure in sorted(error.failures.items())
+        )
+        raise LaunchError(f"benchmark worker failed on {failures}") from error
+    return [results[rank] for rank in range(world)]

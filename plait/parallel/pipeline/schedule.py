@@ -1,0 +1,442 @@
+"""Pipeline schedules as data: for each rank, the ordered list of ``Action(stage, kind, microbatch)`` it runs.
+
+A schedule prints as text, one line per rank ("0F0 0F1 0B0 ..."), is checked structurally by ``validate``,
+simulated in one process (``simulate.py``), drawn (``draw.py``) and executed by the pipeline runtime.
+
+Placement: ``p`` ranks, ``v`` virtual stages (model chunks) per rank, ``p * v`` stages; stage ``s`` lives on
+rank ``s % p`` (Megatron's interleaved placement: rank r holds stages r, r + p, r + 2p, ...). With v = 1,
+stage s is rank s.
+
+Action kinds (text ``<stage><kind><microbatch>``):
+    F  forward                          B  full backward (input and weight gradients)
+    I  backward for the input only      W  backward for the weights only (after I; zero-bubble schedules)
+    SF send stage s's output forward    RF receive stage s's input (from stage s - 1)
+    SB send stage s's input gradient    RB receive stage s's output gradient (from stage s + 1)
+The communication kinds appear only in a *lowered* schedule (``lower``); their stage is the local stage.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from plait.errors import ScheduleError
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+COMM_KINDS = ("SF", "RF", "SB", "RB")
+KINDS = COMPUTE_KINDS + COMM_KINDS
+_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W)(\d+)$")
+_RANK_PREFIX = re.compile(r"^(\d+)\s*:\s*(.*)$")
+HEADER = "# plait pipeline schedule"
+
+
+@dataclass(frozen=True, order=True, repr=False)
+class Action:
+    """One step of one rank: ``kind`` of ``stage`` on ``microbatch``; ``str`` gives "1F0", "0B3", "1SF0"."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}. Fix: use one of {', '.join(KINDS)}.")
+        for name in ("stage", "microbatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleError(f"action {name}={value!r} must be an integer >= 0.")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``Action.parse("0B3")`` -> stage 0, full backward, micro-batch 3."""
+        match = _ACTION.match(text.strip())
+        if not match:
+            raise ScheduleError(
+                f"cannot parse action {text!r}. Fix: write <stage><kind><microbatch>, e.g. '1F0', '0B3', '2W1', "
+                f"'1SF0', with kind one of {', '.join(KINDS)}."
+            )
+        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+@dataclass
+class Schedule:
+    """``actions[r]`` is what rank r runs, in order; p ranks, m micro-batches, v virtual stages per rank."""
+
+    p: int
+    m: int
+    actions: list[list[Action]]
+    v: int = 1
+    name: str = field(default="custom", compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds ``stage`` (stage s lives on rank s % p)."""
+        return stage % self.p
+
+    def stages_on(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_stages, self.p))
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when the schedule holds send/recv actions (then every cross-rank transfer must be explicit)."""
+        return any(a.is_comm for acts in self.actions for a in acts)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    # ------------------------------------------------------------------ text and CSV
+    def header(self) -> str:
+        return f"{HEADER} name={self.name} p={self.p} v={self.v} m={self.m}"
+
+    def to_text(self) -> str:
+        """A header comment, then one line per rank: its actions separated by spaces."""
+        return "\n".join([self.header()] + [" ".join(map(str, acts)) for acts in self.actions]) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str, p: int | None = None, m: int | None = None, v: int | None = None,
+                  name: str | None = None) -> Schedule:
+        """Parse ``to_text`` output or a hand-written schedule: one line per rank (optionally "3: ..."),
+        '#' lines are comments; p, m, v come from the arguments, the header, or are inferred (p = number of
+        rank lines, m = largest micro-batch + 1, v = stages / p)."""
+        rows: list[tuple[int | None, list[str]]] = []
+        meta: dict[str, str] = {}
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("#"):
+                meta.update(_header_fields(line))
+            elif line:
+                prefix = _RANK_PREFIX.match(line)
+                rank, body = (int(prefix.group(1)), prefix.group(2)) if prefix else (None, line)
+                rows.append((rank, body.replace(",", " ").split()))
+        return cls._build(rows, meta, p, m, v, name)
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write ``rank,action,action,...`` rows (after a '#' header line), readable by ``from_csv``."""
+        path = Path(path)
+        with open(path, "w", newline="") as f:
+            f.write(self.header() + "\n")
+            writer = csv.writer(f)
+            for rank, acts in enumerate(self.actions):
+                writer.writerow([rank, *map(str, acts)])
+        return path
+
+    @classmethod
+    def from_csv(cls, path: str | Path, p: int | None = None, m: int | None = None, v: int | None = None,
+                 name: str | None = None) -> Schedule:
+        """Read ``rank,action,...`` rows (any order; '#' lines and a 'rank,...' title row are skipped)."""
+        rows: list[tuple[int | None, list[str]]] = []
+        meta: dict[str, str] = {}
+        with open(path, newline="") as f:
+            for cells in csv.reader(f):
+                cells = [c.strip() for c in cells if c.strip()]
+                if not cells or cells[0].lower() == "rank":
+                    continue
+                if cells[0].startswith("#"):
+                    meta.update(_header_fields(",".join(cells)))
+                    continue
+                if not cells[0].isdigit():
+                    raise ScheduleError(f"{path}: row {cells} must start with the rank number, e.g. '0,0F0,0F1'.")
+                rows.append((int(cells[0]), cells[1:]))
+        return cls._build(rows, meta, p, m, v, name or meta.get("name") or Path(path).stem)
+
+    @classmethod
+    def _build(cls, rows: list[tuple[int | None, list[str]]], meta: dict[str, str], p: int | None,
+               m: int | None, v: int | None, name: str | None) -> Schedule:
+        parsed = [(rank, [Action.parse(t) for t in tokens]) for rank, tokens in rows]
+        if p is None:
+            p = int(meta["p"]) if "p" in meta else max([len(parsed)] + [r + 1 for r, _ in parsed if r is not None])
+        actions: list[list[Action]] = [[] for _ in range(p)]
+        for line_no, (rank, acts) in enumerate(parsed):
+            rank = line_no if rank is None else rank
+            if rank >= p:
+                raise ScheduleError(f"the schedule has a line for rank {rank}, but p={p}. Fix: give p={rank + 1}.")
+            actions[rank].extend(acts)
+        every = [a for acts in actions for a in acts]
+        if m is None:
+            m = int(meta["m"]) if "m" in meta else max((a.microbatch for a in every), default=0) + 1
+        if v is None:
+            v = int(meta["v"]) if "v" in meta else -(-(max((a.stage for a in every), default=0) + 1) // p)
+        return cls(p, m, actions, v, name or meta.get("name", "custom"))
+
+    # ------------------------------------------------------------------ structure
+    def validate(self) -> Schedule:
+        """Check the structure (not the order; ``simulate`` checks that): each stage runs F and either B or
+        I + W exactly once per micro-batch, on the rank that owns it; in a lowered schedule every cross-rank
+        transfer has its send and its recv. Raises ``ScheduleError`` naming the first offending action."""
+        for key in ("p", "m", "v"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"schedule {key}={value!r} must be an integer >= 1.")
+        if len(self.actions) != self.p:
+            raise ScheduleError(f"schedule has {len(self.actions)} rank lists but p={self.p}. Fix: one per rank.")
+        S, where = self.num_stages, {}
+        for rank, acts in enumerate(self.actions):
+            for a in acts:
+                if not isinstance(a, Action):
+                    raise ScheduleError(f"rank {rank}: {a!r} is not an Action. Fix: use Action.parse('1F0').")
+                if a.stage >= S:
+                    raise ScheduleError(f"rank {rank}: {a} names stage {a.stage}, but p*v = {S} stages exist.")
+                if a.microbatch >= self.m:
+                    raise ScheduleError(f"rank {rank}: {a} names micro-batch {a.microbatch}, but m={self.m}.")
+                if self.rank_of(a.stage) != rank:
+                    raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
+                                        f"{self.rank_of(a.stage)} (stage s lives on rank s % p).")
+                if a in where:
+                    raise ScheduleError(f"rank {rank}: {a} appears twice. Fix: run each action exactly once.")
+                if a.is_comm and self.peer(a) is None:
+                    raise ScheduleError(f"rank {rank}: {a} has no peer (stage {a.stage} exchanges nothing "
+                                        f"{'forward' if a.kind in ('SF', 'RB') else 'backward'} with another rank).")
+                where[a] = rank
+        for s in range(S):
+            for j in range(self.m):
+                have = {k for k in COMPUTE_KINDS if Action(s, k, j) in where}
+                if "B" in have and have & {"I", "W"}:
+                    raise ScheduleError(f"stage {s} micro-batch {j} has both {Action(s, 'B', j)} and I/W. "
+                                        f"Fix: use B alone, or I followed by W.")
+                split = "B" not in have and bool(have & {"I", "W"})
+                missing = [k for k in (("F", "I", "W") if split else ("F", "B")) if k not in have]
+                if missing:
+                    raise ScheduleError(f"{Action(s, missing[0], j)} is missing (rank {self.rank_of(s)}): every "
+                                        f"stage runs F and B (or I then W) of every micro-batch exactly once.")
+        if self.is_lowered:
+            for a, rank in sorted(where.items(), key=lambda item: not item[0].is_comm):  # unmatched halves first
+                for comm in ([self.peer(a)] if a.is_comm else self.comms(a)):
+                    if comm in where:
+                        continue
+                    what = "has no matching" if a.is_comm else "needs"
+                    raise ScheduleError(
+                        f"lowered schedule: {a} on rank {rank} {what} {comm} on rank {self.rank_of(comm.stage)}, "
+                        f"which is missing. Fix: add it, or build the schedule with lower()."
+                    )
+        return self
+
+    def peer(self, action: Action) -> Action | None:
+        """The matching half of a send/recv (SF s <-> RF s+1, SB s <-> RB s-1) when it is on another rank."""
+        s, j, S = action.stage, action.microbatch, self.num_stages
+        other = {"SF": (s + 1, "RF"), "RF": (s - 1, "SF"), "SB": (s - 1, "RB"), "RB": (s + 1, "SB")}.get(action.kind)
+        if other is None or not 0 <= other[0] < S or self.rank_of(other[0]) == self.rank_of(s):
+            return None
+        return Action(other[0], other[1], j)
+
+    def comms(self, action: Action) -> list[Action]:
+        """The sends/recvs a compute action needs in a lowered schedule: [recv before it, send after it]."""
+        kinds = {"F": ("RF", "SF"), "B": ("RB", "SB"), "I": ("RB", "SB")}.get(action.kind, ())
+        found = [Action(action.stage, kind, action.microbatch) for kind in kinds]
+        return [c for c in found if self.peer(c) is not None]
+
+
+def _header_fields(line: str) -> dict[str, str]:
+    """The key=value fields of a ``HEADER`` line (other comment lines are free text)."""
+    if not line.startswith(HEADER):
+        return {}
+    fields = dict(kv.split("=", 1) for kv in line[len(HEADER):].split() if "=" in kv)
+    for key in ("p", "m", "v"):
+        if key in fields and not fields[key].isdigit():
+            raise ScheduleError(f"schedule header {line!r}: {key}={fields[key]!r} is not a whole number.")
+    return fields
+
+
+# ---------------------------------------------------------------------- generators
+def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
+    """Naive model parallelism: one micro-batch at a time, forward through every stage, then backward."""
+    _check_sizes(p, m, v)
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    for j in range(m):
+        for s in range(p * v):
+            acts[s % p].append(Action(s, "F", j))
+        for s in reversed(range(p * v)):
+            acts[s % p].append(Action(s, "B", j))
+    return Schedule(p, m, acts, v, "naive")
+
+
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward (flush); holds m activations per stage."""
+    _check_sizes(p, m, v)
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    for s in range(p * v):
+        acts[s % p] += [Action(s, "F", j) for j in range(m)]
+    for s in reversed(range(p * v)):
+        acts[s % p] += [Action(s, "B", j) for j in range(m)]
+    return Schedule(p, m, acts, v, "gpipe")
+
+
+def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
+    """1F1B / PipeDream-flush (Narayanan et al. 2021): rank r runs p-r-1 warm-up forwards, then alternates one
+    forward and one backward, then drains; same bubble as GPipe, at most p activations in flight."""
+    _check_sizes(p, m, v)
+    if v != 1:
+        raise ScheduleError(f"1f1b runs one stage per rank (v=1), got v={v}. Fix: use schedule 'interleaved'.")
+    return _warmup_steady_cooldown(p, m, 1, "1f1b", lambda r: min(p - r - 1, m),
+                                   lambda r, k: Action(r, "F", k), lambda r, k: Action(r, "B", k))
+
+
+def pipedream(p: int, m: int, v: int = 1) -> Schedule:
+    """PipeDream (Narayanan et al. 2019): the 1F1B order on each rank. What makes it asynchronous (no flush
+    between steps, weight stashing) belongs to the runtime; one step of it is simulated as 1F1B."""
+    schedule = one_f_one_b(p, m, v)
+    schedule.name = "pipedream"
+    return schedule
+
+
+def interleaved(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank (stage s on rank s % p) shrink the
+    bubble to (p-1)/v x (tF + tB); micro-batches go round in groups of p, so m must be a multiple of p."""
+    _check_sizes(p, m, v)
+    if v == 1:
+        schedule = one_f_one_b(p, m)
+        schedule.name = "interleaved"
+        return schedule
+    if m % p:
+        raise ScheduleError(
+            f"interleaved needs the micro-batches to be a multiple of pp: m={m}, p={p}. "
+            f"Fix: use m={max(p, m - m % p)} or m={m + p - m % p}, or schedule '1f1b'."
+        )
+
+    def forward(r: int, k: int) -> Action:
+        return Action(((k // p) % v) * p + r, "F", (k // (p * v)) * p + k % p)
+
+    def backward(r: int, k: int) -> Action:
+        return Action((v - 1 - (k // p) % v) * p + r, "B", (k // (p * v)) * p + k % p)
+
+    def warmup(r: int) -> int:  # Megatron-LM's count; m == p runs all forwards first
+        return m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+
+    return _warmup_steady_cooldown(p, m, v, "interleaved", warmup, forward, backward)
+
+
+def zero_bubble(p: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): the backward split into I (input gradient, on the critical path) and W (weight
+    gradient, deferrable); rank r defers r of its W passes to fill the cool-down bubbles. Bubble
+    (p-1)(tF + tI - tW) while tW <= min(tF, tI) (a third of 1F1B's when all are equal); memory as 1F1B:
+    p - r activations on rank r until their I, and at most p micro-batches whose W is still to run."""
+    _check_sizes(p, m, v)
+    if v != 1:
+        raise ScheduleError(f"zero-bubble (ZB-H1) runs one stage per rank (v=1), got v={v}.")
+    acts: list[list[Action]] = []
+    for r in range(p):
+        warm = min(p - r, m)
+        lag = min(r, m - 1)  # rank r keeps r weight passes back, to fill its cool-down bubbles
+        seq = [Action(r, "F", j) for j in range(warm)]
+        done_w = 0
+        for k in range(m):  # I, then a deferred W (before the next F: at most p micro-batches open), then F
+            seq.append(Action(r, "I", k))
+            if k >= lag:
+                seq.append(Action(r, "W", done_w))
+                done_w += 1
+            if warm + k < m:
+                seq.append(Action(r, "F", warm + k))
+        seq += [Action(r, "W", j) for j in range(done_w, m)]
+        acts.append(seq)
+    return Schedule(p, m, acts, 1, "zero-bubble")
+
+
+def _warmup_steady_cooldown(p: int, m: int, v: int, name: str, warmup: Callable[[int], int],
+                            forward: Callable[[int, int], Action], backward: Callable[[int, int], Action]) -> Schedule:
+    """Rank r: ``warmup(r)`` forwards, then (forward, backward) pairs, then the remaining backwards."""
+    total, acts = m * v, []
+    for r in range(p):
+        warm = warmup(r)
+        seq = [forward(r, k) for k in range(warm)]
+        for k in range(total - warm):
+            seq += [forward(r, warm + k), backward(r, k)]
+        seq += [backward(r, k) for k in range(total - warm, total)]
+        acts.append(seq)
+    return Schedule(p, m, acts, v, name)
+
+
+def _check_sizes(p: int, m: int, v: int) -> None:
+    for key, value in (("p", p), ("m", m), ("v", v)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{key}={value!r} must be an integer >= 1.")
+
+
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "naive": naive,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zero-bubble": zero_bubble,
+    "pipedream": pipedream,
+}
+"""Schedule generators by their ``Layout.schedule`` name: each is ``(p, m, v=1) -> Schedule``."""
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule called ``name`` (a ``Layout.schedule`` value) for p ranks, m micro-batches, v chunks."""
+    if name not in GENERATORS:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}. Fix: use one of {', '.join(GENERATORS)}.")
+    return GENERATORS[name](p, m, v)
+
+
+def lower(schedule: Schedule, costs: Any = None) -> Schedule:
+    """Insert the send/recv actions so that batched isend/irecv execution cannot deadlock.
+
+    Rule: one global order of every compute action and transfer, taken from the unlowered schedule simulated
+    on ``costs`` (a ``Costs`` or a dict, default F=1, B=2; by time, a transfer at the end of its producer,
+    before anything starting then). A send goes on its rank right after its producer (only other sends and
+    recvs may come between); its recv is appended to the receiver's list at that same point of the global
+    order, so it is posted before the compute that consumes it. Each rank's list is then a piece of one
+    global order in which every send sits next to its recv: it completes even if every send and recv
+    blocked until its peer is posted (consecutive ones posted as one ``batch_isend_irecv``), and two ranks
+    receive from each other in the order they send. The timeline does not change (simulate.py).
+    """
+    from plait.parallel.pipeline.simulate import simulate
+
+    if schedule.is_lowered:
+        raise ScheduleError(f"schedule {schedule.name!r} is already lowered (it has send/recv actions).")
+    spans = simulate(schedule, costs).timelines
+    acts, p = schedule.actions, schedule.p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    posted: set[Action] = set()  # sends placed so far
+    nxt = [0] * p
+    pending: list[Action | None] = [None] * p  # the send of the rank's last compute, not yet placed
+
+    comms = [[schedule.comms(a) for a in rank_acts] for rank_acts in acts]
+    needs = [[[schedule.peer(c) for c in cs if c.kind in ("RF", "RB")] for cs in rank_cs] for rank_cs in comms]
+
+    def candidate(r: int) -> tuple[float, int, int] | None:
+        if pending[r] is not None:
+            return (spans[r][nxt[r] - 1].end, 0, r)
+        if nxt[r] == len(acts[r]):
+            return None
+        return None if any(send not in posted for send in needs[r][nxt[r]]) else (spans[r][nxt[r]].start, 1, r)
+
+    while keys := [k for k in map(candidate, range(p)) if k is not None]:
+        r = min(keys)[2]
+        send = pending[r]
+        if send is not None:
+            recv = schedule.peer(send)
+            out[r].append(send)
+            out[schedule.rank_of(recv.stage)].append(recv)
+            posted.add(send)
+            pending[r] = None
+        else:
+            a = acts[r][nxt[r]]
+            out[r].append(a)
+            nxt[r] += 1
+            pending[r] = next((c for c in comms[r][nxt[r] - 1] if c.kind in ("SF", "SB")), None)
+    if nxt != [len(a) for a in acts]:  # pragma: no cover - simulate() has rejected such a schedule
+        raise ScheduleError(f"cannot lower schedule {schedule.name!r}: no consistent send/recv order exists.")
+    return Schedule(p, schedule.m, out, schedule.v, schedule.name)
+
+
+__all__ = [
+    "COMM_KINDS", "COMPUTE_KINDS", "GENERATORS", "KINDS", "Action", "Schedule", "ScheduleError", "build_schedule",
+    "gpipe", "interleaved", "lower", "naive", "one_f_one_b", "pipedream", "zero_bubble",
+]

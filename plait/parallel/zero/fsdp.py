@@ -1,0 +1,311 @@
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer states all sharded over the data-parallel ranks.
+
+Rajbhandari et al. 2020 (ZeRO, stage 3 "P_os+g+p") and Zhao et al. 2023 (PyTorch FSDP). The model is cut into
+*units* (``FlatUnit``): each transformer block, found automatically as the children of the shallowest
+``nn.ModuleDict``/``nn.ModuleList`` named ``blocks``, ``layers`` or ``h`` (plait's GPT, Hugging Face GPT-2 and
+Llama), plus a *root* unit holding every other trainable parameter (embeddings, final norm, head; the whole model
+when no blocks are found). At rest each of the N ranks holds 1/N of every unit's flat parameters; a unit is
+whole only while it computes:
+
+    forward:   all-gather unit u (prefetched during u-1), compute, free         (N-1)/N x P bytes sent
+    backward:  all-gather unit u again (prefetched during u+1's backward),
+               compute gradients, reduce-scatter (average) the flat gradient,
+               free the weights and the full gradient                            2 (N-1)/N x P bytes sent
+
+so a step sends 3 (N-1)/N x P x 4 bytes for P fp32 parameters: 1.5x DDP's all-reduce, for holding P/N instead
+of P parameters (+ at most two gathered units + the root while computing). The root unit is gathered for the
+whole forward (its embeddings run first, its head last) and re-gathered when the backward begins (a hook on the
+model's output), so it also moves exactly 3 (N-1)/N x P_root.
+
+Hooks: a forward pre-hook gathers the unit and issues the next unit's all-gather asynchronously (prefetch, in the
+order the previous forward ran them); a forward hook frees it and, under grad, hooks the unit's output tensors so
+that the unit is gathered again (and the one before it prefetched) just before the gradient flows into it.
+A post-accumulate-grad hook on each parameter counts the unit's gradients; when all have arrived the flat
+gradient is reduce-scattered (asynchronously; at most one in flight) into the shard's ``.grad``. A callback
+queued on the autograd engine finishes units whose parameters got no gradient and frees whatever is left.
+
+Inside ``no_sync()`` (gradient accumulation) nothing is reduced: each unit keeps its full, unsharded flat gradient
+locally (P extra values per rank during accumulation, as in PyTorch FSDP's no_sync) and adds it to the gradient
+reduced by the next synchronised backward. Activation recomputation may re-run a unit's forward during backward:
+the pre-hook is then idempotent and the unit stays gathered until its gradients are reduced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.comm import Comm
+from plait.comm.collectives import Pending
+from plait.config import Layout
+from plait.logging import get_logger
+from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory, build_optimizer
+from plait.parallel.zero import fsdp_state
+from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
+
+log = get_logger(__name__)
+
+BLOCK_CONTAINER_NAMES = ("blocks", "layers", "h")
+"""Names of the module lists whose children become one unit each."""
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the shallowest ModuleDict/ModuleList named like ``BLOCK_CONTAINER_NAMES`` (or none)."""
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in BLOCK_CONTAINER_NAMES and isinstance(module, (nn.ModuleDict, nn.ModuleList))
+    ]
+    if not found:
+        return []
+    prefix, container = min(found, key=lambda item: item[0].count("."))
+    return [(f"{prefix}.{child}", module) for child, module in container.named_children()]
+
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def group_parameters(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> dict[str, NamedParams]:
+    """Trainable parameters per unit name ("" is the root), by their model names; a tied parameter must not
+    span two units."""
+    groups: dict[str, NamedParams] = {"": [], **{name: [] for name, _ in blocks}}
+    owner: dict[int, tuple[str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        unit = next((block for block, _ in blocks if name.startswith(block + ".")), "")
+        if id(param) in owner:
+            first_unit, first_name = owner[id(param)]
+            if first_unit != unit:
+                raise ValueError(
+                    f"parameter '{name}' is the same tensor as '{first_name}', but they lie in different ZeRO-3 units "
+                    f"('{unit or 'root'}' and '{first_unit or 'root'}'): each unit is gathered and freed on its own, "
+                    "so a weight shared across units cannot be sharded. Fix: untie it, or use zero=1/2."
+                )
+            continue
+        owner[id(param)] = (unit, name)
+        groups[unit].append((name, param))
+    return groups
+
+
+def _output_tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors requiring grad inside a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _output_tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _output_tensors(item)]
+    return []
+
+
+def _after(order: list[FlatUnit], unit: FlatUnit) -> FlatUnit | None:
+    """The unit after ``unit`` in ``order`` (None at the end or when absent)."""
+    for index, candidate in enumerate(order):
+        if candidate is unit:
+            return order[index + 1] if index + 1 < len(order) else None
+    return None
+
+
+class FullyShardedStrategy(DataParallelStrategy):
+    """ZeRO-3: every unit's parameters sharded at rest over ``axis``; the optimizer steps this rank's shards."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer: OptimizerFactory | torch.optim.Optimizer,
+        layout: Layout | None = None,
+        axis: str = GRAD_AXIS,
+    ) -> None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "ZeRO-3 needs an optimizer factory, not an optimizer already built: that optimizer holds the full "
+                "parameters, which ZeRO-3 replaces with 1/N shards. Fix: optimizer=lambda params: "
+                f"torch.optim.{type(optimizer).__name__}(params, ...)."
+            )
+        if not callable(optimizer):
+            raise TypeError("optimizer must be a factory params -> torch.optim.Optimizer")
+        self.model, self.comm, self.axis = model, comm, axis
+        self.layout = layout or Layout().resolve(comm.mesh.world_size)
+        self._sync = True
+        self.trace: list[tuple[str, ...]] | None = None
+        """Set to a list to record ("gather"/"wait"/"free"/"reduce_scatter", unit, ...) events (tests, debugging)."""
+        blocks = find_blocks(model)
+        groups = group_parameters(model, blocks)
+        if not any(groups.values()):
+            raise ValueError("the model has no trainable parameters (requires_grad=True): ZeRO-3 has nothing to shard")
+        modules = {"": model, **dict(blocks)}
+        self.units = [
+            FlatUnit(name or "root", modules[name], params, comm, axis, self._record)
+            for name, params in groups.items() if params or not name
+        ]
+        self.root = self.units[0]
+        self.params = [unit.shard for unit in self.units if not unit.empty]
+        self.optimizer = build_optimizer(optimizer, self.params)
+        self._forward_order = list(self.units)
+        self._backward_order = [self.root, *reversed(self.units[1:])]
+        self._pre_record: list[FlatUnit] = []
+        self._post_record: list[FlatUnit] = []
+        self._backward_active = False
+        self._inflight: tuple[FlatUnit, Pending] | None = None
+        self._handles: list[Any] = []
+        for unit in self.units:
+            pre_forward = functools.partial(self._pre_forward, unit)
+            self._handles.append(unit.module.register_forward_pre_hook(pre_forward, prepend=True))
+            self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            for param in unit.params:
+                hook = functools.partial(self._grad_ready, unit)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        log.info(
+            "ZeRO-3 over %s=%d: %d units (root + %d blocks), %d parameters, %d per rank at rest",
+            axis, comm.size(axis), len(self.units), len(self.units) - 1,
+            sum(u.layout.numel for u in self.units), sum(u.shard.numel() for u in self.units),
+        )
+
+    def _record(self, *event: str) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    # ----------------------------------------------------------------- forward hooks
+    def _recomputing(self) -> bool:
+        """A forward run by autograd inside our backward (activation recomputation)."""
+        return self._backward_active and torch._C._current_graph_task_id() != -1
+
+    def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+        if self._recomputing():  # keep the unit gathered until its gradients are reduced
+            unit.gather("recompute", grad_enabled=True)
+            return
+        if unit is self.root:
+            self._pre_record, self._post_record = [], []
+        self._pre_record.append(unit)
+        unit.gather("forward", grad_enabled=torch.is_grad_enabled())
+        following = _after(self._forward_order, unit)
+        if following is not None:
+            following.prefetch("forward")
+
+    def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recomputing():
+            return
+        self._post_record.append(unit)
+        if torch.is_grad_enabled():
+            for tensor in _output_tensors(output):
+                tensor.register_hook(functools.partial(self._pre_backward_hook, unit))
+        unit.reshard()
+        if unit is self.root:  # the whole forward ran: remember its order, drop prefetches nobody used
+            self._forward_order = list(self._pre_record)
+            self._backward_order = list(reversed(self._post_record))
+            for other in self.units:
+                if other.state is UnitState.PENDING:
+                    other.reshard()
+
+    # ----------------------------------------------------------------- backward hooks
+    def _enter_backward(self) -> None:
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_pass)
+
+    def _pre_backward_hook(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        self._enter_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        unit.gather("backward")
+        following = _after(self._backward_order, unit)
+        if following is not None and not following.backward_started:
+            following.prefetch("backward")
+
+    def _grad_ready(self, unit: FlatUnit, param: nn.Parameter) -> None:
+        self._enter_backward()
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._reduce(unit)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        """The unit's gradients are complete: keep them (no_sync) or reduce-scatter them; free the weights."""
+        if unit.grads_done:
+            return
+        unit.grads_done = True
+        flat = unit.take_grads()
+        unit.reshard()
+        if not self._sync:
+            unit.local_grad = flat
+            return
+        self._drain()  # at most one reduce-scatter in flight: bounds the full gradients held
+        self._inflight = (unit, self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True))
+        self._record("reduce_scatter", unit.name)
+
+    def _drain(self) -> None:
+        if self._inflight is not None:
+            unit, pending = self._inflight
+            self._inflight = None
+            unit.add_shard_grad(pending.wait())
+
+    def _finish_backward_pass(self) -> None:
+        """End of a backward (autograd engine callback): finish every unit, free everything gathered."""
+        for unit in self.units:
+            unreduced = unit.backward_started or (self._sync and unit.local_grad is not None)
+            if unreduced and not unit.empty and not unit.grads_done:
+                self._reduce(unit)
+        self._drain()
+        for unit in self.units:
+            unit.end_backward()
+        self._backward_active = False
+
+    def finish_backward(self) -> None:
+        """Gradients are reduced during backward; wait for the last reduce-scatter."""
+        self._drain()
+
+    # ----------------------------------------------------------------- gradients and step
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's slices of the averaged gradients (padding included: it is zero)."""
+        return [unit.shard.grad for unit in self.units if unit.shard.grad is not None]
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for unit in self.units:
+            unit.local_grad = None
+
+    # ----------------------------------------------------------------- introspection
+    def held_bytes(self) -> int:
+        """Bytes of model weights this rank holds now: its shards plus gathered units and gathers in flight."""
+        return sum(unit.shard.numel() * unit.element_size + unit.gathered_bytes() for unit in self.units)
+
+    def _full_by_param(self, shard_tensor: Callable[[FlatUnit], torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        full: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            tensor = shard_tensor(unit)
+            if unit.empty or tensor is None:
+                continue
+            flat = unit.gather_copy(tensor)
+            for param, view in zip(unit.params, unit.layout.views(flat)):
+                full[id(param)] = view.clone()
+        return full
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by the model's names (all-gathers every unit; call it on every rank)."""
+        full = self._full_by_param(lambda unit: unit.shard)
+        return {name: full.get(id(p), p.detach().clone()) for name, p in self.model.named_parameters()}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The averaged gradients, whole, by parameter name (after ``finish_backward``; collective)."""
+        full = self._full_by_param(lambda unit: unit.shard.grad)
+        return {name: full[id(p)] for name, p in self.model.named_parameters() if id(p) in full}
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dicts(self) -> dict[str, Any]:
+        """Model state as full tensors by name (gathered) and this rank's optimizer state over its shards."""
+        return {
+            "model": fsdp_state.model_state(self.model, self._full_by_param(lambda unit: unit.shard)),
+            "optimizer": fsdp_state.optimizer_state(self.optimizer, self.units, self.comm.size(self.axis)),
+        }
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        fsdp_state.load_model_state(self.model, self.units, states["model"])
+        fsdp_state.load_optimizer_state(self.optimizer, self.units, self.comm.size(self.axis), states["optimizer"])

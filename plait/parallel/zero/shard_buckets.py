@@ -1,0 +1,154 @@
+"""Buckets of parameters whose flat gradient is reduce-scattered in one call, each with its own ``FlatLayout``.
+
+A bucket holds parameters of one dtype laid end to end in a flat buffer padded to a multiple of N
+(``FlatLayout``). Rank r owns elements [r S, (r+1) S) of every bucket (S = the bucket's shard size), so one
+reduce-scatter of the bucket's flat gradient hands each rank the summed gradient of exactly the elements whose
+fp32 master copy and optimizer state it keeps (ZeRO, Rajbhandari et al. 2020, sec. 5.1-5.2).
+
+- ZeRO-1 uses one bucket per dtype: the whole flat parameter space, reduced once after backward.
+- ZeRO-2 cuts each dtype's parameters, in reverse registration order (roughly the order backward produces
+  their gradients), into buckets of about ``bucket_mb`` MiB, so that a bucket can be reduced, and its full
+  gradient freed, while backward goes on (as DDP buckets, Li et al. 2020, sec. 3.2.3).
+
+Padding is per bucket: sum over buckets of padded sizes is at most P + (N - 1) x buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.comm.collectives import Pending
+from plait.parallel.zero.flat import FlatLayout
+
+REDUCIBLE: dict[str, frozenset[torch.dtype]] = {
+    # Probed on torch 2.13: gloo reduce-scatters and all-gathers float32/64, float16, bfloat16 and complex
+    # tensors; float8 types fail with "Invalid scalar type".
+    "gloo": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}),
+}
+"""Parameter dtypes whose gradients each backend can reduce-scatter; backends not listed are not checked."""
+
+
+def check_reducible(named_params: list[tuple[str, nn.Parameter]], backend: str | None, device_type: str) -> None:
+    """Raise TypeError naming the parameters whose gradients ``backend`` cannot reduce-scatter."""
+    if backend is None:
+        return
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device_type)
+    supported = REDUCIBLE.get(str(backend))
+    if supported is None:
+        return
+    bad = [f"{name} ({str(p.dtype).removeprefix('torch.')})" for name, p in named_params if p.dtype not in supported]
+    if bad:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in supported))
+        raise TypeError(
+            f"ZeRO reduce-scatters gradients over the {backend} backend, which cannot reduce the gradients of "
+            f"{', '.join(bad)}; it reduces {names}. Fix: keep these parameters in one of those dtypes "
+            f"(e.g. param.data = param.data.float()) or freeze them with requires_grad_(False)."
+        )
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the master copy: fp32 for 16-bit parameters, the parameter's own dtype from fp32 up."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass
+class ShardBucket:
+    """Parameters of one dtype in one flat buffer; this rank's shard of it; the gradient while it is reduced."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    rank: int
+    """This rank's index in the sharding axis: it owns ``layout.shard_range(rank)``."""
+    master: nn.Parameter = None  # type: ignore[assignment]  # set by the strategy right after planning
+    """The fp32 master copy of this rank's shard (what the optimizer steps)."""
+    flat: torch.Tensor | None = None
+    """The full padded gradient while it is being filled (ZeRO-2 hooks or finish_backward)."""
+    arrived: set[int] = field(default_factory=set)
+    pending: Pending | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def shard_size(self) -> int:
+        return self.layout.shard_size
+
+    @property
+    def complete(self) -> bool:
+        return len(self.arrived) == len(self.params)
+
+    def shard_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of the parameter values as ``dtype`` (zeros in the padding), via ``slices``."""
+        shard = torch.zeros(self.shard_size, dtype=dtype, device=self.params[0].device)
+        for piece in self.layout.slices(self.rank):
+            values = self.params[piece.index].detach().reshape(-1)[piece.start : piece.end]
+            shard[piece.at : piece.at + piece.end - piece.start].copy_(values)
+        return shard
+
+    def add_grad(self, position: int, grad: torch.Tensor) -> None:
+        """Copy parameter ``position``'s gradient into the flat buffer (allocated, zeroed, on first use)."""
+        if self.flat is None:
+            self.flat = torch.zeros(self.layout.padded, dtype=self.dtype, device=grad.device)
+        offset = self.layout.offsets[position]
+        self.flat[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        self.arrived.add(position)
+
+    def take_flat(self, device: torch.device) -> torch.Tensor:
+        """The filled flat gradient (zeros for parameters without one), handed over: the bucket drops it."""
+        flat = self.flat if self.flat is not None else torch.zeros(self.layout.padded, dtype=self.dtype, device=device)
+        self.flat = None
+        return flat
+
+    @torch.no_grad()
+    def write_params(self, full: torch.Tensor) -> None:
+        """Copy the gathered padded flat parameter buffer ``full`` into the model's parameters."""
+        for param, view in zip(self.params, self.layout.views(full)):
+            param.copy_(view)
+
+    def reset(self) -> None:
+        self.flat, self.pending = None, None
+        self.arrived.clear()
+
+
+def plan_buckets(
+    named_params: list[tuple[str, nn.Parameter]], shards: int, rank: int, cap_bytes: float | None
+) -> list[ShardBucket]:
+    """Group parameters into buckets of one dtype each.
+
+    ``cap_bytes=None``: one bucket per dtype, parameters in registration order (ZeRO-1). Otherwise visit the
+    parameters in reverse order and close a dtype's open bucket when the next parameter would push it past
+    ``cap_bytes`` (a parameter larger than the cap gets a bucket of its own) (ZeRO-2).
+    """
+    groups: list[list[int]] = []
+    if cap_bytes is None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (_name, param) in enumerate(named_params):
+            by_dtype.setdefault(param.dtype, []).append(i)
+        groups = list(by_dtype.values())
+    else:
+        if not cap_bytes > 0:
+            raise ValueError(f"bucket cap {cap_bytes} bytes must be positive")
+        open_bucket: dict[torch.dtype, tuple[int, float]] = {}
+        for i in reversed(range(len(named_params))):
+            param = named_params[i][1]
+            size = param.numel() * param.element_size()
+            at = open_bucket.get(param.dtype)
+            if at is None or (groups[at[0]] and at[1] + size > cap_bytes):
+                groups.append([])
+                at = (len(groups) - 1, 0.0)
+            groups[at[0]].append(i)
+            open_bucket[param.dtype] = (at[0], at[1] + size)
+    buckets = []
+    for index, members in enumerate(groups):
+        named = [named_params[i] for i in members]
+        buckets.append(
+            ShardBucket(index, [n for n, _ in named], [p for _, p in named], FlatLayout.of(named, shards), rank)
+        )
+    return buckets

@@ -1,0 +1,331 @@
+"""ZeRO-1 and ZeRO-2: optimizer states (and gradients) sharded over the data-parallel ranks.
+
+ZeRO-DP (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models")
+removes the redundancy of data parallelism's model states. With P parameters on N ranks and an optimizer with
+K bytes of state per parameter (fp32 Adam: master copy 4 + momentum 4 + variance 4):
+
+- stage 1 (P_os): each rank keeps the optimizer state and the fp32 master weights of 1/N of the flat parameter
+  space: K P / N bytes instead of K P. Gradients are whole during backward.
+- stage 2 (P_os+g): gradients too: each bucket of gradients is reduce-scattered as soon as backward has
+  produced it and its full copy is freed, so a rank ends backward holding 4 P / N bytes of gradient.
+
+Parameters stay whole (replicated) on every rank for forward and backward. One step on rank r::
+
+    backward                                   grads g (full, local)           ZeRO-2: bucket by bucket, async
+    reduce-scatter(avg) of the flat gradient   -> g_r = mean over ranks of g[shard r]
+    (clip by the global norm: sqrt(all-reduce of sum_r |g_r|^2))
+    optimizer.step() on the master shard m_r   (fp32; on the CPU with offload)
+    all-gather of the updated shards           -> every rank's parameters = concat_r m_r
+
+An all-reduce is a reduce-scatter followed by an all-gather, so each rank sends (N-1)/N x P x b bytes for the
+reduce-scatter and the same for the all-gather: 2(N-1)/N x P x b, the volume of plain data parallelism (paper,
+sec. 7.2.1), here measured in ``StepStats.comm``.
+
+The optimizer is built by calling the user's factory on this rank's master shards (one fp32 ``nn.Parameter``
+per bucket), so any torch.optim optimizer works, with two limits:
+
+- the factory sees shard tensors, not the model's parameters, so per-parameter groups (e.g. no weight decay
+  for norms and biases) cannot be expressed: every shard gets the factory's hyperparameters. An optimizer
+  already built on ``model.parameters()`` is refused (it would hold the full parameters).
+- elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) take exactly the step of single-device
+  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) compute them per shard,
+  which is a different algorithm.
+
+Gradient accumulation: inside ``no_sync()`` backward accumulates full gradients in ``param.grad`` without
+communication (under ZeRO-2 too, as DeepSpeed does: accumulating sharded gradients would need a
+reduce-scatter per micro-batch), so the full-gradient memory is held until the synced backward reduces it.
+After ``finish_backward`` no ``param.grad`` of the model is held under either stage; the reduced shard
+gradients are the master shards' ``.grad`` (``owned_grads``).
+
+Offload ("cpu"/"nvme", ``plait.parallel.zero.offload``): master shards and optimizer states live in host memory
+or in memory-mapped files; the step runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from plait.comm import Comm
+from plait.config import Layout
+from plait.errors import LayoutError
+from plait.logging import get_logger
+from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory
+from plait.parallel.zero.offload import Placement, is_file_backed
+from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, plan_buckets
+
+log = get_logger(__name__)
+
+
+class ShardedOptimizerStrategy(DataParallelStrategy):
+    """ZeRO stage ``layout.zero`` (1 or 2) over ``axis``, with optional offload (``layout.offload``)."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer: OptimizerFactory | torch.optim.Optimizer,
+        layout: Layout | None = None,
+        axis: str = GRAD_AXIS,
+        offload_dir: str | None = None,
+    ) -> None:
+        layout = layout or Layout(zero=1).resolve(comm.mesh.world_size)
+        if layout.zero not in (1, 2):
+            raise ValueError(f"ShardedOptimizerStrategy runs ZeRO stage 1 or 2, not zero={layout.zero}")
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise TypeError(
+                f"ZeRO-{layout.zero} builds the optimizer itself, on this rank's shard of the parameters, so it needs "
+                f"a factory, not {type(optimizer).__name__}. Fix: optimizer=lambda params: "
+                f"torch.optim.AdamW(params, lr=3e-4) instead of an optimizer built on model.parameters()."
+            )
+        self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
+        self.stage = layout.zero
+        self.world = comm.size(axis)
+        self.index = comm.mesh.index(axis)
+        self._sync = True
+        self._factory = optimizer
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to shard")
+        self.params = [p for _, p in named]
+        group = comm.mesh.group(axis)
+        if group is not None:
+            check_reducible(named, dist.get_backend(group), comm.device.type)
+
+        self.placement = Placement(layout.offload, comm.device, comm.mesh.rank, offload_dir)
+        cap = None if self.stage == 1 else layout.bucket_mb * 2**20
+        self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap)
+        for bucket in self.buckets:
+            values = bucket.shard_values(master_dtype(bucket.dtype))
+            bucket.master = nn.Parameter(self.placement.place(values, f"master{bucket.index}"))
+        self._by_dtype: dict[torch.dtype, list[ShardBucket]] = {}
+        for bucket in self.buckets:
+            self._by_dtype.setdefault(bucket.dtype, []).append(bucket)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._next = 0
+        """Buckets [0, _next) have had their reduce-scatter issued in this backward (always in bucket order)."""
+        self.optimizer = self._build_optimizer()
+        self._hooks = []
+        if self.stage == 2:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        numel = sum(b.layout.numel for b in self.buckets)
+        log.info(
+            "ZeRO-%d over %s=%d: %d parameters in %d bucket(s), %d per rank (shard), offload=%s",
+            self.stage, axis, self.world, numel, len(self.buckets), sum(b.shard_size for b in self.buckets),
+            layout.offload,
+        )
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        masters = [b.master for b in self.buckets]
+        optimizer = self._factory(masters)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if held != {id(m) for m in masters}:
+            raise ValueError(
+                "the optimizer factory must build its optimizer on exactly the parameters it is given (under ZeRO: "
+                "this rank's master shards), e.g. lambda params: torch.optim.AdamW(params). Per-parameter groups "
+                "over the model's parameters are not supported."
+            )
+        return optimizer
+
+    # ----------------------------------------------------------------- backward
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """ZeRO-2 post-accumulate-grad hook: move the gradient into its bucket, free it, launch ready buckets."""
+        if not self._sync or param.grad is None:
+            return
+        bucket, position = self._where[id(param)]
+        if bucket.pending is not None or position in bucket.arrived:
+            raise RuntimeError(
+                f"ZeRO-2: parameter {bucket.names[position]!r} received a second gradient before finish_backward(). "
+                f"Fix: call strategy.finish_backward() after each synced backward (the Engine does), and run the "
+                f"other backward passes of an accumulation inside strategy.no_sync()."
+            )
+        bucket.add_grad(position, param.grad)
+        param.grad = None
+        if bucket.complete:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Issue the reduce-scatters of complete buckets, in bucket order (the same order on every rank)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: ShardBucket) -> None:
+        flat = bucket.take_flat(self.comm.device)
+        bucket.pending = self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True)
+        self._next = bucket.index + 1
+
+    def finish_backward(self) -> None:
+        """Reduce-scatter (average) every bucket not yet issued, wait for all, and hand each rank its shard's
+        gradient as the master shard's ``.grad``. Parameters without a gradient contribute zeros."""
+        for bucket in self.buckets[self._next :]:
+            for position, param in enumerate(bucket.params):
+                if param.grad is not None and position not in bucket.arrived:
+                    bucket.add_grad(position, param.grad)
+                    param.grad = None
+            self._launch(bucket)
+        for bucket in self.buckets:
+            assert bucket.pending is not None
+            shard = bucket.pending.wait()
+            bucket.master.grad = self.placement.to_host(shard, bucket.master.dtype)
+            bucket.reset()
+        self.placement.synchronize()
+        self._next = 0
+
+    # ----------------------------------------------------------------- gradients and step
+    def owned_grads(self) -> list[torch.Tensor]:
+        """This rank's shard gradients (padding elements are zero, so norms over them are exact)."""
+        return [b.master.grad for b in self.buckets if b.master.grad is not None]
+
+    def step(self) -> None:
+        """Step the master shards, then all-gather them (one call per dtype) into every rank's parameters."""
+        self.optimizer.step()
+        self.placement.adopt_states(self.optimizer)
+        self._gather_parameters()
+
+    def _gather_parameters(self) -> None:
+        shards = {b.index: self.placement.to_compute(b.master.detach(), b.dtype) for b in self.buckets}
+        for bucket, full in self._all_gather(shards):
+            bucket.write_params(full)
+
+    def _all_gather(self, shards: dict[int, torch.Tensor]) -> Iterator[tuple[ShardBucket, torch.Tensor]]:
+        """All-gather one shard per bucket (in the bucket's dtype, on the compute device), one call per dtype;
+        yield each bucket with its whole padded flat buffer."""
+        for buckets in self._by_dtype.values():
+            rows = self.comm.all_gather(torch.cat([shards[b.index] for b in buckets]), self.axis)
+            rows = rows.view(self.world, -1)  # row r: rank r's shards, bucket after bucket
+            column = 0
+            for bucket in buckets:
+                yield bucket, rows[:, column : column + bucket.shard_size].reshape(-1)
+                column += bucket.shard_size
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next = 0
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced gradient, whole, by name: all-gathers the shard gradients (this costs
+        communication; it is for checks and debugging, not for training)."""
+        shards = {}
+        for bucket in self.buckets:
+            grad = bucket.master.grad if bucket.master.grad is not None else torch.zeros_like(bucket.master)
+            shards[bucket.index] = grad.detach().to(self.comm.device, bucket.dtype)
+        out: dict[str, torch.Tensor] = {}
+        for bucket, full in self._all_gather(shards):
+            for name, view in zip(bucket.names, bucket.layout.views(full)):
+                out[name] = view.clone()
+        return out
+
+    # ----------------------------------------------------------------- memory
+    def memory_split(self) -> dict[str, int]:
+        """Bytes this rank holds now, by place: ``device`` (the model's parameters and gradients, and the shards
+        without offload), ``host`` (offloaded shards, their gradients, optimizer states in RAM) and ``files``
+        (memory-mapped "nvme" files). Each storage counts once."""
+        split = {"device": 0, "host": 0, "files": 0}
+        seen: set[int] = set()
+
+        def add(tensor: Any, where: str) -> None:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    split[where] += storage.nbytes()
+
+        for param in self.params:
+            for tensor in (param, param.grad):
+                if tensor is not None:
+                    add(tensor, "files" if is_file_backed(tensor) else "device")
+        managed = [b.master for b in self.buckets] + [b.master.grad for b in self.buckets]
+        managed += [v for state in self.optimizer.state.values() for v in state.values()]
+        for tensor in managed:
+            if isinstance(tensor, torch.Tensor):
+                add(tensor, self.placement.where(tensor))
+        return split
+
+    def close(self) -> None:
+        """Remove the ZeRO-2 hooks and delete offload files (the strategy cannot train afterwards)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.placement.close()
+
+    # ----------------------------------------------------------------- checkpoints
+    @property
+    def state_key(self) -> str:
+        """This rank's key for its optimizer shard in a checkpoint (names the stage, the degree and the rank)."""
+        return f"zero{self.stage}_dp{self.world}_rank{self.comm.mesh.rank}"
+
+    def state_dicts(self) -> dict[str, Any]:
+        """The full model state (replicated: every rank holds it) and this rank's shard of the optimizer under
+        ``state_key``: master shards, optimizer state tensors (the live ones, so DCP loads into them in place),
+        param_groups, and the shard's rank, degree and ranges [start, end, padded, numel] per bucket."""
+        initialized = bool(self.optimizer.state)
+        packed = self.optimizer.state_dict() if initialized else self._template()
+        shard = {
+            "shard": {
+                "rank": torch.tensor(self.index),
+                "dp": torch.tensor(self.world),
+                "ranges": torch.tensor(
+                    [[*b.layout.shard_range(self.index), b.layout.padded, b.layout.numel] for b in self.buckets]
+                ),
+            },
+            "initialized": torch.tensor(int(initialized)),
+            "master": {str(b.index): b.master.detach() for b in self.buckets},
+            "state": {str(k): dict(v) for k, v in packed["state"].items()},
+            "param_groups": packed["param_groups"],
+        }
+        return {"model": get_model_state_dict(self.model), "optimizer": {self.state_key: shard}}
+
+    def _template(self) -> dict[str, Any]:
+        """The state_dict an optimizer of this factory has after one step: the shapes a load fills in. Built on
+        throwaway copies of the shards, so the real optimizer stays untouched (still without state)."""
+        clones = [nn.Parameter(torch.zeros(b.shard_size, dtype=b.master.dtype)) for b in self.buckets]
+        for clone in clones:
+            clone.grad = torch.zeros_like(clone)
+        throwaway = self._factory(clones)
+        throwaway.step()
+        return throwaway.state_dict()
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        if self.state_key not in states["optimizer"]:
+            raise self._layout_mismatch(f"it has no entry {self.state_key!r}")
+        shard = states["optimizer"][self.state_key]
+        ranges = [[*b.layout.shard_range(self.index), b.layout.padded, b.layout.numel] for b in self.buckets]
+        if shard["shard"]["ranges"].tolist() != ranges or int(shard["shard"]["dp"]) != self.world:
+            raise self._layout_mismatch(f"its shard ranges are {shard['shard']['ranges'].tolist()}, not {ranges}")
+        set_model_state_dict(self.model, states["model"])
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.master.copy_(shard["master"][str(bucket.index)])
+        if int(shard["initialized"]):
+            state = {int(k): v for k, v in shard["state"].items()}
+            self.optimizer.load_state_dict({"state": state, "param_groups": shard["param_groups"]})
+            self.placement.adopt_states(self.optimizer)
+        else:
+            self.optimizer.state.clear()
+
+    def check_checkpoint(self, meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose optimizer shards were cut differently (``meta``: its plait.json)."""
+        saved = meta.get("layout", {})
+        degree = int(saved.get("dp", 1)) * int(saved.get("cp", 1))
+        if saved.get("zero") != self.stage or degree != self.world:
+            raise self._layout_mismatch(f"it was saved with zero={saved.get('zero')} over dp x cp = {degree}")
+
+    def _layout_mismatch(self, why: str) -> LayoutError:
+        return LayoutError(
+            f"this checkpoint's optimizer state does not match ZeRO-{self.stage} over {self.axis}={self.world} "
+            f"(rank {self.comm.mesh.rank}): {why}. Loading ZeRO optimizer shards under another data-parallel size "
+            f"or stage (resharding) is not implemented yet. Fix: load with the layout it was saved with."
+        )
