@@ -389,7 +389,7 @@ def test_checkpoint_under_another_dp_size_is_refused(dp4):
 @pytest.mark.distributed
 def test_gradient_dtype_the_backend_cannot_reduce_is_refused(dp2):
     for result in dp2:
-        assert "TypeError" in result["bad_dtype"] and "weight (float8_e4m3fn)" in result["bad_dtype"]
+        assert "TypeError" in result["bad_dtype"] and "weight (torch.float8_e4m3fn)" in result["bad_dtype"]
         assert "gloo" in result["bad_dtype"]
 
 

@@ -33,7 +33,7 @@ REDUCIBLE: dict[str, frozenset[torch.dtype]] = {
 
 
 def check_reducible(named_params: list[tuple[str, nn.Parameter]], backend: str | None, device_type: str) -> None:
-    """Raise TypeError naming each parameter whose gradient dtype ``backend`` cannot all-reduce.
+    """Raise TypeError naming each parameter whose gradient dtype ``backend`` cannot reduce (DDP and ZeRO).
 
     ``backend`` is ``dist.get_backend(group)``: a name ("gloo") or a per-device list ("cpu:gloo,cuda:nccl").
     """
@@ -45,11 +45,11 @@ def check_reducible(named_params: list[tuple[str, nn.Parameter]], backend: str |
     supported = REDUCIBLE.get(str(backend))
     if supported is None:
         return
-    bad = [f"{name} ({param.dtype})" for name, param in named_params if param.dtype not in supported]
+    bad = [f"{name} ({p.dtype})" for name, p in named_params if p.dtype not in supported]
     if bad:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in supported))
         raise TypeError(
-            f"the {backend} backend cannot all-reduce the gradients of: {', '.join(bad)}. It reduces {names}. "
+            f"the {backend} backend cannot reduce the gradients of: {', '.join(bad)}. It reduces {names}. "
             f"Fix: keep these parameters in one of those dtypes (cast them, e.g. param.data = param.data.float()), "
             f"or freeze them with requires_grad_(False)."
         )

@@ -21,34 +21,8 @@ import torch
 from torch import nn
 
 from plait.comm.collectives import Pending
+from plait.parallel.buckets import check_reducible  # noqa: F401 - re-exported for the ZeRO strategy
 from plait.parallel.zero.flat import FlatLayout
-
-REDUCIBLE: dict[str, frozenset[torch.dtype]] = {
-    # Probed on torch 2.13: gloo reduce-scatters and all-gathers float32/64, float16, bfloat16 and complex
-    # tensors; float8 types fail with "Invalid scalar type".
-    "gloo": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}),
-}
-"""Parameter dtypes whose gradients each backend can reduce-scatter; backends not listed are not checked."""
-
-
-def check_reducible(named_params: list[tuple[str, nn.Parameter]], backend: str | None, device_type: str) -> None:
-    """Raise TypeError naming the parameters whose gradients ``backend`` cannot reduce-scatter."""
-    if backend is None:
-        return
-    if ":" in backend:  # "cpu:gloo,cuda:nccl"
-        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device_type)
-    supported = REDUCIBLE.get(str(backend))
-    if supported is None:
-        return
-    bad = [f"{name} ({str(p.dtype).removeprefix('torch.')})" for name, p in named_params if p.dtype not in supported]
-    if bad:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in supported))
-        raise TypeError(
-            f"ZeRO reduce-scatters gradients over the {backend} backend, which cannot reduce the gradients of "
-            f"{', '.join(bad)}; it reduces {names}. Fix: keep these parameters in one of those dtypes "
-            f"(e.g. param.data = param.data.float()) or freeze them with requires_grad_(False)."
-        )
-
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the master copy: fp32 for 16-bit parameters, the parameter's own dtype from fp32 up."""
