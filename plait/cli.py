@@ -75,12 +75,18 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from plait.distributed import shutdown
     from plait.run_config import load_config
     from plait.train import run
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
     config = load_config(args.config, overrides)
-    run(config)
+    try:
+        run(config)
+    except BaseException:
+        shutdown(wait_for_peers=False)
+        raise
+    shutdown()
     return 0
 
 

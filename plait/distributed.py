@@ -64,7 +64,13 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     return World(rank, world_size, local_rank, device, backend)
 
 
-def shutdown() -> None:
-    """Destroy the default process group if this process created one."""
+def shutdown(wait_for_peers: bool = True) -> None:
+    """Destroy the default process group if one exists, after a barrier so that no rank exits while a peer still talks.
+
+    Exiting with a live gloo group lets its threads be torn down mid-flight ("terminate called without an active
+    exception"); pass ``wait_for_peers=False`` on an error path, where a peer may never reach the barrier.
+    """
     if dist.is_available() and dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
