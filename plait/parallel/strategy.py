@@ -30,6 +30,10 @@ from plait.config import Layout
 GRAD_AXIS = "dp_cp"
 """Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""
 
+MODEL_PARALLEL_AXES = ("pp", "tp")
+"""Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
+an inf check sums / maxes over them as well."""
+
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -107,16 +111,33 @@ class DataParallelStrategy:
         sharded, the square root of the sum of every rank's squared norm."""
         return float(self._grad_norm_tensor())
 
+    def reduction_axes(self) -> list[str]:
+        """Axes whose ranks hold different gradients: the data axis when sharded, and pp / tp when > 1."""
+        axes = [self.axis] if self.sharded else []
+        return axes + [axis for axis in MODEL_PARALLEL_AXES if self.comm.size(axis) > 1]
+
+    def norm_groups(self) -> list[tuple[list[torch.Tensor], float]]:
+        """This rank's owned gradients in groups ``(grads, weight)``: the global squared norm is the sum over
+        ranks of weight x ||grads||^2. Weight 1 by default; a tensor-parallel strategy gives gradients that are
+        replicated over tp the weight 1/tp so that the sum over tp counts them once."""
+        return [(self.owned_grads(), 1.0)]
+
     def _grad_norm_tensor(self) -> torch.Tensor:
-        grads = self.owned_grads()
-        if not grads:
-            return torch.zeros((), device=self.comm.device)
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if self.sharded:
-            squared = norm.double().pow(2)
-            self.comm.all_reduce(squared, self.axis)
-            norm = squared.sqrt().to(norm.dtype)
-        return norm
+        """sqrt(sum over reduction_axes of sum_groups weight x ||g||^2); torch's foreach norm when nothing is
+        reduced (bitwise equal to torch.nn.utils.clip_grad_norm_ on one rank)."""
+        groups = [(grads, weight) for grads, weight in self.norm_groups() if grads]
+        axes = self.reduction_axes()
+        if not axes and len(groups) == 1 and groups[0][1] == 1.0:
+            return torch.nn.utils.get_total_norm(groups[0][0], 2.0)
+        squared = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        dtype = torch.float32
+        for grads, weight in groups:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            squared += weight * norm.double().pow(2)
+            dtype = norm.dtype
+        for axis in axes:
+            self.comm.all_reduce(squared, axis)
+        return squared.sqrt().to(dtype)
 
     def scale_grads_(self, factor: float) -> None:
         grads = self.owned_grads()
@@ -138,8 +159,8 @@ class DataParallelStrategy:
             if not torch.isfinite(grad).all():
                 flag.fill_(1.0)
                 break
-        if self.sharded:
-            self.comm.all_reduce(flag, self.axis, op="max")
+        for axis in self.reduction_axes():
+            self.comm.all_reduce(flag, axis, op="max")
         return bool(flag > 0)
 
     # ----------------------------------------------------------------- step
