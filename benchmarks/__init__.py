@@ -1,10 +1,12 @@
 """plait against its torch-native peers, side by side, in one run: ``python -m benchmarks.run``.
 
 - ``workload.py``   the shared model, data, optimizer and seeds (what both contenders of a pair train)
-- ``contenders.py`` ``Contender(name, build)`` registry and ``Suite`` pairs (plait vs the torch-native peer)
+- ``trainer.py``    ``Trainer``/``Contender``/``Probe`` and the helpers peers share (global clipping, gathers)
+- ``contenders.py`` the ``Contender`` registry and the ``Suite`` pairs (plait vs the torch-native peer)
+- ``model_parallel.py`` the pipeline, tensor and context parallel contenders (and their theoretical bytes)
 - ``worker.py``     the timed loop that every rank runs (fresh processes per contender, or alternating blocks)
 - ``launch.py``     starts the ranks with torchrun's machinery (``elastic_launch``, standalone rendezvous)
 - ``measure.py``    medians, spreads, ratios, theory: one row (a dict) per contender
 - ``report.py``     the rich table on the console and the markdown tables of BENCHMARKS.md
-- ``run.py``        the command line and ``run_suite(name, world, steps, warmup)``
+- ``run.py``        the command line and ``run_suite(name, world, steps, warmup, rounds)``
 """

@@ -35,6 +35,8 @@ class Series:
     growth_rss_kb: list[int] = field(default_factory=list)
     params: np.ndarray | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    model_state: list[dict[str, int]] = field(default_factory=list)
+    """Per launch and rank, the model-state bytes by kind at the probe step's optimizer step."""
 
     @property
     def seconds(self) -> list[float]:
@@ -57,6 +59,7 @@ def collect(suite: Suite, launches: list[list[RankResult]]) -> dict[str, Series]
             if trace.params is not None:
                 s.params = trace.params
             s.info = {**trace.info}
+            s.model_state.extend(r.traces[name].info.get("model_state_bytes") or {} for r in ranks)
             if len(first.traces) == 1:  # a process of its own: its memory is this contender's
                 s.peak_rss_kb.extend(r.peak_rss_kb for r in ranks)
                 s.growth_rss_kb.extend(r.peak_rss_kb - r.start_rss_kb for r in ranks)
@@ -71,18 +74,32 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def model_state(s: Series) -> tuple[float | None, dict[str, int]]:
+    """The most model-state bytes any rank held (total) and, by kind, the most any rank held of that kind."""
+    held = [m for m in s.model_state if m]
+    if not held:
+        return None, {}
+    return float(max(sum(m.values()) for m in held)), {kind: max(m.get(kind, 0) for m in held) for kind in held[0]}
+
+
 def summarise(suite: Suite, world: int, launches: list[list[RankResult]]) -> list[dict[str, Any]]:
-    """One row per contender of ``suite`` (plait first), with ratios against the baseline (the second)."""
+    """One row per contender of ``suite``, in its order, with ratios against that contender's baseline
+    (``Suite.baseline_of``: the last contender, or the peer it is paired with)."""
     series = collect(suite, launches)
     workload = suite.workload
     num_params = workload.num_parameters()
     tokens = workload.tokens_per_step
-    theory = suite.theory(num_params, world)
-    baseline = series[suite.contenders[1]]
-    base_median = statistics.median(baseline.seconds)
     rows = []
-    for role, name in zip(("plait", "baseline"), suite.contenders):
+    for name in suite.contenders:
         s = series[name]
+        baseline = series[suite.baseline_of(name)]
+        base_median = statistics.median(baseline.seconds)
+        base_state, _ = model_state(baseline)
+        contender = CONTENDERS[name]
+        if contender.theory is not None:
+            theory, theory_text = contender.theory(workload, world), contender.theory_text
+        else:
+            theory, theory_text = suite.theory(num_params, world), suite.theory_text
         median = statistics.median(s.seconds)
         paired = [
             statistics.median(mine) / statistics.median(theirs) for mine, theirs in zip(s.rounds, baseline.rounds)
@@ -91,18 +108,20 @@ def summarise(suite: Suite, world: int, launches: list[list[RankResult]]) -> lis
         if s.wire:
             wire, wire_source = statistics.mean(s.wire), "measured (plait CommStats, ring model)"
         elif "wire_bytes_per_step" in s.info:
-            wire, wire_source = float(s.info["wire_bytes_per_step"]), "from DDP's bucket sizes (ring model)"
+            wire, wire_source = float(s.info["wire_bytes_per_step"]), "modelled from the peer's structure (ring model)"
         loss_diff = abs(s.final_losses[-1] - baseline.final_losses[-1])
         param_diff = (
             float(np.max(np.abs(s.params - baseline.params)))
             if s.params is not None and baseline.params is not None else None
         )
+        state, state_parts = model_state(s)
         peak = max(s.peak_rss_kb) / 1024 if s.peak_rss_kb else None
         base_peak = max(baseline.peak_rss_kb) / 1024 if baseline.peak_rss_kb else None
         rows.append({
             "suite": suite.name,
             "contender": name,
-            "role": role,
+            "role": "baseline" if suite.is_baseline(name) else "plait",
+            "baseline": baseline.name,
             "what": CONTENDERS[name].what,
             "world": world,
             "params": num_params,
@@ -126,10 +145,15 @@ def summarise(suite: Suite, world: int, launches: list[list[RankResult]]) -> lis
             "peak_rss_mb": peak,
             "rss_growth_mb": max(s.growth_rss_kb) / 1024 if s.growth_rss_kb else None,
             "rss_vs_baseline": _ratio(peak, base_peak),
+            "model_state_mb": None if state is None else state / 2**20,
+            "model_state_parts": state_parts,
+            "model_state_vs_baseline": _ratio(state, base_state),
+            "saved_activation_mb": (s.info["saved_activation_bytes"] / 2**20
+                                    if "saved_activation_bytes" in s.info else None),
             "wire_bytes_per_step": wire,
             "wire_source": wire_source,
             "theory_bytes_per_step": theory,
-            "theory": suite.theory_text,
+            "theory": theory_text,
             "wire_vs_theory": _ratio(wire, theory) if theory else None,
             "final_loss": s.final_losses[-1],
             "loss_diff_vs_baseline": loss_diff,

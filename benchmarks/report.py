@@ -31,6 +31,13 @@ def _paired(row: Row) -> str:
     return f"{row['paired_overhead_pct']:+.1f}% ({low:+.1f}..{high:+.1f})"
 
 
+def _state(row: Row) -> str:
+    if row.get("model_state_mb") is None:
+        return "-"
+    ratio = row.get("model_state_vs_baseline")
+    return f"{row['model_state_mb']:.2f}" + ("" if ratio is None else f" (x{ratio:.3f})")
+
+
 def _loss(row: Row) -> str:
     mark = "ok" if row["same_loss"] else "DIFFERS"
     return f"{row['final_loss']:.6f} ({mark})"
@@ -45,6 +52,8 @@ COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("step vs peer, paired (min..max)", _paired),
     ("peak RSS MB (+growth)",
      lambda r: "shared" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f} (+{r['rss_growth_mb']:.0f})"),
+    ("model states MB (x peer)", _state),
+    ("saved activations MB", lambda r: _num(r.get("saved_activation_mb"), ".2f")),
     ("grad buckets MB", lambda r: "+".join(f"{b / 1e6:.2f}" for b in r["info"].get("bucket_bytes", [])) or "-"),
     ("sent/step/rank", lambda r: _mb(r["wire_bytes_per_step"])),
     ("theory", lambda r: f"{_mb(r['theory_bytes_per_step'])}"),
@@ -126,9 +135,9 @@ def table(title: str, rows: list[Row]) -> Table:
 
 def print_tables(console: Console, titles: dict[str, str], rows: list[Row], info: dict[str, Any]) -> None:
     """Print one table per suite, with the workload and the machine under it."""
-    for suite in dict.fromkeys(r["suite"] for r in rows):
-        mine = [r for r in rows if r["suite"] == suite]
-        console.print(table(titles.get(suite, suite), mine))
+    for suite, world in dict.fromkeys((r["suite"], r["world"]) for r in rows):
+        mine = [r for r in rows if r["suite"] == suite and r["world"] == world]
+        console.print(table(f"{titles.get(suite, suite)} ({world} rank{'s' if world > 1 else ''})", mine))
         console.print(f"  workload: {mine[0]['workload']}; world {mine[0]['world']}; {mine[0]['timed_steps']} timed "
                       f"steps per contender in {mine[0]['rounds']} rounds ({mine[0]['interleave']} interleave)")
     console.print(f"  plait {info['plait']}; machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
@@ -136,16 +145,17 @@ def print_tables(console: Console, titles: dict[str, str], rows: list[Row], info
 
 
 def markdown(suite: str, rows: list[Row], command: str, info: dict[str, Any]) -> str:
-    """One suite's results as markdown: the command, the table, the conditions."""
-    mine = [r for r in rows if r["suite"] == suite]
-    lines = [f"`{command}`", "", "| " + " | ".join(h for h, _ in COLUMNS) + " |",
-             "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in mine]
-    first = mine[0]
-    lines += ["", f"Workload: {first['workload']}; world size {first['world']}; {first['timed_steps']} timed steps per "
-              f"contender in {first['rounds']} rounds ({first['interleave']} interleave). plait {info['plait']}. "
-              f"Machine: {info['nproc']} "
-              f"cores, {info['cpu']}, torch {info['torch']}; {conditions(info)}."]
+    """One suite's results as markdown: the command, then a table per world size, then the conditions."""
+    lines = [f"`{command}`"]
+    for world in dict.fromkeys(r["world"] for r in rows if r["suite"] == suite):
+        mine = [r for r in rows if r["suite"] == suite and r["world"] == world]
+        lines += ["", "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+        lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in mine]
+        first = mine[0]
+        lines += ["", f"World size {world}: {first['workload']}; {first['timed_steps']} timed steps per contender in "
+                  f"{first['rounds']} rounds ({first['interleave']} interleave)."]
+    lines += ["", f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
+              f"{conditions(info)}."]
     return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
-"""``python -m benchmarks.run [--suite ddp|overhead|all] [--world 2] [--steps N] [--warmup N] [--rounds N] [--out F]``
+"""``python -m benchmarks.run [--suite ddp|zero1|zero3|pp|tp|cp|overhead|all] [--world N] [--quick] [--steps N] [--out F]``
 
 Runs plait and its torch-native peer on the same model, batches, optimizer and seeds, in one invocation,
 alternating the two so that machine noise hits both alike, and prints one table per suite with the ratios next to
 the theoretical figure. ``--out BENCHMARKS.md`` rewrites that file's result blocks in place.
 
-From code (e.g. a smoke test): ``run_suite("ddp", world=2, steps=2, warmup=1)`` returns the rows as dicts.
+Each distributed suite runs at every world size in its ``worlds`` (2 and 4; ``tp`` at 2, ``cp`` at 4) unless
+``--world`` names one.
+``--quick`` (a smoke run: 2 timed steps, 1 warm-up, 1 round per contender) proves that every pair runs; its
+figures mean nothing. From code (e.g. a smoke test): ``run_suite("ddp", world=2, steps=2, warmup=1)`` returns the
+rows as dicts.
 """
 
 from __future__ import annotations
@@ -33,12 +37,21 @@ from benchmarks.workload import write_text
 log = logging.getLogger("benchmarks.run")
 
 
+QUICK = {"steps": 2, "warmup": 1, "rounds": 1}
+"""``--quick``: the smallest run that exercises every contender (timing, bytes, probe, parameters)."""
+
+
+def worlds_of(suite: Suite, world: int | None) -> list[int]:
+    """The world sizes to run ``suite`` at: its own list, or ``world`` where the suite is distributed."""
+    return list(suite.worlds) if world is None or suite.fixed_world else [world]
+
+
 def _resolve_world(suite: Suite, world: int | None) -> int:
     if suite.fixed_world or world is None:
-        if world is not None and world != suite.world:
+        if world is not None and world not in suite.worlds:
             log.info("suite %s runs at world size %d (--world %d applies to the distributed suites)",
-                     suite.name, suite.world, world)
-        return suite.world
+                     suite.name, suite.worlds[0], world)
+        return suite.worlds[0]
     if world < suite.min_world:
         raise ValueError(f"suite {suite.name!r} needs at least {suite.min_world} ranks, got world={world}")
     if suite.workload.global_batch % world:
@@ -77,7 +90,9 @@ def run_suite(
                 order = suite.contenders if r % 2 == 0 else tuple(reversed(suite.contenders))
                 for contender in order:
                     log.info("%s round %d/%d: %s on %d ranks", name, r + 1, rounds, contender, world)
-                    launches.append(launch(run_rank, world, RunSpec((contender,), workload, warmup, steps)))
+                    spec = RunSpec((contender,), workload, warmup, steps,
+                                   saved_activations=suite.saved_activations)
+                    launches.append(launch(run_rank, world, spec))
     return summarise(suite, world, launches)
 
 
@@ -97,7 +112,9 @@ def wait_for_quiet(max_load: float, patience_s: float) -> float:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[1])
     parser.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which pair to run (default all)")
-    parser.add_argument("--world", type=int, help="ranks for the distributed suites (default: the suite's, 2)")
+    parser.add_argument("--world", type=int, help="ranks for the distributed suites (default: each of 2 and 4)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 timed steps, 1 warm-up, 1 round (overrides --steps/--warmup/--rounds)")
     parser.add_argument("--steps", type=int, help="timed steps per round (default: the suite's)")
     parser.add_argument("--warmup", type=int, help="untimed steps per contender and launch (default: the suite's)")
     parser.add_argument("--rounds", type=int, help="alternations per contender (default: the suite's)")
@@ -121,8 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(SUITES) if args.suite == "all" else [args.suite]
     rows: list[dict[str, Any]] = []
     started, (machine_before, own_before) = time.monotonic(), busy_cpu_seconds()
+    counts = QUICK if args.quick else {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     for name in names:
-        rows += run_suite(name, args.world, args.steps, args.warmup, args.rounds)
+        for world in worlds_of(SUITES[name], args.world):
+            rows += run_suite(name, world, **counts)
     machine_after, own_after = busy_cpu_seconds()
     info["wall_s"] = time.monotonic() - started
     info["foreign_cpu_s"] = max(0.0, (machine_after - machine_before) - (own_after - own_before))

@@ -4,10 +4,15 @@ One call of ``run_rank`` is one process of one launch: it joins the process grou
 contender named in the spec from the same seed, runs ``warmup`` untimed steps of each, then ``blocks`` blocks of
 ``steps`` timed steps, alternating the contenders from block to block (A B, B A, A B, ...). Step k of a contender
 always trains on global batch k, whichever block it falls in, so contenders see the same data in the same order.
+Last, one untimed *probe* step per contender measures the model-state bytes it holds at its optimizer step
+(``Trainer.probe``; with ``saved_activations`` also the bytes autograd saved for backward in that step), and the
+trained parameters are collected (gathered whole for sharded contenders). Each contender trains its own share
+of every global batch (``Contender.batch_share``: a data-parallel slice, or the whole batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -19,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from plait.parallel.context.measure import SavedActivations
 
 from benchmarks.contenders import CONTENDERS, Trainer
 from benchmarks.workload import Workload
@@ -38,6 +45,8 @@ class RunSpec:
     steps: int
     blocks: int = 1
     threads: int = 1
+    saved_activations: bool = False
+    """Count the bytes autograd saves for backward during the probe step (``SavedActivations``)."""
 
 
 @dataclass
@@ -81,8 +90,10 @@ def peak_rss_kb() -> int:
 
 
 def _flat_params(trainer: Trainer) -> np.ndarray:
+    """The trained parameters, whole, flattened (a collective for sharded contenders: every rank calls it)."""
     with torch.no_grad():
-        return torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()]).cpu().numpy()
+        params = trainer.full_params() if trainer.full_params else list(trainer.model.parameters())
+        return torch.cat([p.detach().reshape(-1).float() for p in params]).cpu().numpy()
 
 
 def _barrier(world: int) -> None:
@@ -100,7 +111,9 @@ def run_rank(spec: RunSpec) -> RankResult:
     try:
         start_rss = current_rss_kb()
         total = spec.warmup + spec.steps * spec.blocks
-        batches = spec.workload.batches(rank, world, total)
+        shares = {name: CONTENDERS[name].batch_share(rank, world) for name in spec.contenders}
+        by_share = {share: spec.workload.batches(*share, total + 1) for share in set(shares.values())}  # + probe
+        batches_of = {name: by_share[share] for name, share in shares.items()}
         trainers = {
             name: CONTENDERS[name].build(spec.workload.build_model(), spec.workload, rank, world)
             for name in spec.contenders
@@ -108,14 +121,14 @@ def run_rank(spec: RunSpec) -> RankResult:
         traces = {name: Trace(name) for name in spec.contenders}
         for name, trainer in trainers.items():
             for k in range(spec.warmup):
-                trainer.step(batches[k])
+                trainer.step(batches_of[name][k])
         _barrier(world)
         for block in range(spec.blocks):
             order = spec.contenders if block % 2 == 0 else tuple(reversed(spec.contenders))
             for name in order:
                 trace, step = traces[name], trainers[name].step
                 for k in range(spec.steps):
-                    batch = batches[spec.warmup + block * spec.steps + k]
+                    batch = batches_of[name][spec.warmup + block * spec.steps + k]
                     started = time.perf_counter()
                     loss, wire = step(batch)
                     trace.seconds.append(time.perf_counter() - started)
@@ -123,9 +136,16 @@ def run_rank(spec: RunSpec) -> RankResult:
                     trace.losses.append(loss)
                     trace.wire_bytes.append(wire)
         for name, trainer in trainers.items():
-            traces[name].info = trainer.info()
+            trainer.probe.armed = True
+            saved = SavedActivations(exclude=trainer.model.parameters()) if spec.saved_activations else None
+            with saved or contextlib.nullcontext():
+                trainer.step(batches_of[name][total])
+            traces[name].info = {**trainer.info(), "model_state_bytes": trainer.probe.held}
+            if saved is not None:
+                traces[name].info["saved_activation_bytes"] = saved.bytes
+            params = _flat_params(trainer)
             if rank == 0:
-                traces[name].params = _flat_params(trainer)
+                traces[name].params = params
         _barrier(world)
         log.debug("rank %d done: %s", rank, {n: len(t.seconds) for n, t in traces.items()})
         return RankResult(rank, world, traces, start_rss, peak_rss_kb())

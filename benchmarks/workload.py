@@ -70,6 +70,8 @@ class Workload:
     lr: float = 1e-3
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
+    microbatches: int = 1
+    """Micro-batches per step, for the pipeline contenders (the others train the batch in one piece)."""
     text_path: str = ""
 
     def with_text(self, path: Path | str) -> Workload:
@@ -81,12 +83,18 @@ class Workload:
         torch.manual_seed(self.seed)
         return GPT(self.model)
 
+    @property
+    def optimizer_kwargs(self) -> dict[str, float]:
+        """AdamW's hyper-parameters (for peers that take a class and keywords, e.g. ZeroRedundancyOptimizer)."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay}
+
     def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """AdamW with the suite's learning rate and weight decay (the factory plait.parallelize takes)."""
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, **self.optimizer_kwargs)
 
     def batches(self, rank: int, world: int, count: int) -> list[Batch]:
-        """This data-parallel rank's share of the first ``count`` global batches (built before any timing)."""
+        """Data-parallel rank ``rank``'s share (of ``world``) of the first ``count`` global batches (built before
+        any timing); ``world=1``: the whole global batches."""
         if not self.text_path:
             raise ValueError("the workload has no text file: call with_text(write_text(path)) first")
         dataset = ByteTextDataset(self.text_path, seq_len=self.model.seq_len, seed=self.data_seed)
@@ -108,8 +116,9 @@ class Workload:
         """One line for reports, e.g. ``GPT 4x128 (0.88 M params), seq 128, global batch 16, AdamW, clip 1``."""
         m = self.model
         clip = f", clip {self.max_grad_norm:g}" if self.max_grad_norm else ""
+        micro = f", {self.microbatches} micro-batches" if self.microbatches > 1 else ""
         return (
             f"GPT {m.n_layer} layers x d_model {m.d_model}, {m.n_head} heads ({self.num_parameters() / 1e6:.2f} M "
             f"params), vocab {m.vocab_size}, seq {m.seq_len}, global batch {self.global_batch}, "
-            f"AdamW lr {self.lr:g}{clip}"
+            f"AdamW lr {self.lr:g}{clip}{micro}"
         )

@@ -14,6 +14,7 @@ from plait.errors import CommError, ConfigError, LayoutError, PlaitError, Schedu
 from plait.memory import MemoryEstimate, estimate_memory, measure_held
 from plait.mesh import Mesh
 from plait.parallelize import parallelize
+from plait.planner import plan
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,6 @@ __all__ = [
     "init",
     "measure_held",
     "parallelize",
+    "plan",
     "shutdown",
 ]

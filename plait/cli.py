@@ -4,6 +4,9 @@
 (``torch.distributed.run``, standalone rendezvous) running ``python -m plait train`` again; inside a torchrun
 worker (LOCAL_RANK set) it is the training program itself. So on a cluster the same program runs under
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
+
+``plait schedule`` simulates and draws a pipeline schedule in this process (``cli_schedule.py``); ``plait plan``,
+``plait simulate`` and ``plait calibrate`` are the planner's (``plait/planner/commands.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from plait.cli_schedule import add_schedule_command, run_schedule
 from plait.errors import ConfigError, PlaitError
+from plait.planner.commands import PLANNER_COMMANDS, add_planner_commands, run_planner
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override one setting, e.g. --set layout.dp=2 --set train.steps=100 (repeatable)")
     train.add_argument("--nproc", type=int, default=4, help="local processes to launch (default 4)")
     train.add_argument("--out", help="run folder for metrics, plot and checkpoints (default runs/<id>)")
+    add_schedule_command(commands)
+    add_planner_commands(commands)
     return parser
 
 
@@ -103,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _check_before_launch(args)
                 return _launch(args, argv)
             return _train(args)
+        if args.command == "schedule":
+            return run_schedule(args)
+        if args.command in PLANNER_COMMANDS:
+            return run_planner(args)
     except PlaitError as error:
         print(f"plait: error: {type(error).__name__}: {error}", file=sys.stderr)  # noqa: T201 - CLI output
         return 2

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from plait.errors import LayoutError
 from plait.mesh import Mesh
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
+
+if TYPE_CHECKING:
+    from plait.parallel.pipeline.runtime import PipelineRunner
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
@@ -47,6 +50,8 @@ class StepStats:
     skipped: bool = False
     """True when fp16 loss scaling found inf/NaN gradients and skipped the optimizer step."""
     loss_scale: float | None = None
+    staleness: dict[int, dict[str, float]] | None = None
+    """PipeDream: per local stage, the step's mean/max staleness, its updates and most weight versions stashed."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,8 +92,11 @@ class Engine:
         device: torch.device,
         max_grad_norm: float | None = None,
         lr_scheduler: Any | None = None,
+        pipeline: PipelineRunner | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
+        """With pp > 1: runs the micro-batches through this rank's stages as the schedule says."""
         self.layout = layout
         self.mesh = mesh
         self.comm = comm
@@ -124,24 +132,24 @@ class Engine:
         micro = self._split(batch)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, targets) in enumerate(micro):
-            last = index == len(micro) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync():
-                with self.precision.autocast():
-                    loss = apply_loss(self.loss_fn, self.model(inputs), targets)
-                self.precision.scale(loss / len(micro)).backward()
-            loss_sum += loss.detach().float()
-        self.strategy.finish_backward()
-        skipped = not self.precision.unscale_and_check(self.strategy)
-        grad_norm = None
-        if not skipped:
-            grad_norm = self.strategy.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None
-            for hook in self.before_optimizer_step:
-                hook(self)
-            self.strategy.step()
-        self.strategy.zero_grad()
-        if self.lr_scheduler is not None and not skipped:
-            self.lr_scheduler.step()
+        skipped, grad_norm, staleness = False, None, None
+        if self.pipeline is not None and self.pipeline.owns_updates:  # PipeDream: it calls apply_update itself
+            with self.strategy.no_sync():
+                loss_sum += self.pipeline.train_step(micro, self.apply_update) * len(micro)
+            staleness = self.pipeline.staleness()
+        elif self.pipeline is not None:  # every backward under no_sync; finish_backward reduces everything
+            with self.strategy.no_sync():
+                loss_sum += self.pipeline.train_step(micro) * len(micro)
+        else:
+            for index, (inputs, targets) in enumerate(micro):
+                last = index == len(micro) - 1
+                with contextlib.nullcontext() if last else self.strategy.no_sync():
+                    with self.precision.autocast():
+                        loss = apply_loss(self.loss_fn, self.model(inputs), targets)
+                    self.precision.scale(loss / len(micro)).backward()
+                loss_sum += loss.detach().float()
+        if staleness is None:
+            skipped, grad_norm = self.apply_update()
         mean_loss = self.comm.all_reduce(loss_sum / len(micro), GRAD_AXIS, op="avg")
         self.step += 1
         tokens = batch[1].numel() * self.mesh.size("dp")
@@ -154,7 +162,25 @@ class Engine:
             comm=self.comm.stats.since(before),
             skipped=skipped,
             loss_scale=self.precision.loss_scale,
+            staleness=staleness,
         )
+
+    def apply_update(self) -> tuple[bool, float | None]:
+        """One optimizer update from the accumulated gradients: sync them, unscale, clip, step, zero them, step
+        the lr scheduler. Returns (skipped, grad norm). Once per train_step; PipeDream calls it per update."""
+        self.strategy.finish_backward()
+        self.strategy.reduce_sequence_parallel_grads()  # Megatron-SP: sum tp-partial grads (no-op otherwise)
+        skipped = not self.precision.unscale_and_check(self.strategy)
+        grad_norm = None
+        if not skipped:
+            grad_norm = self.strategy.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None
+            for hook in self.before_optimizer_step:
+                hook(self)
+            self.strategy.step()
+        self.strategy.zero_grad()
+        if self.lr_scheduler is not None and not skipped:
+            self.lr_scheduler.step()
+        return skipped, grad_norm
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], metric: Metric | None = None) -> EvalStats:
@@ -165,7 +191,9 @@ class Engine:
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.precision.autocast():
-                output = self.model(inputs)
+                output = self.model(inputs) if self.pipeline is None else self.pipeline.forward(inputs)
+                if output is None:  # pipeline: only the rank with the last stage has the output
+                    continue
                 loss = apply_loss(self.loss_fn, output, targets)
             totals[0] += float(loss) * inputs.shape[0]
             totals[1] += inputs.shape[0]
@@ -174,18 +202,33 @@ class Engine:
                 totals[2] += correct
                 totals[3] += total
         self.model.train(was_training)
-        self.comm.all_reduce(totals, GRAD_AXIS)
+        if self.pipeline is not None:
+            self.comm.broadcast(totals, "pp", src=self.pipeline.last_rank_index)
+        # Over dp only: under context parallelism every cp rank evaluated the gathered, full outputs, so summing
+        # over dp_cp would count each sample cp times.
+        self.comm.all_reduce(totals, "dp")
         loss_value = float(totals[0] / totals[1]) if totals[1] else float("nan")
         return EvalStats(loss=loss_value, correct=int(totals[2]), total=int(totals[3]))
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path) -> Path:
         """Write model and optimizer state under ``directory`` atomically; returns the checkpoint's folder."""
+        self._refuse_tensor_parallel_checkpoint()
         return checkpoint.save(self, directory)
 
     def load(self, directory: str | Path) -> int:
         """Load the latest complete checkpoint under ``directory``; returns its step."""
+        self._refuse_tensor_parallel_checkpoint()
         return checkpoint.load(self, directory)
+
+    def _refuse_tensor_parallel_checkpoint(self) -> None:
+        """tp ranks hold different slices under one parameter name, which DCP would take for replicas."""
+        if self.layout.tp > 1:
+            raise LayoutError(
+                f"checkpoints of tensor-parallel models (tp={self.layout.tp}) are not implemented yet: each tp rank "
+                f"holds a different slice under the same parameter name. Fix: export whole weights with "
+                f"plait.parallel.tensor.gather_parameters(engine.model, engine.comm), or checkpoint with tp=1."
+            )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -9,9 +9,20 @@ mixed-precision Adam (2 bytes params + 2 bytes grads + K = 12 bytes of fp32 mast
 ``zero_paper_bytes`` is exactly that. ``estimate_memory`` applies the same accounting to plait's own
 implementation, which keeps parameters and gradients in fp32 (autocast computes in bf16/fp16 from fp32 weights):
 params 4 Psi, grads 4 Psi, optimizer states S Psi (S = 8 for Adam/AdamW, 4 for SGD with momentum, 0 without),
-and, under ZeRO 1-2, a separate fp32 master shard of 4 Psi / N (under ZeRO-3 the shard *is* the master).
+and, under ZeRO 1-2, a separate fp32 master shard of 4 Psi / N (under ZeRO-3 the shard *is* the master, unless
+it is offloaded: then a host copy of 4 Psi / N is the master).
+
+Every figure is the most a rank holds of that kind over a training step, which is also what it holds at the
+optimizer step and between steps, except for gradients: ZeRO-1 holds the full local gradient (4 Psi) from the
+backward pass until ``finish_backward`` reduce-scatters it, and then only its shard's sum (4 Psi / N). So
+``gradients`` is the peak (4 Psi under stages 0-1, 4 Psi / N under 2-3) and ``gradients_at_step`` what is left
+when the optimizer steps; between steps no gradient is held. Communication buffers in flight (a ZeRO-2 bucket
+being reduce-scattered, ZeRO-3's gathered units) are working memory, not model states, and are not counted.
 Activations per transformer layer (Korthikanti et al. 2022, eq. 2): s b h (34 + 5 a s / h) bytes with 2-byte
-activations, s b h (10 + 24/t + 5 a s / (h t)) with tensor and sequence parallelism t, and 2 s b h with full
+activations, s b h (10 + 24/t + 5 a s / (h t)) with tensor parallelism t (eq. 3), s b h (34 + 5 a s / h) / t with
+tensor and sequence parallelism (eq. 4: the norm/dropout/residual regions split along the sequence too; plait's
+SP keeps the gathered inputs of q/k/v and of the MLP whole instead of re-gathering them in backward, which adds
+4 s b h (1 - 1/t): see docs/tensor_parallel.md), and 2 s b h (2 s b h / t with SP) with full
 recomputation (only the layer input is kept); scaled by (activation bytes / 2) for fp32.
 """
 
@@ -67,6 +78,8 @@ class MemoryEstimate:
     master_weights: float
     activations: float = 0.0
     host: float = 0.0
+    gradients_at_step: float = 0.0
+    """Gradient bytes left when the optimizer steps (equal to ``gradients`` except under ZeRO-1: 4 Psi / N)."""
 
     @property
     def model_states(self) -> float:
@@ -82,10 +95,13 @@ class MemoryEstimate:
 
 
 def activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: int, tp: int = 1,
-                     recompute_layers: int = 0, act_bytes: int = 2) -> float:
+                     recompute_layers: int = 0, act_bytes: int = 2, sequence_parallel: bool = False) -> float:
     """Activations held for backward by ``layers`` transformer layers (Korthikanti et al. 2022)."""
     sbh = seq * batch * hidden
     per_layer = sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) if tp > 1 else sbh * (34 + 5 * heads * seq / hidden)
+    if sequence_parallel and tp > 1:
+        per_layer = sbh * (34 + 5 * heads * seq / hidden) / tp
+        sbh = sbh / tp  # a recomputed layer keeps only its input, split along the sequence
     kept = (layers - recompute_layers) * per_layer + recompute_layers * 2 * sbh
     return kept * act_bytes / 2
 
@@ -99,7 +115,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-rank bytes of plait's model states (and activations, given ``seq, batch, hidden, heads, layers``).
 
-    ``model`` is a module (its trainable parameters are counted) or a parameter count; the data-parallel
+    ``model`` is a module (its trainable parameters are counted: call this before ``parallelize``, since ZeRO-3
+    leaves the model's own parameters empty between uses) or a parameter count; the data-parallel
     degree comes from ``layout`` (resolved with ``world_size`` when it holds a -1)."""
     psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not layout.is_resolved:
@@ -107,15 +124,15 @@ def estimate_memory(
     n = layout.dp * layout.cp
     states = STATE_FLOATS[optimizer_kind(optimizer)] * 4 * psi
     stage = layout.zero
+    offloaded = layout.offload != "none" and stage >= 1
     estimate = MemoryEstimate(
         parameters=4 * psi if stage < 3 else 4 * psi / n,
-        gradients=4 * psi if stage < 2 else 4 * psi / n,
+        gradients=4 * psi if stage < 2 else 4 * psi / n,  # ZeRO-1: the full local gradient, until reduced
         optimizer_states=states if stage == 0 else states / n,
-        master_weights=4 * psi / n if stage in (1, 2) else 0.0,
+        master_weights=4 * psi / n if stage in (1, 2) or (stage == 3 and offloaded) else 0.0,
+        gradients_at_step=4 * psi if stage == 0 else 4 * psi / n,
     )
-    if stage == 1:
-        estimate.gradients += 4 * psi / n  # ZeRO-1 keeps the full gradient and receives its shard's sum
-    if layout.offload != "none" and stage >= 1:
+    if offloaded:
         estimate.host = estimate.optimizer_states + estimate.master_weights
     if activations:
         recompute = layout.recompute
@@ -124,11 +141,12 @@ def estimate_memory(
         estimate.activations = activation_bytes(
             activations["seq"], activations["batch"], activations["hidden"], activations["heads"], layers,
             tp=layout.tp, recompute_layers=recomputed, act_bytes=2 if layout.precision != "fp32" else 4,
+            sequence_parallel=layout.sequence_parallel,
         )
     return estimate
 
 
-def _storage_bytes(tensors: Any) -> int:
+def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
@@ -139,16 +157,18 @@ def _storage_bytes(tensors: Any) -> int:
 
 
 def measure_held(engine: Engine) -> dict[str, int]:
-    """Bytes this rank really holds now, by kind: model parameters, gradients, optimizer states, and the
-    strategy's own shards (``master_weights``: ZeRO's fp32 shards; their gradients count as gradients)."""
-    model_params = [p for p in engine.model.parameters()]
-    optimizer_params = [p for group in engine.optimizer.param_groups for p in group["params"]]
-    model_ids = {id(p) for p in model_params}
-    shards = [p for p in optimizer_params if id(p) not in model_ids]
+    """Bytes this rank really holds now, by kind: ``parameters`` (what forward reads: whole parameters, or
+    ZeRO-3's shards and gathered units), ``gradients`` (full or sharded), ``master_weights`` (ZeRO's master
+    shards where they are not the parameters) and ``optimizer_states`` (0-dim step counters left out).
+    Storages count once, so gradients that are views of one bucket count as the bucket."""
+    describe = getattr(engine.strategy, "model_state_tensors", None)
+    if describe is not None:
+        return {kind: storage_bytes(tensors) for kind, tensors in describe().items()}
+    model_params = list(engine.model.parameters())
     states = [t for state in engine.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     return {
-        "parameters": _storage_bytes(model_params),
-        "master_weights": _storage_bytes(shards),
-        "gradients": _storage_bytes([p.grad for p in model_params + shards if p.grad is not None]),
-        "optimizer_states": _storage_bytes([t for t in states if t.dim() > 0]),
+        "parameters": storage_bytes(model_params),
+        "master_weights": 0,
+        "gradients": storage_bytes([p.grad for p in model_params if p.grad is not None]),
+        "optimizer_states": storage_bytes([t for t in states if t.dim() > 0]),
     }

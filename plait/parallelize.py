@@ -22,17 +22,21 @@ from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
+from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.data import DistributedDataParallel, broadcast_parameters
+from plait.parallel.pipeline.apply import place_pipeline, plan_pipeline
+from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
+from plait.parallel.pipeline.runtime import PipelineRunner
+from plait.parallel.pipeline.schedule import Schedule
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
+from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
+from plait.parallel.tensor.plan import Plan
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 
 AVAILABLE = {
-    "tp": (lambda l: l.tp == 1, "tensor parallelism (tp > 1)"),
-    "pp": (lambda l: l.pp == 1, "pipeline parallelism (pp > 1)"),
-    "cp": (lambda l: l.cp == 1, "context parallelism (cp > 1)"),
-    "offload": (lambda l: l.offload == "none" or l.zero in (1, 2), "offload without ZeRO-1/2 (offload needs zero=1 or 2)"),
+    "offload": (lambda l: l.offload == "none" or l.zero >= 1, "offload without ZeRO (offload needs zero=1, 2 or 3)"),
 }
 """What this version of plait can run: a layout asking for more raises LayoutError naming the field."""
 
@@ -61,7 +65,7 @@ def make_strategy(
         return DistributedDataParallel(model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters)
     if layout.zero in (1, 2):
         return ShardedOptimizerStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
-    return FullyShardedStrategy(model, comm, optimizer, layout)
+    return FullyShardedStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
 
 
 def parallelize(
@@ -76,6 +80,10 @@ def parallelize(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     find_unused_parameters: bool | None = None,
     offload_dir: str | None = None,
+    pipeline_cuts: list[int] | None = None,
+    pipeline_schedule: Schedule | None = None,
+    tp_plan: Plan | None = None,
+    pipedream: PipeDreamOptions | None = None,
 ) -> Engine:
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
@@ -91,7 +99,15 @@ def parallelize(
         timeout_s: the timeout of every collective, after which the rank raises CommError.
         find_unused_parameters: DDP (zero=0) treats parameters without a gradient as zeros instead of raising
             (None: the PLAIT_FIND_UNUSED_PARAMETERS environment variable decides).
-        offload_dir: where ZeRO-1/2 with offload="nvme" keeps its files (default: PLAIT_OFFLOAD_DIR or the temp dir).
+        offload_dir: where ZeRO-1/2/3 with offload="nvme" keeps its files (default: PLAIT_OFFLOAD_DIR or the temp dir).
+        pipeline_cuts: with pp > 1, the block (or nn.Sequential child) indices where stages 1.. start (default:
+            an even split), e.g. from an automatic partitioner.
+        pipeline_schedule: with pp > 1, a custom ``Schedule`` to run instead of ``layout.schedule``'s generator
+            (checked by the simulator before anything runs).
+        tp_plan: with tp > 1, the tensor-parallel plan ``{module path pattern: style}`` (default: the built-in
+            plan of the model's class, see ``plait.parallel.tensor.plan``).
+        pipedream: with schedule="pipedream", how the asynchronous pipeline updates (update interval, vertical
+            sync; default ``PipeDreamOptions()``: weight stashing, an update after every micro-batch).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layout = (layout or Layout()).resolve(world_size)
@@ -107,14 +123,38 @@ def parallelize(
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to train")
 
+    pipeline = plan_pipeline(model, layout, pipeline_cuts, pipeline_schedule)  # pure checks, before any collective
+    check_pipedream(layout, pipedream, max_grad_norm)
+    context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
+    tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
+
     device = torch.device(device) if device is not None else default_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = Mesh.build(layout)
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
+    stages = []
+    if pipeline is not None:  # recompute first, on the whole model, so that its block indices are global
+        apply_recompute(model, layout.recompute)
+        model, stages = place_pipeline(model, pipeline, mesh.index("pp"))
+        for stage in stages:
+            stage.module.to(device)
     model.to(device)
-    apply_recompute(model, layout.recompute)
+    # --- tensor/sequence parallel (after the pipeline split): swap the planned layers, pick the loss ---
+    if tensor is not None:
+        broadcast_parameters(model, comm, axis="tp")  # every tp rank slices the same initial weights
+        loss_fn = apply_tensor_parallel(tensor, [model] + [stage.module for stage in stages], comm, loss_fn)
+    # --- context parallel (after tensor parallel, before recompute/ZeRO/DDP): shard the sequence over cp ---
+    if context is not None:
+        loss_fn = apply_context_parallel(model, context, comm, loss_fn)
+    if pipeline is None:
+        apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
     strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
-    return Engine(model, layout, mesh, comm, strategy, loss_fn, device, max_grad_norm, scheduler)
+    engine = Engine(model, layout, mesh, comm, strategy, loss_fn, device, max_grad_norm, scheduler)
+    if pipeline is not None and layout.schedule == "pipedream":
+        engine.pipeline = PipeDreamRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn, pipedream)
+    elif pipeline is not None:
+        engine.pipeline = PipelineRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn)
+    return engine
 

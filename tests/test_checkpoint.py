@@ -21,14 +21,15 @@ def _engine(layout: Layout):
     return engine, loader
 
 
-def _save_train_reload(root: str, world: int):
+def _save_train_reload(root: str, world: int, layout: Layout | None = None):
     """Train 3 steps, save, train 2 more (losses A); a fresh engine loads and trains the same 2 (losses B)."""
-    engine, loader = _engine(Layout(dp=world))
+    layout = layout or Layout(dp=world)
+    engine, loader = _engine(layout)
     for step in range(3):
         engine.train_step(loader.batch_at(step))
     engine.save(root)
     continued = [engine.train_step(loader.batch_at(step)).loss for step in (3, 4)]
-    fresh, _ = _engine(Layout(dp=world))
+    fresh, _ = _engine(layout)
     assert fresh.load(root) == 3
     resumed = [fresh.train_step(loader.batch_at(step)).loss for step in (3, 4)]
     same = all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), fresh.model.parameters()))
@@ -44,6 +45,14 @@ def test_resume_is_exact_single_process(tmp_path):
 @pytest.mark.distributed
 def test_resume_is_exact_data_parallel(tmp_path):
     for continued, resumed, same in run_distributed(_save_train_reload, 2, str(tmp_path / "ckpt"), 2):
+        assert continued == resumed and same
+
+
+@pytest.mark.distributed
+def test_resume_is_exact_pipeline_parallel(tmp_path):
+    """Each stage saves only its own parameters and their optimizer state (flattened per parameter name)."""
+    layout = Layout(pp=2, microbatches=2)
+    for continued, resumed, same in run_distributed(_save_train_reload, 2, str(tmp_path / "ckpt"), 2, layout):
         assert continued == resumed and same
 
 

@@ -8,7 +8,6 @@ costs seconds to start, a configuration tens of milliseconds to train), and the 
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -41,11 +40,6 @@ DP4_CONFIGS = [
 ]
 """dp=4 (4 processes on a small machine) runs each stage, offload, optimizer, accumulation and clipping at
 least once, in 8 runs instead of 24."""
-
-
-def allow_offload() -> None:
-    """plait.parallelize still lists offload as unavailable: lift that in this process."""
-    importlib.import_module("plait.parallelize").AVAILABLE.pop("offload", None)
 
 
 def layout_of(world: int, stage: int, offload: str = "none", microbatches: int = 1) -> Layout:
@@ -213,7 +207,6 @@ def _error(call) -> str:
 
 
 def _suite(world: int, root: str, dp2_checkpoint: str | None = None) -> dict:
-    allow_offload()
     os.environ["PLAIT_OFFLOAD_DIR"] = os.path.join(root, "offload")
     rank = torch.distributed.get_rank()
     out: dict = {"parity": {}}
@@ -282,7 +275,6 @@ def references() -> dict:
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_world_size_one_is_bitwise_single_device(stage, offload, monkeypatch, tmp_path, references):
     # Flattening changes no arithmetic: SGD and AdamW are elementwise, so the shard steps are the same floats.
-    monkeypatch.delitem(importlib.import_module("plait.parallelize").AVAILABLE, "offload", raising=False)
     monkeypatch.setenv("PLAIT_OFFLOAD_DIR", str(tmp_path))
     for opt in ("adamw", "sgd"):
         assert_trajectories_match(train(layout_of(1, stage, offload), opt, None), references[(opt, None)], exact=True)
@@ -395,6 +387,8 @@ def test_gradient_dtype_the_backend_cannot_reduce_is_refused(dp2):
 
 def test_bad_input_is_refused():
     model, _task = make_model()
+    with pytest.raises(plait.LayoutError, match="offload needs zero=1, 2 or 3"):
+        plait.parallelize(model, Layout(offload="cpu"), optimizer=OPTIMIZERS["sgd"])
     with pytest.raises(TypeError, match="needs a factory"):
         plait.parallelize(model, Layout(zero=1), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="exactly the parameters it is given"):

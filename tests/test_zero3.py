@@ -1,10 +1,12 @@
 """ZeRO-3 (FullyShardedStrategy): parity with single-device training (dp=2 and dp=4, micro-batches, clipping, AdamW
 and SGD, evaluate, activation recomputation), bytes per step against 3(N-1)/N x P x 4, parameters held between
-steps = P/N and during forward <= two blocks + root, prefetch overlap, checkpoint round trip, bad input."""
+steps = P/N and during forward <= two blocks + root, prefetch overlap, checkpoint round trip, bad input; offload
+of the masters and optimizer states to host memory or files (parity, placement, checkpoint)."""
 
 import dataclasses
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -317,3 +319,94 @@ def test_bad_input_is_a_clear_error():
     states["optimizer"] = {key.replace("rank0of1", "rank1of2"): value for key, value in states["optimizer"].items()}
     with pytest.raises(ValueError, match="another ZeRO-3 layout.*rank1of2"):
         _strategy(make_model()[0]).load_state_dicts(states)
+
+
+# ------------------------------------------------------------------------------------------ offload
+def _train_offloaded(root: str, world: int, offload: str) -> dict:
+    """ZeRO-3 with the masters and optimizer states offloaded: trajectory, gradients, and where things live."""
+    os.environ["PLAIT_OFFLOAD_DIR"] = root
+    model, task = make_model()
+    layout = Layout(dp=world, zero=3, offload=offload, microbatches=2)
+    engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS["adamw"], max_grad_norm=0.05)
+    strategy = engine.strategy
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    engine.before_optimizer_step.append(
+        lambda e: grads.update({e.step: e.strategy.full_gradients()}) if e.step in GRAD_STEPS else None
+    )
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=world)
+    out = Trajectory()
+    for step in range(STEPS):
+        out.losses.append(engine.train_step(loader.batch_at(step)).loss)
+        out.params.append(strategy.full_parameters())
+    units = [unit for unit in strategy.units if not unit.empty]
+    masters = [unit.master for unit in units]
+    states = [t for state in engine.optimizer.state.values() for t in state.values()]
+    placed = masters + [t for t in states if t.dim() >= 1]
+    result = {
+        "trajectory": out, "grads": grads, "split": strategy.memory_split(),
+        "shard_bytes": sum(u.shard.numel() * u.shard.element_size() for u in units),
+        "master_bytes": sum(m.numel() * m.element_size() for m in masters),
+        "state_bytes": sum(t.numel() * t.element_size() for t in states if t.dim() >= 1),
+        "step_bytes": sum(t.numel() * t.element_size() for t in states if t.dim() == 0),
+        "distinct_masters": all(unit.master is not unit.shard for unit in units),
+        "places": sorted({strategy.placement.where(t) for t in placed}),
+    }
+    strategy.close()
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_zero3_offload_matches_single_device(offload, tmp_path):
+    """Masters, their gradients and the optimizer states in host memory (or files); the step on the CPU; the
+    stepped masters copied back into the parameter shards: the same trajectory as one device, within the fp32
+    tolerances of dp=2 (reduction order), with micro-batches and clipping."""
+    reference_run = expected("adamw", 0.05)
+    for rank, run in enumerate(run_distributed(_train_offloaded, 2, str(tmp_path), 2, offload)):
+        assert_trajectories_match(run["trajectory"], reference_run)
+        for step, grads in run["grads"].items():
+            assert_tensors_close(grads, reference_run.grads[step], f"rank {rank} step {step} grad", GRAD_TOLERANCES[fp32])
+        assert run["distinct_masters"] and run["places"] == (["files"] if offload == "nvme" else ["host"])
+        assert run["master_bytes"] == run["shard_bytes"]  # fp32 parameters: the host master is a copy of the shard
+        offloaded = run["master_bytes"] + run["state_bytes"]
+        if offload == "cpu":
+            assert run["split"] == {"device": run["shard_bytes"], "host": offloaded + run["step_bytes"], "files": 0}
+        else:
+            assert run["split"] == {"device": run["shard_bytes"], "host": run["step_bytes"], "files": offloaded}
+    assert list(tmp_path.iterdir()) == [], "close() removes the offload folders"
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_zero3_offload_world_size_one_is_bitwise(offload, monkeypatch, tmp_path):
+    # The host master is an exact fp32 copy of the shard: stepping it and copying it back changes no float.
+    monkeypatch.setenv("PLAIT_OFFLOAD_DIR", str(tmp_path))
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(zero=3, offload=offload), optimizer=OPTIMIZERS["adamw"])
+    loader = ShardedBatches(task, GLOBAL_BATCH)
+    out = Trajectory()
+    for step in range(3):
+        out.losses.append(engine.train_step(loader.batch_at(step)).loss)
+        out.params.append(engine.strategy.full_parameters())
+    engine.strategy.close()
+    want = train_reference(make_model()[0], [loader.global_batch_at(s) for s in range(3)], OPTIMIZERS["adamw"])
+    assert_trajectories_match(out, want, exact=True)
+
+
+def _offloaded_checkpoint(root: str, world: int) -> tuple[list[float], list[float]]:
+    os.environ["PLAIT_OFFLOAD_DIR"] = os.path.join(root, "offload")
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(dp=world, zero=3, offload="cpu"), optimizer=OPTIMIZERS["adamw"])
+    loader = ShardedBatches(task, GLOBAL_BATCH, engine.mesh.index("dp"), world)
+    for step in range(3):
+        engine.train_step(loader.batch_at(step))
+    engine.save(os.path.join(root, "ckpt"))
+    continued = [engine.train_step(loader.batch_at(step)).loss for step in (3, 4)]
+    fresh = plait.parallelize(make_model()[0], Layout(dp=world, zero=3, offload="cpu"), optimizer=OPTIMIZERS["adamw"])
+    fresh.load(os.path.join(root, "ckpt"))
+    return continued, [fresh.train_step(loader.batch_at(step)).loss for step in (3, 4)]
+
+
+@pytest.mark.distributed
+def test_zero3_offload_checkpoint_round_trip(tmp_path):
+    for continued, resumed in run_distributed(_offloaded_checkpoint, 2, str(tmp_path), 2):
+        assert continued == resumed

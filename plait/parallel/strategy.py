@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from plait.comm import Comm
 from plait.config import Layout
+from plait.parallel.sequence import sum_over_tp
 
 GRAD_AXIS = "dp_cp"
 """Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""
@@ -33,6 +34,8 @@ GRAD_AXIS = "dp_cp"
 MODEL_PARALLEL_AXES = ("pp", "tp")
 """Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
 an inf check sums / maxes over them as well."""
+
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -116,11 +119,33 @@ class DataParallelStrategy:
         axes = [self.axis] if self.sharded else []
         return axes + [axis for axis in MODEL_PARALLEL_AXES if self.comm.size(axis) > 1]
 
+    def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """This rank's owned gradients, each with the parameter it belongs to (whole ``.grad`` here; a sharded
+        strategy returns views of the pieces of each parameter in its shards). Writing them writes the gradient."""
+        return [(p, p.grad) for p in self.params if p.grad is not None]
+
     def norm_groups(self) -> list[tuple[list[torch.Tensor], float]]:
         """This rank's owned gradients in groups ``(grads, weight)``: the global squared norm is the sum over
-        ranks of weight x ||grads||^2. Weight 1 by default; a tensor-parallel strategy gives gradients that are
-        replicated over tp the weight 1/tp so that the sum over tp counts them once."""
-        return [(self.owned_grads(), 1.0)]
+        ranks of weight x ||grads||^2. Weight 1 without tensor parallelism; with tp > 1 gradients of parameters
+        replicated over tp (not ``tp_sharded``: norms, row-parallel biases) get the weight 1/tp, so that the sum
+        over the tp ranks counts them once, and tp slices weight 1."""
+        tp = self.comm.size("tp")
+        if tp == 1:
+            return [(self.owned_grads(), 1.0)]
+        sharded: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        for param, grad in self.param_grads():
+            (sharded if getattr(param, "tp_sharded", False) else replicated).append(grad)
+        return [(sharded, 1.0), (replicated, 1.0 / tp)]
+
+    def reduce_sequence_parallel_grads(self) -> None:
+        """Megatron sequence parallelism: gradients of tp-replicated parameters that saw only this rank's
+        sequence chunk (tagged ``sequence_partial``) are partial sums; sum them over tp (one flat all-reduce).
+        Called by the Engine right after ``finish_backward``; nothing to do without them."""
+        if self.comm.size("tp") == 1:
+            return
+        partial = [grad for param, grad in self.param_grads() if getattr(param, "sequence_partial", False)]
+        sum_over_tp(partial, self.comm)
 
     def _grad_norm_tensor(self) -> torch.Tensor:
         """sqrt(sum over reduction_axes of sum_groups weight x ||g||^2); torch's foreach norm when nothing is
@@ -178,9 +203,15 @@ class DataParallelStrategy:
 
     # ----------------------------------------------------------------- checkpoints
     def state_dicts(self) -> dict[str, Any]:
-        """Model and optimizer state for torch.distributed.checkpoint, keyed by parameter name."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        """Model and optimizer state for torch.distributed.checkpoint, keyed by parameter name.
+
+        The optimizer state is flattened per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), so a
+        rank holding other parameters (a pipeline stage, a tensor shard) writes other keys, never a conflicting
+        copy of one rank-dependent ``param_groups`` list.
+        """
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dicts(self, states: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"],
+                       options=FLAT_OPTIMIZER)

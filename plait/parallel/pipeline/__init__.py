@@ -6,49 +6,80 @@
     result = simulate(schedule, {"F": 1, "B": 2})    # raises ScheduleError on a deadlock
     draw_schedule(result, "1f1b.png")
 
-See docs/pipeline.md.
+Running a pipeline (``split.py`` cuts the model, ``stage.py`` runs one chunk, ``runtime.py`` executes the lowered
+schedule with batched p2p) is set up by ``plait.parallelize`` for ``Layout(pp > 1)``. Where to cut the model:
+``auto_partition(gpt_layers(model), tokens, p)`` (``partition.py``, ``profile.py``). See docs/pipeline.md.
 """
 
 from plait.parallel.pipeline.draw import draw_schedule
 from plait.parallel.pipeline.schedule import (
     COMM_KINDS,
     COMPUTE_KINDS,
-    GENERATORS,
     KINDS,
     Action,
     Schedule,
     ScheduleError,
     build_schedule,
+    lower,
+)
+from plait.parallel.pipeline.generators import (
+    GENERATORS,
     gpipe,
     interleaved,
-    lower,
     naive,
     one_f_one_b,
     pipedream,
     zero_bubble,
 )
 from plait.parallel.pipeline.simulate import Costs, SimResult, Span, as_costs, simulate
+from plait.parallel.pipeline.split import SplitPlan, find_units, local_model, plan_split, split_model
+from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.pipeline.runtime import PipelineRunner, TensorMeta, check_schedule
+from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, replica_batch, round_robin
+from plait.parallel.pipeline.profile import LayerChain, LayerProfile, gpt_layers, measure_stages, profile_layers
+from plait.parallel.pipeline.partition import Partition, auto_partition, partition
 
 __all__ = [
+    "Action",
     "COMM_KINDS",
     "COMPUTE_KINDS",
+    "Costs",
     "GENERATORS",
     "KINDS",
-    "Action",
-    "Costs",
+    "LayerChain",
+    "LayerProfile",
+    "Partition",
+    "PipeDreamOptions",
+    "PipeDreamRunner",
+    "PipelineRunner",
+    "PipelineStage",
     "Schedule",
     "ScheduleError",
     "SimResult",
     "Span",
+    "SplitPlan",
+    "TensorMeta",
     "as_costs",
+    "auto_partition",
     "build_schedule",
+    "check_schedule",
     "draw_schedule",
+    "find_units",
     "gpipe",
+    "gpt_layers",
     "interleaved",
+    "local_model",
     "lower",
+    "measure_stages",
     "naive",
     "one_f_one_b",
+    "partition",
     "pipedream",
+    "plan_split",
+    "profile_layers",
+    "replica_batch",
+    "round_robin",
     "simulate",
+    "split_model",
     "zero_bubble",
 ]

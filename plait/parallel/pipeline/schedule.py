@@ -1,7 +1,8 @@
 """Pipeline schedules as data: for each rank, the ordered list of ``Action(stage, kind, microbatch)`` it runs.
 
 A schedule prints as text, one line per rank ("0F0 0F1 0B0 ..."), is checked structurally by ``validate``,
-simulated in one process (``simulate.py``), drawn (``draw.py``) and executed by the pipeline runtime.
+simulated in one process (``simulate.py``), drawn (``draw.py``) and executed by the pipeline runtime. The
+generators of the named schedules (GPipe, 1F1B, ...) are in ``generators.py``.
 
 Placement: ``p`` ranks, ``v`` virtual stages (model chunks) per rank, ``p * v`` stages; stage ``s`` lives on
 rank ``s % p`` (Megatron's interleaved placement: rank r holds stages r, r + p, r + 2p, ...). With v = 1,
@@ -21,7 +22,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from plait.errors import ScheduleError
 
@@ -252,133 +253,11 @@ def _header_fields(line: str) -> dict[str, str]:
     return fields
 
 
-# ---------------------------------------------------------------------- generators
-def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
-    """Naive model parallelism: one micro-batch at a time, forward through every stage, then backward."""
-    _check_sizes(p, m, v)
-    acts: list[list[Action]] = [[] for _ in range(p)]
-    for j in range(m):
-        for s in range(p * v):
-            acts[s % p].append(Action(s, "F", j))
-        for s in reversed(range(p * v)):
-            acts[s % p].append(Action(s, "B", j))
-    return Schedule(p, m, acts, v, "naive")
-
-
-def gpipe(p: int, m: int, v: int = 1) -> Schedule:
-    """GPipe (Huang et al. 2019): every forward, then every backward (flush); holds m activations per stage."""
-    _check_sizes(p, m, v)
-    acts: list[list[Action]] = [[] for _ in range(p)]
-    for s in range(p * v):
-        acts[s % p] += [Action(s, "F", j) for j in range(m)]
-    for s in reversed(range(p * v)):
-        acts[s % p] += [Action(s, "B", j) for j in range(m)]
-    return Schedule(p, m, acts, v, "gpipe")
-
-
-def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
-    """1F1B / PipeDream-flush (Narayanan et al. 2021): rank r runs p-r-1 warm-up forwards, then alternates one
-    forward and one backward, then drains; same bubble as GPipe, at most p activations in flight."""
-    _check_sizes(p, m, v)
-    if v != 1:
-        raise ScheduleError(f"1f1b runs one stage per rank (v=1), got v={v}. Fix: use schedule 'interleaved'.")
-    return _warmup_steady_cooldown(p, m, 1, "1f1b", lambda r: min(p - r - 1, m),
-                                   lambda r, k: Action(r, "F", k), lambda r, k: Action(r, "B", k))
-
-
-def pipedream(p: int, m: int, v: int = 1) -> Schedule:
-    """PipeDream (Narayanan et al. 2019): the 1F1B order on each rank. What makes it asynchronous (no flush
-    between steps, weight stashing) belongs to the runtime; one step of it is simulated as 1F1B."""
-    schedule = one_f_one_b(p, m, v)
-    schedule.name = "pipedream"
-    return schedule
-
-
-def interleaved(p: int, m: int, v: int = 2) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al. 2021): v model chunks per rank (stage s on rank s % p) shrink the
-    bubble to (p-1)/v x (tF + tB); micro-batches go round in groups of p, so m must be a multiple of p."""
-    _check_sizes(p, m, v)
-    if v == 1:
-        schedule = one_f_one_b(p, m)
-        schedule.name = "interleaved"
-        return schedule
-    if m % p:
-        raise ScheduleError(
-            f"interleaved needs the micro-batches to be a multiple of pp: m={m}, p={p}. "
-            f"Fix: use m={max(p, m - m % p)} or m={m + p - m % p}, or schedule '1f1b'."
-        )
-
-    def forward(r: int, k: int) -> Action:
-        return Action(((k // p) % v) * p + r, "F", (k // (p * v)) * p + k % p)
-
-    def backward(r: int, k: int) -> Action:
-        return Action((v - 1 - (k // p) % v) * p + r, "B", (k // (p * v)) * p + k % p)
-
-    def warmup(r: int) -> int:  # Megatron-LM's count; m == p runs all forwards first
-        return m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
-
-    return _warmup_steady_cooldown(p, m, v, "interleaved", warmup, forward, backward)
-
-
-def zero_bubble(p: int, m: int, v: int = 1) -> Schedule:
-    """ZB-H1 (Qi et al. 2023): the backward split into I (input gradient, on the critical path) and W (weight
-    gradient, deferrable); rank r defers r of its W passes to fill the cool-down bubbles. Bubble
-    (p-1)(tF + tI - tW) while tW <= min(tF, tI) (a third of 1F1B's when all are equal); memory as 1F1B:
-    p - r activations on rank r until their I, and at most p micro-batches whose W is still to run."""
-    _check_sizes(p, m, v)
-    if v != 1:
-        raise ScheduleError(f"zero-bubble (ZB-H1) runs one stage per rank (v=1), got v={v}.")
-    acts: list[list[Action]] = []
-    for r in range(p):
-        warm = min(p - r, m)
-        lag = min(r, m - 1)  # rank r keeps r weight passes back, to fill its cool-down bubbles
-        seq = [Action(r, "F", j) for j in range(warm)]
-        done_w = 0
-        for k in range(m):  # I, then a deferred W (before the next F: at most p micro-batches open), then F
-            seq.append(Action(r, "I", k))
-            if k >= lag:
-                seq.append(Action(r, "W", done_w))
-                done_w += 1
-            if warm + k < m:
-                seq.append(Action(r, "F", warm + k))
-        seq += [Action(r, "W", j) for j in range(done_w, m)]
-        acts.append(seq)
-    return Schedule(p, m, acts, 1, "zero-bubble")
-
-
-def _warmup_steady_cooldown(p: int, m: int, v: int, name: str, warmup: Callable[[int], int],
-                            forward: Callable[[int, int], Action], backward: Callable[[int, int], Action]) -> Schedule:
-    """Rank r: ``warmup(r)`` forwards, then (forward, backward) pairs, then the remaining backwards."""
-    total, acts = m * v, []
-    for r in range(p):
-        warm = warmup(r)
-        seq = [forward(r, k) for k in range(warm)]
-        for k in range(total - warm):
-            seq += [forward(r, warm + k), backward(r, k)]
-        seq += [backward(r, k) for k in range(total - warm, total)]
-        acts.append(seq)
-    return Schedule(p, m, acts, v, name)
-
-
-def _check_sizes(p: int, m: int, v: int) -> None:
-    for key, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{key}={value!r} must be an integer >= 1.")
-
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "naive": naive,
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "zero-bubble": zero_bubble,
-    "pipedream": pipedream,
-}
-"""Schedule generators by their ``Layout.schedule`` name: each is ``(p, m, v=1) -> Schedule``."""
-
-
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called ``name`` (a ``Layout.schedule`` value) for p ranks, m micro-batches, v chunks."""
+    """The schedule called ``name`` (a ``Layout.schedule`` value) for p ranks, m micro-batches, v chunks;
+    the generators live in ``generators.py`` (imported here, late: they build on ``Schedule``)."""
+    from plait.parallel.pipeline.generators import GENERATORS
+
     if name not in GENERATORS:
         raise ScheduleError(f"unknown pipeline schedule {name!r}. Fix: use one of {', '.join(GENERATORS)}.")
     return GENERATORS[name](p, m, v)
@@ -436,7 +315,17 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
     return Schedule(p, schedule.m, out, schedule.v, schedule.name)
 
 
-__all__ = [
-    "COMM_KINDS", "COMPUTE_KINDS", "GENERATORS", "KINDS", "Action", "Schedule", "ScheduleError", "build_schedule",
-    "gpipe", "interleaved", "lower", "naive", "one_f_one_b", "pipedream", "zero_bubble",
-]
+_MOVED_TO_GENERATORS = ("GENERATORS", "gpipe", "interleaved", "naive", "one_f_one_b", "pipedream", "zero_bubble")
+
+
+def __getattr__(name: str) -> Any:
+    """``from plait.parallel.pipeline.schedule import gpipe`` keeps working: the generators moved to
+    ``generators.py``, which imports this module, so they are looked up on first use (PEP 562)."""
+    if name in _MOVED_TO_GENERATORS:
+        from plait.parallel.pipeline import generators
+
+        return getattr(generators, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "KINDS", "Action", "Schedule", "ScheduleError", "build_schedule", "lower"]

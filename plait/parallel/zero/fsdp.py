@@ -43,9 +43,11 @@ from plait.comm import Comm
 from plait.comm.collectives import Pending
 from plait.config import Layout
 from plait.logging import get_logger
-from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory, build_optimizer
+from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero import fsdp_state
+from plait.parallel.zero.base import ShardedStrategy
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
+from plait.parallel.zero.shard_buckets import master_dtype
 
 log = get_logger(__name__)
 
@@ -111,10 +113,9 @@ def _after(order: list[FlatUnit], unit: FlatUnit) -> FlatUnit | None:
     return None
 
 
-class FullyShardedStrategy(DataParallelStrategy):
-    """ZeRO-3: every unit's parameters sharded at rest over ``axis``; the optimizer steps this rank's shards."""
-
-    sharded = True
+class FullyShardedStrategy(ShardedStrategy):
+    """ZeRO-3: every unit's parameters sharded at rest over ``axis``; the optimizer steps this rank's masters
+    (the parameter shards themselves, or their fp32 copies in host memory / files under ``layout.offload``)."""
 
     def __init__(
         self,
@@ -123,18 +124,10 @@ class FullyShardedStrategy(DataParallelStrategy):
         optimizer: OptimizerFactory | torch.optim.Optimizer,
         layout: Layout | None = None,
         axis: str = GRAD_AXIS,
+        offload_dir: str | None = None,
     ) -> None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "ZeRO-3 needs an optimizer factory, not an optimizer already built: that optimizer holds the full "
-                "parameters, which ZeRO-3 replaces with 1/N shards. Fix: optimizer=lambda params: "
-                f"torch.optim.{type(optimizer).__name__}(params, ...)."
-            )
-        if not callable(optimizer):
-            raise TypeError("optimizer must be a factory params -> torch.optim.Optimizer")
-        self.model, self.comm, self.axis = model, comm, axis
-        self.layout = layout or Layout().resolve(comm.mesh.world_size)
-        self._sync = True
+        super().__init__(model, comm, optimizer, layout or Layout(zero=3).resolve(comm.mesh.world_size), axis,
+                         offload_dir)
         self.trace: list[tuple[str, ...]] | None = None
         """Set to a list to record ("gather"/"wait"/"free"/"reduce_scatter", unit, ...) events (tests, debugging)."""
         blocks = find_blocks(model)
@@ -147,8 +140,13 @@ class FullyShardedStrategy(DataParallelStrategy):
             for name, params in groups.items() if params or not name
         ]
         self.root = self.units[0]
-        self.params = [unit.shard for unit in self.units if not unit.empty]
-        self.optimizer = build_optimizer(optimizer, self.params)
+        if self.placement.offloaded:  # ZeRO-Offload: the optimizer steps host copies; the shards stay for compute
+            for unit in self.units:
+                if not unit.empty:
+                    values = unit.shard.detach().to(master_dtype(unit.shard.dtype))
+                    unit.master = self._make_master(values, f"master-{unit.name}")
+        self.params = [unit.master for unit in self.units if not unit.empty]
+        self.optimizer = self._build_optimizer(self.params)
         self._forward_order = list(self.units)
         self._backward_order = [self.root, *reversed(self.units[1:])]
         self._pre_record: list[FlatUnit] = []
@@ -164,9 +162,9 @@ class FullyShardedStrategy(DataParallelStrategy):
                 hook = functools.partial(self._grad_ready, unit)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         log.info(
-            "ZeRO-3 over %s=%d: %d units (root + %d blocks), %d parameters, %d per rank at rest",
+            "ZeRO-3 over %s=%d: %d units (root + %d blocks), %d parameters, %d per rank at rest, offload=%s",
             axis, comm.size(axis), len(self.units), len(self.units) - 1,
-            sum(u.layout.numel for u in self.units), sum(u.shard.numel() for u in self.units),
+            sum(u.layout.numel for u in self.units), sum(u.shard.numel() for u in self.units), self.layout.offload,
         )
 
     def _record(self, *event: str) -> None:
@@ -245,7 +243,7 @@ class FullyShardedStrategy(DataParallelStrategy):
         if self._inflight is not None:
             unit, pending = self._inflight
             self._inflight = None
-            unit.add_shard_grad(pending.wait())
+            self._receive_grad(unit.master, pending.wait())
 
     def _finish_backward_pass(self) -> None:
         """End of a backward (autograd engine callback): finish every unit, free everything gathered."""
@@ -259,20 +257,39 @@ class FullyShardedStrategy(DataParallelStrategy):
         self._backward_active = False
 
     def finish_backward(self) -> None:
-        """Gradients are reduced during backward; wait for the last reduce-scatter."""
+        """Gradients are reduced during backward; wait for the last reduce-scatter (and, with offload, for the
+        device -> host copies of the reduced shards)."""
         self._drain()
+        self.placement.synchronize()
 
     # ----------------------------------------------------------------- gradients and step
     def owned_grads(self) -> list[torch.Tensor]:
-        """This rank's slices of the averaged gradients (padding included: it is zero)."""
-        return [unit.shard.grad for unit in self.units if unit.shard.grad is not None]
+        """This rank's slices of the averaged gradients, on the masters (padding included: it is zero)."""
+        return [unit.master.grad for unit in self.units if unit.master.grad is not None]
 
     def zero_grad(self) -> None:
         super().zero_grad()
         for unit in self.units:
             unit.local_grad = None
 
+    def _publish(self) -> None:
+        """With offload, copy the stepped masters into the parameter shards on the compute device (pinned
+        non-blocking host -> device copies with CUDA, ordered before the next forward's all-gathers on the
+        same stream); without offload the shards are the masters and already hold the new values."""
+        with torch.no_grad():
+            for unit in self.units:
+                if unit.master is not unit.shard:
+                    unit.shard.copy_(self.placement.to_compute(unit.master.detach(), unit.shard.dtype))
+
     # ----------------------------------------------------------------- introspection
+    def _compute_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Parameter shards and gathered flat buffers; gradients on the model, in ``no_sync`` and unreduced."""
+        gathered = [unit.full for unit in self.units if unit.full is not None]
+        grads = [p.grad for unit in self.units for p in unit.params if p.grad is not None]
+        grads += [unit.local_grad for unit in self.units if unit.local_grad is not None]
+        grads += [unit.shard.grad for unit in self.units if unit.shard is not unit.master and unit.shard.grad is not None]
+        return {"parameters": [unit.shard for unit in self.units] + gathered, "gradients": grads}
+
     def held_bytes(self) -> int:
         """Bytes of model weights this rank holds now: its shards plus gathered units and gathers in flight."""
         return sum(unit.shard.numel() * unit.element_size + unit.gathered_bytes() for unit in self.units)
@@ -295,7 +312,9 @@ class FullyShardedStrategy(DataParallelStrategy):
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged gradients, whole, by parameter name (after ``finish_backward``; collective)."""
-        full = self._full_by_param(lambda unit: unit.shard.grad)
+        full = self._full_by_param(
+            lambda unit: None if unit.master.grad is None else self.placement.to_compute(unit.master.grad, unit.shard.dtype)
+        )
         return {name: full[id(p)] for name, p in self.model.named_parameters() if id(p) in full}
 
     # ----------------------------------------------------------------- checkpoints
@@ -309,3 +328,4 @@ class FullyShardedStrategy(DataParallelStrategy):
     def load_state_dicts(self, states: dict[str, Any]) -> None:
         fsdp_state.load_model_state(self.model, self.units, states["model"])
         fsdp_state.load_optimizer_state(self.optimizer, self.units, self.comm.size(self.axis), states["optimizer"])
+        self.placement.adopt_states(self.optimizer)

@@ -41,6 +41,8 @@ def load_model_state(model: nn.Module, units: Sequence[FlatUnit], state: dict[st
         lo, hi = unit.layout.shard_range(unit.rank)
         with torch.no_grad():
             unit.shard.copy_(unit.layout.flatten(tensors)[lo:hi])
+            if unit.master is not unit.shard:  # offload: the optimizer's copy in host memory / files
+                unit.master.copy_(unit.shard)
         sharded.update(id(p) for p in unit.params)
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in sharded:
@@ -59,7 +61,7 @@ def _prefix(unit: FlatUnit, shards: int) -> str:
 def init_optimizer_state(optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit]) -> None:
     """Create the optimizer's lazily-built state (as torch's get_state_dict does): one step at lr 0 on zero
     gradients, which leaves the shards unchanged, so that a fresh optimizer has tensors for DCP to load into."""
-    shards = [unit.shard for unit in units if not unit.empty]
+    shards = [unit.master for unit in units if not unit.empty]
     if all(shard in optimizer.state for shard in shards):
         return
     if any(shard.grad is not None for shard in shards):
@@ -80,7 +82,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit],
     init_optimizer_state(optimizer, units)
     state: dict[str, Any] = {}
     for unit in units:
-        for key, value in optimizer.state.get(unit.shard, {}).items():
+        for key, value in optimizer.state.get(unit.master, {}).items():
             if value is not None:
                 state[_prefix(unit, shards) + key] = value
     for index, group in enumerate(optimizer.param_groups):
@@ -105,7 +107,7 @@ def load_optimizer_state(
     init_optimizer_state(optimizer, units)
     for unit in units:
         prefix = _prefix(unit, shards)
-        current = optimizer.state.get(unit.shard, {})
+        current = optimizer.state.get(unit.master, {})
         for key, value in current.items():
             if prefix + key not in state:
                 raise KeyError(f"the checkpoint's optimizer state has no entry '{prefix + key}'")

@@ -72,6 +72,8 @@ class FlatUnit:
             self.shard = nn.Parameter(full[lo:hi].clone())
         else:
             self.shard = nn.Parameter(torch.empty(0, dtype=dtype, device=device))
+        self.master: nn.Parameter = self.shard
+        """What the optimizer steps: the shard itself, or (offload) its copy in host memory set by the strategy."""
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.full: torch.Tensor | None = None
         self.pending: Pending | None = None
@@ -176,13 +178,6 @@ class FlatUnit:
             flat.add_(self.local_grad)
             self.local_grad = None
         return flat
-
-    def add_shard_grad(self, grad: torch.Tensor) -> None:
-        """Accumulate this rank's reduced gradient slice into the shard's ``.grad``."""
-        if self.shard.grad is None:
-            self.shard.grad = grad
-        else:
-            self.shard.grad.add_(grad)
 
     def end_backward(self) -> None:
         """Reset the per-backward bookkeeping and free everything gathered."""

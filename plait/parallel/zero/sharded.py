@@ -55,17 +55,15 @@ from plait.comm import Comm
 from plait.config import Layout
 from plait.errors import LayoutError
 from plait.logging import get_logger
-from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory
-from plait.parallel.zero.offload import Placement, is_file_backed
+from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
+from plait.parallel.zero.base import ShardedStrategy
 from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, plan_buckets
 
 log = get_logger(__name__)
 
 
-class ShardedOptimizerStrategy(DataParallelStrategy):
+class ShardedOptimizerStrategy(ShardedStrategy):
     """ZeRO stage ``layout.zero`` (1 or 2) over ``axis``, with optional offload (``layout.offload``)."""
-
-    sharded = True
 
     def __init__(
         self,
@@ -79,18 +77,7 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
         layout = layout or Layout(zero=1).resolve(comm.mesh.world_size)
         if layout.zero not in (1, 2):
             raise ValueError(f"ShardedOptimizerStrategy runs ZeRO stage 1 or 2, not zero={layout.zero}")
-        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-            raise TypeError(
-                f"ZeRO-{layout.zero} builds the optimizer itself, on this rank's shard of the parameters, so it needs "
-                f"a factory, not {type(optimizer).__name__}. Fix: optimizer=lambda params: "
-                f"torch.optim.AdamW(params, lr=3e-4) instead of an optimizer built on model.parameters()."
-            )
-        self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
-        self.stage = layout.zero
-        self.world = comm.size(axis)
-        self.index = comm.mesh.index(axis)
-        self._sync = True
-        self._factory = optimizer
+        super().__init__(model, comm, optimizer, layout, axis, offload_dir)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to shard")
@@ -99,19 +86,17 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
         if group is not None:
             check_reducible(named, dist.get_backend(group), comm.device.type)
 
-        self.placement = Placement(layout.offload, comm.device, comm.mesh.rank, offload_dir)
         cap = None if self.stage == 1 else layout.bucket_mb * 2**20
         self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap)
         for bucket in self.buckets:
-            values = bucket.shard_values(master_dtype(bucket.dtype))
-            bucket.master = nn.Parameter(self.placement.place(values, f"master{bucket.index}"))
+            bucket.master = self._make_master(bucket.shard_values(master_dtype(bucket.dtype)), f"master{bucket.index}")
         self._by_dtype: dict[torch.dtype, list[ShardBucket]] = {}
         for bucket in self.buckets:
             self._by_dtype.setdefault(bucket.dtype, []).append(bucket)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next = 0
         """Buckets [0, _next) have had their reduce-scatter issued in this backward (always in bucket order)."""
-        self.optimizer = self._build_optimizer()
+        self.optimizer = self._build_optimizer([b.master for b in self.buckets])
         self._hooks = []
         if self.stage == 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -121,20 +106,6 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
             self.stage, axis, self.world, numel, len(self.buckets), sum(b.shard_size for b in self.buckets),
             layout.offload,
         )
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        masters = [b.master for b in self.buckets]
-        optimizer = self._factory(masters)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if held != {id(m) for m in masters}:
-            raise ValueError(
-                "the optimizer factory must build its optimizer on exactly the parameters it is given (under ZeRO: "
-                "this rank's master shards), e.g. lambda params: torch.optim.AdamW(params). Per-parameter groups "
-                "over the model's parameters are not supported."
-            )
-        return optimizer
 
     # ----------------------------------------------------------------- backward
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -174,8 +145,7 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
             self._launch(bucket)
         for bucket in self.buckets:
             assert bucket.pending is not None
-            shard = bucket.pending.wait()
-            bucket.master.grad = self.placement.to_host(shard, bucket.master.dtype)
+            self._receive_grad(bucket.master, bucket.pending.wait())
             bucket.reset()
         self.placement.synchronize()
         self._next = 0
@@ -185,13 +155,19 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
         """This rank's shard gradients (padding elements are zero, so norms over them are exact)."""
         return [b.master.grad for b in self.buckets if b.master.grad is not None]
 
-    def step(self) -> None:
-        """Step the master shards, then all-gather them (one call per dtype) into every rank's parameters."""
-        self.optimizer.step()
-        self.placement.adopt_states(self.optimizer)
-        self._gather_parameters()
+    def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Views of the shard gradients, one per parameter piece in this rank's shard (for tensor-parallel norm
+        weights and sequence-parallel sums, which treat tp slices and replicated parameters differently)."""
+        pieces = []
+        for bucket in self.buckets:
+            grad = bucket.master.grad
+            if grad is not None:
+                for piece in bucket.layout.slices(self.index):
+                    pieces.append((bucket.params[piece.index], grad[piece.at : piece.at + piece.end - piece.start]))
+        return pieces
 
-    def _gather_parameters(self) -> None:
+    def _publish(self) -> None:
+        """All-gather the stepped master shards (one call per dtype) into every rank's parameters."""
         shards = {b.index: self.placement.to_compute(b.master.detach(), b.dtype) for b in self.buckets}
         for bucket, full in self._all_gather(shards):
             bucket.write_params(full)
@@ -229,37 +205,16 @@ class ShardedOptimizerStrategy(DataParallelStrategy):
         return out
 
     # ----------------------------------------------------------------- memory
-    def memory_split(self) -> dict[str, int]:
-        """Bytes this rank holds now, by place: ``device`` (the model's parameters and gradients, and the shards
-        without offload), ``host`` (offloaded shards, their gradients, optimizer states in RAM) and ``files``
-        (memory-mapped "nvme" files). Each storage counts once."""
-        split = {"device": 0, "host": 0, "files": 0}
-        seen: set[int] = set()
-
-        def add(tensor: Any, where: str) -> None:
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    split[where] += storage.nbytes()
-
-        for param in self.params:
-            for tensor in (param, param.grad):
-                if tensor is not None:
-                    add(tensor, "files" if is_file_backed(tensor) else "device")
-        managed = [b.master for b in self.buckets] + [b.master.grad for b in self.buckets]
-        managed += [v for state in self.optimizer.state.values() for v in state.values()]
-        for tensor in managed:
-            if isinstance(tensor, torch.Tensor):
-                add(tensor, self.placement.where(tensor))
-        return split
+    def _compute_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The model's whole parameters and whatever full gradients they hold now."""
+        return {"parameters": list(self.params), "gradients": [p.grad for p in self.params if p.grad is not None]}
 
     def close(self) -> None:
         """Remove the ZeRO-2 hooks and delete offload files (the strategy cannot train afterwards)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.placement.close()
+        super().close()
 
     # ----------------------------------------------------------------- checkpoints
     @property

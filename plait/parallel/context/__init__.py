@@ -1,0 +1,25 @@
+"""Context parallelism: the sequence split over the ``cp`` mesh axis, with ring attention (zigzag) or
+DeepSpeed-Ulysses all-to-all attention. See docs/context_parallel.md."""
+
+from plait.parallel.context.apply import (
+    ContextParallelLoss,
+    ContextParallelModel,
+    ContextPlan,
+    apply_context_parallel,
+    plan_context_parallel,
+)
+from plait.parallel.context.ring import RingAttention
+from plait.parallel.context.sharding import BlockPiece, SequenceSharding
+from plait.parallel.context.ulysses import UlyssesAttention
+
+__all__ = [
+    "BlockPiece",
+    "ContextParallelLoss",
+    "ContextParallelModel",
+    "ContextPlan",
+    "RingAttention",
+    "SequenceSharding",
+    "UlyssesAttention",
+    "apply_context_parallel",
+    "plan_context_parallel",
+]

@@ -1,0 +1,157 @@
+"""Ring attention (Liu et al. 2023) with zigzag load balancing: queries stay, key/value blocks travel.
+
+Each of the cp ranks holds T/cp positions (``SequenceSharding``, zigzag). Forward: cp steps; at step i the
+rank attends its queries to the key/value block of rank r-i while that block is already on its way to rank
+r+1 (a batched isend/irecv posted *before* the compute, so the transfer overlaps it), and folds the block's
+(o, lse) into running accumulators with the online-softmax merge (``blockwise``). cp-1 hops move the blocks.
+
+Backward recomputes every block's probabilities from the saved (q, k, v, o, lse) as FlashAttention does and
+circulates the key/value blocks once more, now followed by their gradient accumulators: the blocks are
+visited in the order r-1, r-2, ..., r+1, r (own block last), so the accumulator of block b starts at rank
+b+1 and, after collecting every rank's contribution, arrives at its owner b after cp-1 hops.
+Bytes sent per rank and layer, with block = B * kv_heads * T/cp * head_dim elements:
+forward (cp-1) * 2 * block (k and v, input dtype); backward (cp-1) * 2 * block (input dtype) +
+(cp-1) * 2 * block (float32 gradient accumulators).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm, Pending
+from plait.parallel.context.blockwise import block_backward, block_forward, merge_into, repeat_kv, sum_kv_groups
+from plait.parallel.context.sharding import SequenceSharding
+
+
+def _pass_on(comm: Comm, axis: str, outgoing: Tensor) -> tuple[Tensor, Pending]:
+    """Post the ring hop: send ``outgoing`` to the next cp rank, receive the previous rank's into a new buffer."""
+    incoming = torch.empty_like(outgoing)
+    pending = comm.send_recv(
+        sends=[(outgoing, comm.mesh.peer(axis, 1))], recvs=[(incoming, comm.mesh.peer(axis, -1))],
+        axis=axis, async_op=True,
+    )
+    return incoming, pending
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, comm: Comm, axis: str, sharding: SequenceSharding, group: int, causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Float32 (o, lse) of local queries [B, H, Tl, D] over the whole ring's keys/values [B, H/group, Tl, D]."""
+    n, rank, local_length = sharding.size, sharding.index, q.shape[2]
+    # o lives as [B, Tl, H, D] in memory: the Attention layer's transpose(1, 2).reshape is then a view, and the
+    # output projection saves the very storage this function saves (no extra copy kept for backward)
+    batch, heads, _, dim = q.shape
+    out = torch.zeros(batch, local_length, heads, dim, dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    block = torch.stack((k, v))  # one message per hop
+    for step in range(n):  # step 0 is the own block, which every query row sees: lse is finite from then on
+        source = (rank - step) % n
+        incoming, pending = _pass_on(comm, axis, block) if step < n - 1 else (None, None)
+        keys, values = repeat_kv(block[0], group), repeat_kv(block[1], group)
+        for piece in sharding.pieces(source, local_length, causal):
+            rows, cols = piece.q_rows, piece.kv_rows
+            block_out, block_lse = block_forward(
+                q[:, :, rows], keys[:, :, cols], values[:, :, cols], scale, piece.causal
+            )
+            merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        if pending is not None:
+            pending.wait()
+            block = incoming
+    return out, lse
+
+
+def ring_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, comm: Comm, axis: str,
+    sharding: SequenceSharding, group: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Float32 (dq, dk, dv) of this rank's q, k, v; every rank's gradient contributions to k, v travel home."""
+    n, rank, local_length = sharding.size, sharding.index, q.shape[2]
+    delta = (grad_out.float() * out.float()).sum(dim=-1)
+    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    own = torch.stack((k, v))
+    block = own
+    if n > 1:  # the first visit is block r-1: this hop cannot overlap compute
+        block, first = _pass_on(comm, axis, own)
+        first.wait()
+    carried: Tensor | None = None
+    carried_pending: Pending | None = None
+    for step in range(n):
+        source = (rank - step - 1) % n
+        current = own if step == n - 1 else block
+        next_block, next_pending = _pass_on(comm, axis, block) if step < n - 2 else (None, None)
+        keys, values = repeat_kv(current[0], group), repeat_kv(current[1], group)
+        contribution = torch.zeros(current.shape, dtype=torch.float32, device=q.device)
+        for piece in sharding.pieces(source, local_length, causal):
+            rows, cols = piece.q_rows, piece.kv_rows
+            grad_q_piece, grad_k_piece, grad_v_piece = block_backward(
+                q[:, :, rows], keys[:, :, cols], values[:, :, cols], grad_out[:, :, rows], lse[:, :, rows],
+                delta[:, :, rows], scale, piece.causal,
+            )
+            grad_q[:, :, rows] += grad_q_piece
+            contribution[0][:, :, cols] += sum_kv_groups(grad_k_piece, group)
+            contribution[1][:, :, cols] += sum_kv_groups(grad_v_piece, group)
+        if carried_pending is not None:  # the other ranks' contributions to this block, collected so far
+            carried_pending.wait()
+            contribution += carried
+        if step < n - 1:
+            carried, carried_pending = _pass_on(comm, axis, contribution)
+        if next_pending is not None:
+            next_pending.wait()
+            block = next_block
+    return grad_q, contribution[0], contribution[1]
+
+
+class _RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, comm: Comm, axis: str, sharding: SequenceSharding,
+                group: int, causal: bool, scale: float) -> Tensor:
+        out, lse = ring_forward(q, k, v, comm, axis, sharding, group, causal, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = (comm, axis, sharding, group, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_q, grad_k, grad_v = ring_backward(grad_out.contiguous(), q, k, v, out, lse, *ctx.setup)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None
+
+
+class RingAttention(nn.Module):
+    """Drop-in for ``ScaledDotProductAttention`` under ring context parallelism: softmax(q k^T / sqrt(D)) v over
+    the whole (sharded) sequence, for the local queries [B, H, T/cp, D].
+
+    ``kv_group`` is the number of query heads per key/value head: the Attention layer hands over k and v
+    already repeated to H heads, so only every ``kv_group``-th head is sent around the ring and the
+    repetition is redone locally (GQA costs kv_heads/H of the bytes of full multi-head attention).
+    """
+
+    def __init__(self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True,
+                 axis: str = "cp") -> None:
+        super().__init__()
+        if sharding.mode != "ring":
+            raise ValueError(f"RingAttention needs the zigzag ('ring') sharding, got {sharding.mode!r}")
+        self.comm, self.sharding, self.kv_group, self.causal, self.axis = comm, sharding, kv_group, causal, axis
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        group = self.kv_group
+        if q.shape[1] % group or k.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"RingAttention expects k/v repeated to the {q.shape[1]} query heads in groups of {group}, got "
+                f"{k.shape[1]} key heads"
+            )
+        if q.shape[2] % 2 and self.causal:
+            raise ValueError(f"zigzag ring attention needs an even local length (two chunks), got {q.shape[2]}")
+        keys, values = k[:, ::group].contiguous(), v[:, ::group].contiguous()
+        scale = q.shape[-1] ** -0.5
+        return _RingAttentionFunction.apply(
+            q.contiguous(), keys, values, self.comm, self.axis, self.sharding, group, self.causal, scale
+        )
+
+    def extra_repr(self) -> str:
+        return f"cp={self.sharding.size}, rank={self.sharding.index}, kv_group={self.kv_group}, causal={self.causal}"

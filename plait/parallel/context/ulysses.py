@@ -1,0 +1,69 @@
+"""DeepSpeed-Ulysses (Jacobs et al. 2023): trade the sequence split for a head split around attention.
+
+Each cp rank holds a contiguous T/cp slice of the sequence for all H heads. An all-to-all over cp turns
+q, k, v from [B, H, T/cp, D] into [B, H/cp, T, D] (rank j receives heads j H/cp .. (j+1) H/cp - 1 of every
+rank's slice, concatenated in sequence order), each rank runs ordinary full-sequence attention for its
+heads, and a second all-to-all turns the output back into [B, H, T/cp, D]. Backward is the same four
+all-to-alls in reverse (``plait.comm.all_to_all`` is differentiable). Under GQA only the kv_heads distinct
+key/value heads are exchanged (rank j gets kv heads j kv/cp .., exactly the ones its query heads use), so
+both H and kv_heads must be divisible by cp. With tensor parallelism the heads are first split over tp, so
+each rank attends H / (tp cp) heads: H must be divisible by tp * cp.
+
+Bytes sent per rank and layer (ring all-to-all model, e = element size, Tl = T/cp):
+forward (cp-1)/cp * B Tl D e * (2 H + 2 kv_heads) (q and o with H heads, k and v with kv_heads), backward the same.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.comm import Comm, all_to_all
+from plait.parallel.context.blockwise import repeat_kv
+from plait.parallel.context.sharding import SequenceSharding
+
+HEAD_DIM, SEQ_DIM = 1, 2
+"""Dimensions of the [B, H, T, D] tensors that attention cores receive."""
+
+
+class UlyssesAttention(nn.Module):
+    """Drop-in for ``ScaledDotProductAttention`` under Ulysses context parallelism (contiguous sharding).
+
+    ``kv_group`` is the number of query heads per key/value head: k and v arrive repeated to H heads, so only
+    every ``kv_group``-th head is exchanged and the repetition is redone after the all-to-all.
+    """
+
+    def __init__(self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True,
+                 axis: str = "cp") -> None:
+        super().__init__()
+        if sharding.mode != "ulysses":
+            raise ValueError(f"UlyssesAttention needs the contiguous ('ulysses') sharding, got {sharding.mode!r}")
+        self.comm, self.sharding, self.kv_group, self.causal, self.axis = comm, sharding, kv_group, causal, axis
+
+    def _to_heads(self, x: Tensor) -> Tensor:
+        """[B, h, T/cp, D] -> [B, h/cp, T, D]."""
+        return all_to_all(x.contiguous(), self.comm, self.axis, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM)
+
+    def _to_sequence(self, x: Tensor) -> Tensor:
+        """[B, h/cp, T, D] -> [B, h, T/cp, D], laid out [B, T/cp, h, D] in memory so that the Attention layer's
+        transpose(1, 2).reshape is a view (the output projection then saves no extra copy)."""
+        tokens_first = x.transpose(HEAD_DIM, SEQ_DIM)  # [B, T, h/cp, D]
+        gathered = all_to_all(tokens_first, self.comm, self.axis, scatter_dim=1, gather_dim=2)  # [B, T/cp, h, D]
+        return gathered.transpose(1, 2)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        group, cp = self.kv_group, self.sharding.size
+        kv_heads = k.shape[HEAD_DIM] // group
+        if q.shape[HEAD_DIM] % cp or kv_heads % cp:
+            raise ValueError(
+                f"Ulysses splits heads over cp={cp}, but this layer has {q.shape[HEAD_DIM]} query and {kv_heads} "
+                f"key/value heads"
+            )
+        q_heads = self._to_heads(q)
+        k_heads = repeat_kv(self._to_heads(k[:, ::group]), group)
+        v_heads = repeat_kv(self._to_heads(v[:, ::group]), group)
+        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=self.causal)
+        return self._to_sequence(out)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.sharding.size}, rank={self.sharding.index}, kv_group={self.kv_group}, causal={self.causal}"

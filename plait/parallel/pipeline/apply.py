@@ -1,0 +1,71 @@
+"""How ``plait.parallelize`` sets up pipeline parallelism: check the layout and the schedule before any
+communication (``plan_pipeline``), then keep this rank's stages (``place_pipeline``).
+
+Rank with pp index r holds stages r, r + p, ... (``Schedule.stages_on``). With one stage its local model is
+that stage; with v > 1 it is one pruned copy of the model holding all of them (what the data-parallel strategy
+and the optimizer see, with the full model's parameter names), and each stage runs as a view sharing its
+parameters (``split.local_model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.config import Layout
+from plait.errors import LayoutError, ScheduleError
+from plait.parallel.pipeline.schedule import Schedule, build_schedule
+from plait.parallel.pipeline.simulate import simulate
+from plait.parallel.pipeline.split import SplitPlan, local_model, plan_split
+from plait.parallel.pipeline.stage import PipelineStage
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The schedule to run and how the model is cut (one stage per schedule stage)."""
+
+    schedule: Schedule
+    split: SplitPlan
+
+
+def plan_pipeline(model: nn.Module, layout: Layout, cuts: list[int] | None = None,
+                  schedule: Schedule | None = None) -> PipelinePlan | None:
+    """None when ``layout.pp == 1``; otherwise the checked plan. Raises LayoutError / ScheduleError (pure checks,
+    the same on every rank) for what cannot run."""
+    if layout.pp == 1:
+        if cuts is not None or schedule is not None:
+            raise LayoutError("pipeline_cuts / pipeline_schedule were given, but the layout has pp=1. "
+                              "Fix: set pp > 1, or leave them out.")
+        return None
+    if layout.zero in (2, 3):
+        raise LayoutError(
+            f"zero={layout.zero} with pp={layout.pp} is not supported: the pipeline accumulates every micro-batch's "
+            f"gradients before one reduction, which ZeRO-{layout.zero} would have to keep unsharded anyway. "
+            f"Fix: use zero=1 (sharded optimizer states) or zero=0 with pp > 1."
+        )
+    if schedule is None:
+        try:
+            schedule = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+        except ScheduleError as error:
+            raise LayoutError(f"layout {layout.short()} schedule={layout.schedule!r}: {error}") from error
+    expected = (layout.pp, layout.microbatches, layout.virtual_stages)
+    if (schedule.p, schedule.m, schedule.v) != expected:
+        raise LayoutError(
+            f"the pipeline schedule has p={schedule.p} m={schedule.m} v={schedule.v}, but the layout has "
+            f"pp={layout.pp} microbatches={layout.microbatches} virtual_stages={layout.virtual_stages}. "
+            f"Fix: build the schedule for the layout's numbers, or change the layout."
+        )
+    simulate(schedule)  # ScheduleError (malformed, wrongly ordered, deadlocking) before any process runs it
+    return PipelinePlan(schedule, plan_split(model, schedule.num_stages, cuts))
+
+
+def place_pipeline(model: nn.Module, plan: PipelinePlan, pp_index: int) -> tuple[nn.Module, list[PipelineStage]]:
+    """This rank's local model and its stages (see the module doc)."""
+    stage_ids = plan.schedule.stages_on(pp_index)
+    local, views = local_model(model, plan.split, stage_ids)
+    stages = [PipelineStage(view, s, plan.schedule.num_stages) for s, view in zip(stage_ids, views)]
+    return local, stages
+
+
+__all__ = ["PipelinePlan", "place_pipeline", "plan_pipeline"]

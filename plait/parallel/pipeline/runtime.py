@@ -1,0 +1,349 @@
+"""``PipelineRunner``: executes this rank's list of a lowered schedule on real stages and real p2p messages.
+
+Execution rule (docs/pipeline.md, "Lowering"): walk the rank's actions in order; post each run of consecutive
+send/recv actions as one batched ``Comm.send_recv`` (asynchronous); before a compute action, wait for the
+batch holding the recv it consumes; wait for every send before the step ends. ``lower`` orders the actions so
+that this completes even if every send and recv blocked until its peer posted, so waiting for a whole batch
+(its sends included) never deadlocks.
+
+Shapes and dtypes: a recv needs a buffer. The first step with a new micro-batch input shape runs a *shape
+pass*: the stages, in order, run one no-grad forward (eval mode, RNG state restored, under the same autocast)
+on zeros of the incoming shape and pass the output's (shape, dtype) to the next stage as a small int64
+message. Results are cached per input (shape, dtype), so later steps exchange no metadata. Evaluation runs the
+stages one after another on the whole batch, sending each tensor's metadata just before it.
+
+Loss: the last stage computes ``loss_fn`` on each micro-batch under autocast and differentiates
+``precision.scale(loss / m)``, so the accumulated gradients are those of the mean loss over the batch; the
+step's mean loss is broadcast from the last stage over "pp", so every rank returns the same value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from plait.comm import Comm
+from plait.comm.collectives import Pending
+from plait.engine import apply_loss
+from plait.errors import ScheduleError
+from plait.logging import get_logger
+from plait.parallel.pipeline.schedule import Action, Schedule, lower
+from plait.parallel.pipeline.simulate import simulate
+from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.precision import MixedPrecision
+
+logger = get_logger(__name__)
+
+AXIS = "pp"
+MAX_DIMS = 8
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+"""Dtypes a stage may pass on (index = their code in metadata messages)."""
+
+Micro = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor crossing a stage boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
+            raise TypeError(
+                f"a pipeline stage output of shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot be passed on: "
+                f"at most {MAX_DIMS} dims and one of {', '.join(str(d) for d in DTYPES)}. Fix: reshape or cast it."
+            )
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        dims = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
+        return torch.tensor([len(self.shape), DTYPES.index(self.dtype), *dims], dtype=torch.int64, device=device)
+
+    @classmethod
+    def decode(cls, message: torch.Tensor) -> TensorMeta:
+        values = message.tolist()
+        return cls(tuple(values[2 : 2 + values[0]]), DTYPES[values[1]])
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def check_schedule(schedule: Schedule) -> Schedule:
+    """Validate and simulate ``schedule`` (ScheduleError on a malformed or deadlocking one); return it lowered."""
+    simulate(schedule)
+    return schedule if schedule.is_lowered else lower(schedule)
+
+
+class PipelineRunner:
+    """Runs ``schedule`` on this pp rank's ``stages`` (stage s on pp index s % p), sending through ``comm``."""
+
+    owns_updates = False
+    """True for a runner that applies optimizer updates itself during the step (PipeDream); the Engine then
+    leaves the step's gradients alone."""
+    tags_activations = False
+    """True when every activation sent forward is followed, in the same batch, by a one-element int64 *tag*
+    (PipeDream's vertical sync sends the first stage's weight version with each micro-batch): the sender puts
+    it in the outbox as ("V", stage, microbatch); the receiver finds it in the inbox under the same key."""
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        schedule: Schedule,
+        comm: Comm,
+        precision: MixedPrecision,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.comm = comm
+        self.mesh = comm.mesh
+        self.precision = precision
+        self.loss_fn = loss_fn
+        p, index = self.mesh.size(AXIS), self.mesh.index(AXIS)
+        if schedule.p != p:
+            raise ScheduleError(f"schedule {schedule.name!r} has p={schedule.p}, but the mesh has pp={p}. Fix: build "
+                                f"it for p={p}.")
+        self.schedule = schedule
+        self.lowered = check_schedule(schedule)
+        self.stages = {stage.index: stage for stage in stages}
+        expected = schedule.stages_on(index)
+        if sorted(self.stages) != expected:
+            raise ScheduleError(f"pp rank {index} holds stages {sorted(self.stages)}, but the schedule places "
+                                f"{expected} there (stage s on rank s % p).")
+        self.actions = self.lowered.actions[index]
+        self.num_stages = schedule.num_stages
+        self.last_rank_index = schedule.rank_of(self.num_stages - 1)
+        self._metas: dict[tuple[tuple[int, ...], torch.dtype], dict[int, TensorMeta]] = {}
+        self.timeline: list[tuple[Action, float, float]] = []
+        """The last step's compute actions as (action, start, end) in ``time.perf_counter`` seconds."""
+        self.step_start = 0.0
+        self.step_end = 0.0
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def _peer(self, stage: int) -> int:
+        """Global rank holding ``stage`` in this rank's pp group."""
+        return self.mesh.ranks(AXIS)[self.schedule.rank_of(stage)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    @contextlib.contextmanager
+    def _mode(self, training: bool) -> Iterator[None]:
+        previous = [stage.module.training for stage in self.stages.values()]
+        for stage in self.stages.values():
+            stage.module.train(training)
+        try:
+            yield
+        finally:
+            for stage, mode in zip(self.stages.values(), previous):
+                stage.module.train(mode)
+
+    def _send_meta_and(self, tensor: torch.Tensor | None, meta: TensorMeta, peer: int) -> None:
+        self.comm.send_recv(sends=[(meta.encode(self.device), peer)], axis=AXIS)
+        if tensor is not None:
+            self.comm.send_recv(sends=[(tensor.contiguous(), peer)], axis=AXIS)
+
+    def _recv_meta(self, peer: int) -> TensorMeta:
+        message = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+        self.comm.send_recv(recvs=[(message, peer)], axis=AXIS)
+        return TensorMeta.decode(message)
+
+    def _chain(self, inputs: torch.Tensor, with_data: bool) -> tuple[torch.Tensor | None, dict[int, TensorMeta]]:
+        """The stages one after another (no grad): each receives its input's metadata (and, ``with_data``, the
+        tensor; else it runs on zeros), runs, and passes its output on. Returns the last stage's output (on its
+        rank) and the metadata of every local stage's input (key s - 1) and output (key s)."""
+        metas: dict[int, TensorMeta] = {}
+        output: torch.Tensor | None = None
+        with torch.no_grad():
+            for s in sorted(self.stages):
+                if s == 0:
+                    x = inputs
+                else:
+                    metas[s - 1] = self._recv_meta(self._peer(s - 1))
+                    x = metas[s - 1].empty(self.device)
+                    if with_data:
+                        self.comm.send_recv(recvs=[(x, self._peer(s - 1))], axis=AXIS)
+                    else:
+                        x.zero_()
+                with self.precision.autocast():
+                    out = self.stages[s].module(x)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"pipeline stage {s} returned {type(out).__name__}; stages must pass one tensor. "
+                                    f"Fix: make each chunk's forward return a single tensor.")
+                metas[s] = TensorMeta.of(out)
+                if s + 1 < self.num_stages:
+                    self._send_meta_and(out if with_data else None, metas[s], self._peer(s + 1))
+                else:
+                    output = out
+        return output, metas
+
+    def _shapes(self, inputs: torch.Tensor) -> dict[int, TensorMeta]:
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key not in self._metas:
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), self._mode(False):
+                _, self._metas[key] = self._chain(inputs, with_data=False)
+            logger.debug("pipeline shape pass for input %s: %s", key, self._metas[key])
+        return self._metas[key]
+
+    # ----------------------------------------------------------------- training
+    def train_step(self, micro: Sequence[Micro]) -> torch.Tensor:
+        """Forward and backward of every micro-batch as the schedule says; returns the mean loss (every rank).
+        Gradients accumulate in the stages' ``.grad`` (the caller syncs them over dp and steps)."""
+        m = len(micro)
+        if m != self.schedule.m:
+            raise ScheduleError(f"the schedule runs m={self.schedule.m} micro-batches, but {m} were given.")
+        metas = self._shapes(micro[0][0])
+        loss_sum = torch.zeros((), device=self.device)
+        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]] = {}
+        outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        sends: list[tuple[Pending, list[torch.Tensor]]] = []
+        self.timeline = []
+        self.step_start = time.perf_counter()
+        with self._mode(True):
+            position = 0
+            while position < len(self.actions):
+                action = self.actions[position]
+                if action.is_comm:
+                    end = position
+                    while end < len(self.actions) and self.actions[end].is_comm:
+                        end += 1
+                    sends.append(self._post(self.actions[position:end], metas, inbox, outbox))
+                    position = end
+                    continue
+                self._before_compute(action)
+                self._wait_for_input(action, inbox)  # outside the timed span: waiting is not busy time
+                started = time.perf_counter()
+                self._compute(action, micro, inbox, outbox, loss_sum)
+                self.timeline.append((action, started, time.perf_counter()))
+                position += 1
+            self._after_actions()
+            for pending, _tensors in sends:
+                pending.wait()
+        self.step_end = time.perf_counter()
+        if inbox or outbox:  # pragma: no cover - check_schedule guarantees every transfer is matched
+            raise ScheduleError(f"pipeline step ended with unmatched transfers: {sorted(inbox) + sorted(outbox)}")
+        mean = loss_sum / m
+        self.comm.broadcast(mean, AXIS, src=self.last_rank_index)
+        return mean
+
+    def _before_compute(self, action: Action) -> None:
+        """Hook: runs before each compute action, after the comm runs before it were posted (nothing here)."""
+
+    def _after_actions(self) -> None:
+        """Hook: runs after the rank's last action, before the step's sends are waited for (nothing here)."""
+
+    def _loss_divisor(self, m: int) -> int:
+        """The last stage differentiates loss / this: m, so that the step's gradients are the batch mean's."""
+        return m
+
+    def _post(self, run: Sequence[Action], metas: dict[int, TensorMeta],
+              inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+              outbox: dict[tuple[str, int, int], torch.Tensor]) -> tuple[Pending, list[torch.Tensor]]:
+        """Post one run of consecutive send/recv actions as one batched, asynchronous send_recv."""
+        to_send: list[tuple[torch.Tensor, int]] = []
+        to_recv: list[tuple[torch.Tensor, int]] = []
+        keys: list[tuple[str, int, int]] = []
+        for a in run:
+            s, j = a.stage, a.microbatch
+            if a.kind == "SF":
+                to_send.append((outbox.pop(("F", s, j)), self._peer(s + 1)))
+                if self.tags_activations:
+                    to_send.append((outbox.pop(("V", s, j)), self._peer(s + 1)))
+            elif a.kind == "SB":
+                to_send.append((outbox.pop(("B", s, j)), self._peer(s - 1)))
+            elif a.kind == "RF":
+                to_recv.append((metas[s - 1].empty(self.device), self._peer(s - 1)))
+                keys.append(("F", s, j))
+                if self.tags_activations:
+                    to_recv.append((torch.empty(1, dtype=torch.int64, device=self.device), self._peer(s - 1)))
+                    keys.append(("V", s, j))
+            else:  # RB: the gradient of this stage's output
+                to_recv.append((metas[s].empty(self.device), self._peer(s + 1)))
+                keys.append(("B", s, j))
+        pending = self.comm.send_recv(sends=to_send, recvs=to_recv, axis=AXIS, async_op=True)
+        for key, (buffer, _peer) in zip(keys, to_recv):
+            inbox[key] = (buffer, pending)
+        return pending, [t for t, _ in to_send]
+
+    def _wait_for_input(self, action: Action,
+                        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]) -> None:
+        """Wait for the batch that carries what ``action`` consumes (a received input or output gradient)."""
+        key = ("F" if action.kind == "F" else "B", action.stage, action.microbatch)
+        if key in inbox and inbox[key][1] is not None:
+            tensor, pending = inbox[key]
+            pending.wait()
+            inbox[key] = (tensor, None)
+
+    def _take(self, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+              key: tuple[str, int, int]) -> torch.Tensor:
+        if key not in inbox:
+            raise ScheduleError(f"action {key[1]}{key[0]}{key[2]} needs a tensor that was never received or handed "
+                                f"over: the lowered schedule is missing its recv.")
+        tensor, pending = inbox.pop(key)
+        if pending is not None:
+            pending.wait()
+        return tensor
+
+    def _hand_over(self, kind: str, stage: int, microbatch: int, tensor: torch.Tensor,
+                   inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+                   outbox: dict[tuple[str, int, int], torch.Tensor]) -> None:
+        """Queue a stage's output ("F") or input gradient ("B") for its neighbour: directly when the neighbour
+        is on this rank (p = 1), else for the send action that follows."""
+        neighbour = stage + 1 if kind == "F" else stage - 1
+        if neighbour in self.stages:
+            inbox[(kind, neighbour, microbatch)] = (tensor, None)
+        else:
+            outbox[(kind, stage, microbatch)] = tensor.contiguous()
+
+    def _compute(self, action: Action, micro: Sequence[Micro],
+                 inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+                 outbox: dict[tuple[str, int, int], torch.Tensor], loss_sum: torch.Tensor) -> None:
+        s, j, kind = action.stage, action.microbatch, action.kind
+        stage = self.stages[s]
+        if kind == "F":
+            x = micro[j][0] if s == 0 else self._take(inbox, ("F", s, j))
+            with self.precision.autocast():
+                out = stage.forward(j, x)
+                if stage.is_last:
+                    loss = apply_loss(self.loss_fn, out, micro[j][1])
+            if stage.is_last:
+                stage.set_loss(j, self.precision.scale(loss / self._loss_divisor(len(micro))))
+                loss_sum += loss.detach().float()
+            else:
+                self._hand_over("F", s, j, out.detach(), inbox, outbox)
+        elif kind in ("B", "I"):
+            grad = None if stage.is_last else self._take(inbox, ("B", s, j))
+            grad_input = stage.backward(j, grad) if kind == "B" else stage.backward_input(j, grad)
+            if not stage.is_first:
+                if grad_input is None:  # an input without a gradient (e.g. integers): send zeros like it
+                    grad_input = self._shapes(micro[0][0])[s - 1].empty(self.device).zero_()
+                self._hand_over("B", s, j, grad_input, inbox, outbox)
+        else:  # W
+            stage.backward_weight(j)
+
+    # ----------------------------------------------------------------- evaluation
+    def forward(self, inputs: torch.Tensor, training: bool = False) -> torch.Tensor | None:
+        """Forward-only pass of the whole batch through the stages (no grad; eval mode unless ``training``);
+        returns the last stage's output on the rank holding it, None elsewhere."""
+        with self._mode(training):
+            output, _ = self._chain(inputs, with_data=True)
+        return output
+
+    def peak_activation_bytes(self) -> dict[int, int]:
+        """Per local stage: the most activation bytes it held at once (since the stages were built)."""
+        return {s: stage.peak_bytes for s, stage in self.stages.items()}
+
+
+__all__ = ["PipelineRunner", "TensorMeta", "check_schedule"]

@@ -1,0 +1,213 @@
+"""Megatron 1D tensor-parallel layers (Shoeybi et al. 2019), built from the single-device layers they replace.
+
+On t ranks of the ``tp`` axis a linear layer Y = X A^T + b is split two ways (A: [out, in]):
+
+- column parallel: A = [A_1; ...; A_t] by rows (out_features). Rank i computes Y_i = X A_i^T + b_i, its 1/t of
+  the output features. The input X must be whole on every rank, so it enters through f = ``copy_to`` (identity
+  forward, all-reduce of dX backward: each rank's dX_i = dY_i A_i is a partial sum).
+- row parallel: A = [A_1, ..., A_t] by columns (in_features). Rank i holds X_i (a column-parallel output) and
+  computes X_i A_i^T; the sum over ranks leaves through g = ``reduce_from`` (all-reduce forward, identity
+  backward), and the bias is added once, after the reduce.
+
+A transformer MLP is column -> activation -> row (one all-reduce forward, one backward); attention is q/k/v
+column parallel (whole heads per rank) -> core -> o row parallel. With Megatron sequence parallelism
+(Korthikanti et al. 2022) the activations outside these regions are split along the sequence, and f/g become
+all-gather / reduce-scatter along the sequence dimension (``plait.parallel.sequence``).
+
+Each layer is made ``from_linear`` / ``from_embedding`` of the single-device layer by slicing its weights, so a
+tensor-parallel model built from the same initial weights is the single-device model; parameters keep the
+names ``weight`` and ``bias``, and every parameter split over tp carries ``param.tp_shard_dim`` (the tensor dim
+that is split) and ``param.tp_sharded = True`` so that norms and gathers can tell them from replicated ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.comm import Comm, all_gather, copy_to, gather_from, reduce_from, reduce_scatter
+from plait.errors import LayoutError
+
+AXIS = "tp"
+SEQUENCE_DIM = 1
+"""Activations are [batch, sequence, features]: sequence parallelism splits dim 1."""
+
+
+def gather_sequence(x: Tensor, comm: Comm, axis: str = AXIS) -> Tensor:
+    """Sequence parallelism entering a tp region: all-gather the sequence chunks (reduce-scatter backward),
+    contiguous, so that the layers sharing it save one buffer rather than a copy each."""
+    return all_gather(x, comm, axis, dim=SEQUENCE_DIM).contiguous()
+
+
+def scatter_sequence(x: Tensor, comm: Comm, axis: str = AXIS) -> Tensor:
+    """Sequence parallelism leaving a tp region: reduce-scatter along the sequence (all-gather backward)."""
+    return reduce_scatter(x, comm, axis, dim=SEQUENCE_DIM).contiguous()
+
+
+def mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Tag ``param`` as this rank's 1/tp slice along tensor dim ``dim`` (read by norms, gathers, checks)."""
+    param.tp_sharded = True  # type: ignore[attr-defined]
+    param.tp_shard_dim = dim  # type: ignore[attr-defined]
+    return param
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a tensor-parallel slice (False: replicated over the tp ranks)."""
+    return bool(getattr(param, "tp_sharded", False))
+
+
+def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str) -> nn.Parameter:
+    """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter."""
+    parts = comm.size(axis)
+    if tensor.shape[dim] % parts:
+        raise LayoutError(
+            f"{what}: size {tensor.shape[dim]} of dim {dim} does not split over {axis}={parts} ranks. "
+            f"Fix: choose {axis} dividing {tensor.shape[dim]}, or leave this layer out of the plan."
+        )
+    chunk = tensor.detach().chunk(parts, dim=dim)[comm.mesh.index(axis)].clone()
+    return mark_sharded(nn.Parameter(chunk, requires_grad=tensor.requires_grad), dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = f(X) A_i^T + b_i: output features split over tp (``gather_output`` all-gathers them back).
+
+    ``input_mode`` says how X enters: "copy" (f = identity fwd / all-reduce bwd), "sequence" (Megatron-SP:
+    all-gather of the sequence shards fwd / reduce-scatter bwd), or "entered" (a parent module already did
+    it once for several column layers sharing X, e.g. q/k/v: see ``plait.parallel.tensor.plan``).
+    ``gather_output="eval"`` keeps the output split in training (for a vocab-parallel loss) and gathers it in
+    evaluation, so metrics such as accuracy see whole logits.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
+                 gather_output: bool | str = False, input_mode: str = "copy") -> None:
+        super().__init__()
+        if gather_output not in (True, False, "eval"):
+            raise ValueError(f"gather_output={gather_output!r}: use True, False or 'eval'")
+        if input_mode not in ("copy", "sequence", "entered"):
+            raise ValueError(f"input_mode={input_mode!r}: use 'copy', 'sequence' or 'entered'")
+        self.weight = weight
+        self.bias = bias
+        self.comm, self.axis = comm, axis
+        self.gather_output = gather_output
+        self.input_mode = input_mode
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Comm, axis: str = AXIS, gather_output: bool | str = False,
+                    input_mode: str = "copy", name: str = "linear") -> ColumnParallelLinear:
+        weight = _slice(linear.weight, 0, comm, axis, f"{name} (column parallel, out_features)")
+        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias")
+        return cls(weight, bias, comm, axis, gather_output, input_mode)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_mode == "copy":
+            x = copy_to(x, self.comm, self.axis)
+        elif self.input_mode == "sequence":
+            x = gather_sequence(x, self.comm, self.axis)
+        y = F.linear(x, self.weight, self.bias)
+        gather = self.gather_output is True or (self.gather_output == "eval" and not self.training)
+        return gather_from(y, self.comm, self.axis, dim=-1) if gather else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, bias={self.bias is not None}, "
+                f"axis={self.axis!r}, input={self.input_mode}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = g(X_i A_i^T) + b: input features split over tp; the partial products are summed by an all-reduce
+    (``sequence_parallel``: reduce-scattered along the sequence instead), then the whole bias is added once."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.comm, self.axis = comm, axis
+        self.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
+                    name: str = "linear") -> RowParallelLinear:
+        weight = _slice(linear.weight, 1, comm, axis, f"{name} (row parallel, in_features)")
+        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                             requires_grad=linear.bias.requires_grad)
+        return cls(weight, bias, comm, axis, sequence_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = scatter_sequence(partial, self.comm, self.axis)
+        else:
+            y = reduce_from(partial, self.comm, self.axis)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}, "
+                f"axis={self.axis!r}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the table on each rank: ids outside the range look up row 0 and are zeroed, so the
+    all-reduce (``sequence_parallel``: reduce-scatter along the sequence) of the partial lookups is the lookup."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, comm: Comm, axis: str = AXIS,
+                 sequence_parallel: bool = False, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.vocab_start = vocab_start
+        self.vocab_end = vocab_start + weight.shape[0]
+        self.comm, self.axis = comm, axis
+        self.sequence_parallel = sequence_parallel
+        self.padding_idx = padding_idx
+        """Local row of the single-device padding_idx when this rank holds it (its gradient stays zero)."""
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
+                       name: str = "embedding") -> VocabParallelEmbedding:
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise LayoutError(
+                f"{name}: a vocab-parallel embedding supports neither max_norm, scale_grad_by_freq nor sparse=True. "
+                f"Fix: build the embedding without them, or leave {name} out of the tensor-parallel plan."
+            )
+        weight = _slice(embedding.weight, 0, comm, axis, f"{name} (vocab parallel, num_embeddings)")
+        start = comm.mesh.index(axis) * weight.shape[0]
+        padding = embedding.padding_idx
+        local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
+        return cls(weight, start, comm, axis, sequence_parallel, local_padding)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return scatter_sequence(partial, self.comm, self.axis)
+        return reduce_from(partial, self.comm, self.axis)
+
+    def extra_repr(self) -> str:
+        return (f"rows=[{self.vocab_start}, {self.vocab_end}), dim={self.weight.shape[1]}, axis={self.axis!r}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+@torch.no_grad()
+def gather_parameters(model: nn.Module, comm: Comm, axis: str = AXIS) -> dict[str, Tensor]:
+    """Every parameter of ``model`` whole, by name: tp slices all-gathered along their ``tp_shard_dim`` (the
+    same call on every tp rank, in name order); replicated parameters copied. For checks and export."""
+    out: dict[str, Tensor] = {}
+    for name, param in model.named_parameters():
+        if is_tp_sharded(param):
+            out[name] = comm.all_gather(param.detach().contiguous(), axis, dim=param.tp_shard_dim).clone()
+        else:
+            out[name] = param.detach().clone()
+    return out
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "gather_parameters",
+    "gather_sequence",
+    "is_tp_sharded",
+    "mark_sharded",
+    "scatter_sequence",
+]

@@ -1,0 +1,103 @@
+"""Cross-entropy over vocab-parallel logits, without ever materialising the full [tokens, vocab] logits.
+
+Rank i of t holds z_i = logits[:, V_i] (its 1/t of the vocabulary). Per token, with target y:
+
+    m = max_i max(z_i)                      (all-reduce max; only for stability, not differentiated)
+    S = sum_i sum exp(z_i - m)              (all-reduce sum)
+    z_y - m = picked by the rank owning y   (others contribute 0 to the same all-reduce sum as S)
+    loss = log S - (z_y - m)
+
+and the gradient on the local shard is softmax(z)_i - onehot(y)_i = exp(z_i - m) / S - [y in V_i], scaled by
+the upstream gradient: each rank computes exactly its slice of the single-device gradient, with no
+communication in backward. Two all-reduces of [tokens] floats forward (max; then S and z_y together), as in
+Megatron-LM's vocab-parallel cross-entropy. Tokens whose target is ``ignore_index`` contribute nothing, and
+the mean is over the others, like ``torch.nn.functional.cross_entropy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from plait.comm import Comm
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, comm: Comm, axis: str, ignore_index: int) -> Tensor:
+        local = logits.float()
+        vocab_local = local.shape[-1]
+        start = comm.mesh.index(axis) * vocab_local
+        maximum = local.max(dim=-1).values  # no grad needed: the shift cancels in log S - (z_y - m)
+        comm.all_reduce(maximum, axis, op="max")
+        shifted = local - maximum.unsqueeze(-1)
+        exp = shifted.exp()
+        ignored = targets == ignore_index
+        local_targets = targets - start
+        mine = (local_targets >= 0) & (local_targets < vocab_local) & ~ignored
+        safe_targets = local_targets.masked_fill(~mine, 0)
+        picked = shifted.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        sums = torch.stack((exp.sum(dim=-1), picked))  # one all-reduce for S and z_y - m
+        comm.all_reduce(sums, axis)
+        total, target_logit = sums[0], sums[1]
+        loss = (total.log() - target_logit).masked_fill(ignored, 0.0)
+        exp.div_(total.unsqueeze(-1))  # the local softmax, kept for backward
+        ctx.save_for_backward(exp, safe_targets, mine, ignored)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Any, ...]:
+        softmax, safe_targets, mine, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, safe_targets] -= mine.to(grad.dtype)
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: Tensor, targets: Tensor, comm: Comm, axis: str = "tp",
+                                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of logits split over ``axis`` along the last dim ([..., V/t]) against ``targets`` [...].
+
+    Equal to ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)``
+    (reduction "mean" over non-ignored tokens, "sum", or "none" per token) on every rank of the axis."""
+    if local_logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"vocab-parallel cross-entropy needs logits [..., V/t] and targets [...] with the same leading shape, got "
+            f"{tuple(local_logits.shape)} and {tuple(targets.shape)}"
+        )
+    per_token = _VocabParallelCrossEntropy.apply(
+        local_logits.reshape(-1, local_logits.shape[-1]), targets.reshape(-1), comm, axis, ignore_index
+    )
+    if reduction == "none":
+        return per_token.view(targets.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    if reduction != "mean":
+        raise ValueError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")
+    counted = (targets != ignore_index).sum()
+    return per_token.sum() / counted.to(per_token.dtype)
+
+
+class VocabParallelLoss:
+    """``loss_fn(logits, targets)`` for the Engine: vocab-parallel cross-entropy on ``axis`` for logits split
+    over the vocabulary (training), plain cross-entropy for whole logits (``vocab_size`` wide: evaluation,
+    where the LM head gathers them for metrics)."""
+
+    def __init__(self, comm: Comm, vocab_size: int, axis: str = "tp", ignore_index: int = IGNORE_INDEX) -> None:
+        self.comm, self.vocab_size, self.axis, self.ignore_index = comm, vocab_size, axis, ignore_index
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if logits.shape[-1] == self.vocab_size:
+            return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(), targets.reshape(-1),
+                                   ignore_index=self.ignore_index)
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, self.ignore_index)
+
+
+__all__ = ["IGNORE_INDEX", "VocabParallelLoss", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,271 @@
+"""Tensor-parallel plans as data: ``{module path pattern: style}``, checked purely, then applied in place.
+
+A pattern is a dotted module path in which a ``*`` component matches any one name (``blocks.*.attn.q``). Styles:
+
+=================  ===================================================================================
+``colwise``        nn.Linear -> ColumnParallelLinear: output features split; f at its input
+``colwise_gather`` the same, output all-gathered back to whole (any consumer works)
+``colwise_vocab``  the LM head: logits stay split over the vocabulary when the loss is vocab-parallel
+                   cross-entropy, else they are gathered (``parallelize`` decides, from the loss)
+``rowwise``        nn.Linear -> RowParallelLinear: input features split; g (all-reduce) at its output
+``vocab``          nn.Embedding -> VocabParallelEmbedding: rows split, partial lookups all-reduced
+``enter``          any module: its first input enters the tp region once (f: identity fwd / all-reduce bwd;
+                   all-gather of the sequence under SP) for all the column layers below it (Megatron's f at
+                   the input of attention and MLP: one collective instead of one per q/k/v or gate/up)
+``seq_shard``      any module: under sequence parallelism its output keeps this rank's sequence chunk
+                   (dim -2; e.g. a position embedding added to the sequence-split token embeddings)
+=================  ===================================================================================
+
+The built-in plan for a model is found by class in ``PLANS`` (``register_plan`` adds one, e.g. for Hugging Face
+GPT-2 / Llama). Swapped modules take the place of the originals, so parameter names stay the model's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.comm import Comm, copy_to
+from plait.errors import LayoutError
+from plait.logging import get_logger
+from plait.models.gpt import GPT
+from plait.models.layers import Attention
+from plait.parallel.tensor.layers import AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from plait.parallel.tensor.layers import gather_sequence, is_tp_sharded
+
+log = get_logger(__name__)
+
+Plan = dict[str, str]
+STYLES = ("colwise", "colwise_gather", "colwise_vocab", "rowwise", "vocab", "enter", "seq_shard")
+LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_vocab", "rowwise")
+PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
+"""Built-in plans by model class (the most derived registered class of a model wins)."""
+
+
+def register_plan(model_class: type, make_plan: Callable[[nn.Module], Plan]) -> None:
+    """Make ``make_plan(model)`` the default plan of ``model_class`` (and its subclasses)."""
+    PLANS[model_class] = make_plan
+
+
+def default_plan(model: nn.Module) -> Plan:
+    """The registered plan of ``model``'s class; LayoutError naming the fix when none is registered."""
+    for cls in type(model).__mro__:
+        if cls in PLANS:
+            return PLANS[cls](model)
+    raise LayoutError(
+        f"tensor parallelism has no built-in plan for {type(model).__name__} (built-in: "
+        f"{', '.join(c.__name__ for c in PLANS) or 'none'}). Fix: pass tp_plan={{module path: style}}, e.g. "
+        f"{{'mlp.up': 'colwise', 'mlp.down': 'rowwise'}}, with styles from {', '.join(STYLES)}."
+    )
+
+
+def gpt_plan(model: nn.Module) -> Plan:
+    """plait's GPT: vocab-parallel embedding, heads split in attention (q/k/v colwise, o rowwise), the MLP split
+    on its hidden width, the LM head split on the vocabulary; norms replicated."""
+    assert isinstance(model, GPT)
+    plan: Plan = {
+        "tok_embed": "vocab",
+        "blocks.*.attn": "enter",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.o": "rowwise",
+        "blocks.*.mlp": "enter",
+        "blocks.*.mlp.up": "colwise",
+        "blocks.*.mlp.down": "rowwise",
+        "lm_head": "colwise_vocab",
+    }
+    if model.config.mlp == "swiglu":
+        plan["blocks.*.mlp.gate"] = "colwise"
+    if model.pos_embed is not None:
+        plan["pos_embed"] = "seq_shard"
+    return plan
+
+
+register_plan(GPT, gpt_plan)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    parts, names = pattern.split("."), path.split(".")
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A checked plan: the style of every matched module path (in model order)."""
+
+    styles: dict[str, str]
+    sequence_parallel: bool
+
+
+def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False) -> ResolvedPlan:
+    """Match ``plan`` against ``model`` and check it for ``tp`` ranks, without communication (the same
+    LayoutError on every rank): unknown styles, patterns matching nothing, wrong module types, sizes that do
+    not split, heads / kv heads that do not split, a sequence that does not split under SP."""
+    if not isinstance(plan, dict) or not plan:
+        raise LayoutError(f"a tensor-parallel plan is a non-empty dict {{module path: style}}, got {plan!r}.")
+    modules = dict(model.named_modules())
+    styles: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise LayoutError(f"tp plan entry {pattern!r}: unknown style {style!r}. Fix: use one of {', '.join(STYLES)}.")
+        hits = [path for path in modules if path and _matches(pattern, path)]
+        if not hits:
+            near = [p for p in modules if p and p.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]][:3]
+            raise LayoutError(
+                f"tp plan entry {pattern!r} names no module of {type(model).__name__}"
+                + (f" (modules with that name: {', '.join(near)})" if near else "")
+                + ". Fix: use module paths from model.named_modules(), with '*' for one path component."
+            )
+        for path in hits:
+            if path in styles and styles[path] != style:
+                raise LayoutError(f"{path} gets two styles from the tp plan ({styles[path]!r}, {style!r}). Fix: keep one.")
+            styles[path] = style
+    for path, style in styles.items():
+        _check_module(path, modules[path], style, tp)
+    _check_heads(modules, styles, tp)
+    if sequence_parallel:
+        seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+        if isinstance(seq_len, int) and seq_len % tp:
+            raise LayoutError(
+                f"sequence_parallel=True splits the sequence over tp={tp}, but {type(model).__name__} has "
+                f"seq_len={seq_len}. Fix: use a sequence length that is a multiple of {tp}, or sequence_parallel=False."
+            )
+    ordered = {path: styles[path] for path in modules if path in styles}
+    return ResolvedPlan(ordered, sequence_parallel)
+
+
+def _check_module(path: str, module: nn.Module, style: str, tp: int) -> None:
+    if style in LINEAR_STYLES and type(module) is not nn.Linear:
+        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear. "
+                          f"Fix: give {path} a style that fits it, or remove it from the plan.")
+    if style == "vocab" and type(module) is not nn.Embedding:
+        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style 'vocab' needs an nn.Embedding. "
+                          f"Fix: give {path} a style that fits it, or remove it from the plan.")
+    if style in ("enter", "seq_shard"):
+        return
+    if style == "rowwise":
+        what, size = "in_features", module.in_features
+    elif style == "vocab":
+        what, size = "vocabulary (num_embeddings)", module.num_embeddings
+    else:
+        what, size = "out_features", module.out_features
+    if size % tp:
+        raise LayoutError(
+            f"tp={tp} does not divide the {what} of {path} ({size}), which style {style!r} splits. "
+            f"Fix: choose tp dividing {size} (or resize the model)."
+        )
+
+
+def _check_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int) -> None:
+    """Whole attention heads per rank: tp must divide the query heads and the key/value heads."""
+    for path, module in modules.items():
+        if not isinstance(module, Attention) or f"{path}.q" not in styles:
+            continue
+        for proj, label in (("q", "attention heads (n_head)"), ("k", "key/value heads (n_kv_head)")):
+            heads = getattr(module, proj).out_features // module.head_dim
+            if heads % tp:
+                raise LayoutError(
+                    f"tp={tp} does not divide the {heads} {label} of {path}: tensor parallelism gives each rank whole "
+                    f"heads. Fix: choose tp dividing {heads} (e.g. tp={_largest_divisor(heads, tp)})."
+                )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def _enter_hook(comm: Comm, sequence_parallel: bool) -> Callable[..., tuple]:
+    """Forward pre-hook: the module's first input through f (or the SP all-gather along the sequence)."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        if not args:
+            return args
+        x = gather_sequence(args[0], comm, AXIS) if sequence_parallel else copy_to(args[0], comm, AXIS)
+        return (x, *args[1:])
+
+    return hook
+
+
+def _seq_shard_hook(comm: Comm) -> Callable[..., object]:
+    """Forward hook: keep this rank's contiguous chunk of the output along dim -2 (the sequence)."""
+
+    def hook(module: nn.Module, args: tuple, output: object) -> object:
+        parts, index = comm.size(AXIS), comm.mesh.index(AXIS)
+        length = output.shape[-2]  # type: ignore[attr-defined]
+        if length % parts:
+            raise LayoutError(f"sequence parallelism: a sequence of {length} does not split over tp={parts}. "
+                              f"Fix: use a sequence length that is a multiple of {parts}.")
+        chunk = length // parts
+        return output.narrow(-2, index * chunk, chunk)  # type: ignore[attr-defined]
+
+    return hook
+
+
+def _build(path: str, module: nn.Module, style: str, comm: Comm, sequence_parallel: bool, entered: bool,
+           gather_logits: bool | str) -> nn.Module:
+    if style == "rowwise":
+        return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path)  # type: ignore[arg-type]
+    if style == "vocab":
+        return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path)  # type: ignore[arg-type]
+    mode = "entered" if entered else ("sequence" if sequence_parallel else "copy")
+    gather = True if style == "colwise_gather" else (gather_logits if style == "colwise_vocab" else False)
+    return ColumnParallelLinear.from_linear(module, comm, AXIS, gather, mode, name=path)  # type: ignore[arg-type]
+
+
+def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
+               gather_logits: bool | str = True) -> list[str]:
+    """Swap the planned modules in place under every root in ``roots`` (a pipeline rank's local model and its
+    stage views share modules: a module found under several roots is swapped by the same parallel layer).
+    Paths absent from a root (another pipeline stage's) are skipped. ``gather_logits`` is the
+    ``gather_output`` of "colwise_vocab" heads (True, False, or "eval"). Returns the swapped paths."""
+    roots = list({id(root): root for root in roots}.values())
+    swapped: dict[int, nn.Module] = {}
+    done: list[str] = []
+    entered_paths = [p for p, s in resolved.styles.items() if s == "enter"]
+    for path, style in resolved.styles.items():
+        for root in roots:
+            modules = dict(root.named_modules())
+            if path not in modules:
+                continue
+            module = modules[path]
+            if style == "enter":
+                if not getattr(module, "_plait_tp_enter", False):
+                    module.register_forward_pre_hook(_enter_hook(comm, resolved.sequence_parallel))
+                    module._plait_tp_enter = True  # type: ignore[attr-defined]
+                continue
+            if style == "seq_shard":
+                if resolved.sequence_parallel and not getattr(module, "_plait_tp_seq_shard", False):
+                    module.register_forward_hook(_seq_shard_hook(comm))
+                    module._plait_tp_seq_shard = True  # type: ignore[attr-defined]
+                continue
+            if any(module is new for new in swapped.values()):
+                continue  # reached again through another root that shares it: already swapped
+            if id(module) not in swapped:
+                entered = style != "rowwise" and any(path.startswith(p + ".") for p in entered_paths)
+                swapped[id(module)] = _build(path, module, style, comm, resolved.sequence_parallel, entered,
+                                             gather_logits)
+                done.append(path)
+            parent_path, _, leaf = path.rpartition(".")
+            setattr(modules[parent_path] if parent_path else root, leaf, swapped[id(module)])
+    if resolved.sequence_parallel:
+        for root in roots:
+            mark_sequence_partial(root)
+    log.info("tensor parallel over tp=%d: %d modules swapped (sequence_parallel=%s)", comm.size(AXIS), len(done),
+             resolved.sequence_parallel)
+    return done
+
+
+def mark_sequence_partial(model: nn.Module) -> None:
+    """Under sequence parallelism every replicated parameter (norms, row-parallel biases, position embeddings)
+    sees only this rank's sequence chunk, so its gradient is a partial sum over tp: tag it for the strategy."""
+    for param in model.parameters():
+        if not is_tp_sharded(param):
+            param.sequence_partial = True  # type: ignore[attr-defined]
+
+
+__all__ = ["PLANS", "STYLES", "Plan", "ResolvedPlan", "apply_plan", "default_plan", "gpt_plan", "register_plan",
+           "resolve_plan"]

@@ -1,0 +1,156 @@
+"""``ShardedStrategy``: what ZeRO-1/2 (``sharded.py``) and ZeRO-3 (``fsdp.py``) share.
+
+Every ZeRO stage keeps, on rank r of N, the fp32 *master* copy of 1/N of the flat parameter space and the
+optimizer state of exactly those elements (Rajbhandari et al. 2020, sec. 5). So both strategies:
+
+- refuse an optimizer already built (it would hold the full parameters) and call the user's factory on this
+  rank's master shards instead, checking that it used exactly those (``_build_optimizer``);
+- keep the masters where ``layout.offload`` says (``Placement``: the compute device, host memory, or files),
+  receive each reduced gradient shard there (``_receive_grad``: device -> host with offload), step there,
+  and bring the stepped values back to the compute device (``_publish``, the subclass's part: ZeRO-1/2
+  all-gather them into the whole parameters, ZeRO-3 copies them into its parameter shards);
+- account the bytes they hold by place (``memory_split``) and by kind (``model_state_tensors``, which
+  ``plait.measure_held`` reads).
+
+A subclass builds its shards and masters (``_make_master``), then calls ``_build_optimizer`` with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.comm import Comm
+from plait.config import Layout
+from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
+from plait.parallel.zero.offload import Placement, is_file_backed
+
+
+def require_factory(optimizer: OptimizerFactory | torch.optim.Optimizer, stage: int) -> OptimizerFactory:
+    """The optimizer factory, or a TypeError naming the fix when given an optimizer (or anything else)."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        example = type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else "AdamW"
+        raise TypeError(
+            f"ZeRO-{stage} builds the optimizer itself, on this rank's shard of the parameters, so it needs a factory "
+            f"(an optimizer factory), not {type(optimizer).__name__}: an optimizer built on model.parameters() holds "
+            f"the full parameters. Fix: optimizer=lambda params: torch.optim.{example}(params, lr=...)."
+        )
+    return optimizer
+
+
+def _tensors_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class ShardedStrategy(DataParallelStrategy):
+    """Base of the ZeRO strategies: master shards placed by ``layout.offload``, an optimizer over them."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer: OptimizerFactory | torch.optim.Optimizer,
+        layout: Layout,
+        axis: str,
+        offload_dir: str | None = None,
+    ) -> None:
+        self._factory = require_factory(optimizer, layout.zero)
+        self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
+        self.stage = layout.zero
+        self.world = comm.size(axis)
+        self.index = comm.mesh.index(axis)
+        self._sync = True
+        self.placement = Placement(layout.offload, comm.device, comm.mesh.rank, offload_dir)
+
+    # ----------------------------------------------------------------- masters and optimizer
+    def _make_master(self, values: torch.Tensor, name: str) -> nn.Parameter:
+        """A master shard holding a copy of ``values``, kept where the placement keeps long-lived state."""
+        return nn.Parameter(self.placement.place(values.detach(), name))
+
+    def _build_optimizer(self, masters: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """Call the factory on ``masters`` and check that the optimizer holds exactly them."""
+        optimizer = self._factory(masters)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if held != {id(m) for m in masters}:
+            raise ValueError(
+                f"the optimizer factory must build its optimizer on exactly the parameters it is given (under ZeRO: "
+                f"this rank's master shards), e.g. lambda params: torch.optim.AdamW(params). Per-parameter groups "
+                f"over the model's parameters are not supported (zero={self.stage})."
+            )
+        return optimizer
+
+    def _receive_grad(self, master: nn.Parameter, reduced: torch.Tensor) -> None:
+        """Hand a reduced gradient shard to its master: moved to the master's place (non-blocking into pinned
+        host memory with CUDA offload; ``placement.synchronize()`` before the CPU reads it), accumulated when
+        the master already has a gradient."""
+        grad = self.placement.to_host(reduced, master.dtype)
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
+
+    def _publish(self) -> None:
+        """Bring the stepped masters back to the compute device (ZeRO-1/2: all-gather; ZeRO-3: shard copy)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Step the masters (on the CPU with offload), keep new optimizer state in files under "nvme", publish."""
+        self.optimizer.step()
+        self.placement.adopt_states(self.optimizer)
+        self._publish()
+
+    # ----------------------------------------------------------------- accounting
+    def _masters(self) -> list[nn.Parameter]:
+        """This rank's master shards (what the optimizer steps)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _compute_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Model-side tensors on the compute device by kind ("parameters", "gradients"); masters excluded."""
+        raise NotImplementedError
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every model-state tensor this rank holds now, by kind: ``parameters`` (what forward reads),
+        ``gradients`` (full or sharded, on the model or on the masters), ``master_weights`` (masters that are
+        not themselves the parameters) and ``optimizer_states`` (dim >= 1; 0-dim step counters left out)."""
+        compute = self._compute_tensors()
+        parameter_ids = {id(t) for t in compute["parameters"]}
+        masters = self._masters()
+        return {
+            "parameters": compute["parameters"],
+            "master_weights": [m for m in masters if id(m) not in parameter_ids],
+            "gradients": compute["gradients"] + [m.grad for m in masters if m.grad is not None],
+            "optimizer_states": [t for t in _tensors_of(self.optimizer) if t.dim() > 0],
+        }
+
+    def memory_split(self) -> dict[str, int]:
+        """Bytes this rank holds now, by place: ``device`` (model-side tensors, and the masters without offload),
+        ``host`` (offloaded masters, their gradients, optimizer states in RAM) and ``files`` (memory-mapped
+        "nvme" files). Each storage counts once."""
+        split = {"device": 0, "host": 0, "files": 0}
+        seen: set[int] = set()
+
+        def add(tensor: Any, where: str) -> None:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    split[where] += storage.nbytes()
+
+        compute = self._compute_tensors()
+        for tensor in compute["parameters"] + compute["gradients"]:
+            add(tensor, "files" if is_file_backed(tensor) else "device")
+        masters = self._masters()
+        for tensor in [*masters, *(m.grad for m in masters), *_tensors_of(self.optimizer)]:
+            if isinstance(tensor, torch.Tensor):
+                add(tensor, self.placement.where(tensor))
+        return split
+
+    def close(self) -> None:
+        """Delete offload files (the strategy cannot train afterwards)."""
+        self.placement.close()

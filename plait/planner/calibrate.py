@@ -1,0 +1,151 @@
+"""``plait calibrate``: measure this machine in seconds, so the cost model can predict it ("this-machine").
+
+- compute: the best matmul FLOP/s over a few square sizes (2 n^3 FLOPs per n x n product);
+- memory: copy bandwidth of a 64 MiB tensor (bytes read + written per second);
+- communication: for each collective of ``plait.comm.Comm`` (all_reduce, all_gather, reduce_scatter,
+  all_to_all, broadcast, send_recv), the median time over a few repeats at several payload sizes in ``nproc``
+  local gloo processes, fitted by least squares to the alpha-beta model t = alpha + beta x bytes (Hockney 1994).
+
+The result is written as JSON (``hardware.calibration_path()``): ``get_hardware("this-machine")`` reads it. With
+the fits, predicted step times of layouts run on this machine can be compared with measured ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.errors import ConfigError
+from plait.logging import get_logger
+from plait.planner.hardware import COLLECTIVES, THIS_MACHINE, Hardware, calibration_path
+
+logger = get_logger(__name__)
+SIZES = (2**8, 2**12, 2**16, 2**18)
+"""Payload sizes in float32 elements (1 KiB .. 1 MiB): small enough to take seconds, large enough for beta."""
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares (alpha, beta) of t = alpha + beta x bytes, both clamped at >= 0."""
+    if len(nbytes) < 2:
+        raise ValueError("an alpha-beta fit needs at least two sizes")
+    beta, alpha = np.polyfit(np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    return max(float(alpha), 0.0), max(float(beta), 1e-15)
+
+
+def measure_matmul_flops(sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 3) -> float:
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def measure_memory_bandwidth(mib: int = 64, repeats: int = 3) -> float:
+    src = torch.empty(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / min(times)
+
+
+def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: Any) -> None:
+    """One calibration rank: every collective through plait's Comm, timed on rank 0."""
+    import torch.distributed as dist
+
+    from plait.comm import Comm
+    from plait.config import Layout
+    from plait.mesh import Mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        comm = Comm(Mesh.build(Layout(dp=world)), timeout_s=60)
+        peer = 1 - rank if rank < 2 else None
+        timings: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
+        for size in SIZES:
+            x = torch.ones(size * world)
+            calls = {
+                "all_reduce": lambda: comm.all_reduce(x, "dp"),
+                "all_gather": lambda: comm.all_gather(x[:size], "dp"),
+                "reduce_scatter": lambda: comm.reduce_scatter(x, "dp"),
+                "all_to_all": lambda: comm.all_to_all(x, "dp", 0, 0),
+                "broadcast": lambda: comm.broadcast(x, "dp"),
+                "send_recv": lambda: comm.send_recv([(x, peer)] if rank == 0 else [],
+                                                    [(x, peer)] if rank == 1 else [], axis="dp"),
+            }
+            for op, call in calls.items():
+                samples = []
+                for _ in range(repeats + 1):
+                    comm.barrier("dp")
+                    start = time.perf_counter()
+                    if op != "send_recv" or peer is not None:
+                        call()
+                    samples.append(time.perf_counter() - start)
+                payload = x.numel() * 4 if op != "all_gather" else size * world * 4
+                timings[op].append((payload, statistics.median(samples[1:])))
+        if rank == 0:
+            results.put(timings)
+        comm.barrier("dp")
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -> dict[str, Any]:
+    """Measure this machine (module docstring), write the JSON and return it."""
+    if not isinstance(nproc, int) or nproc < 2:
+        raise ConfigError(f"--nproc {nproc!r}: calibrating collectives needs at least 2 processes. Fix: --nproc 2.")
+    import torch.multiprocessing as mp
+
+    started = time.perf_counter()
+    flops, bandwidth = measure_matmul_flops(), measure_memory_bandwidth()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_bench_rank, args=(r, nproc, init_file, repeats, results)) for r in range(nproc)]
+        for proc in procs:
+            proc.start()
+        try:
+            timings = results.get(timeout=120)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+    fits = {op: fit_alpha_beta([b for b, _ in rows], [t for _, t in rows]) for op, rows in timings.items()}
+    link = 1 / fits["send_recv"][1]
+    hardware = Hardware(
+        name=THIS_MACHINE, peak_flops={"fp32": flops, "bf16": flops, "fp16": flops},
+        memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc,
+        memory_bandwidth=bandwidth, intra_node_bandwidth=link, inter_node_bandwidth=link,
+        devices_per_node=nproc, intra_node_latency=fits["send_recv"][0], inter_node_latency=fits["send_recv"][0],
+        measured=fits, source=f"plait calibrate, {nproc} gloo processes, {time.strftime('%Y-%m-%d %H:%M')}",
+    )
+    data = {"hardware": hardware.to_dict(), "timings": {op: rows for op, rows in timings.items()},
+            "seconds": time.perf_counter() - started}
+    path = Path(out) if out else calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    logger.info("calibrated this machine in %.1f s: %.1f GFLOP/s matmul, %.1f GB/s memory -> %s",
+                data["seconds"], flops / 1e9, bandwidth / 1e9, path)
+    data["path"] = str(path)
+    return data
+
+
+__all__ = ["SIZES", "calibrate", "fit_alpha_beta", "measure_matmul_flops", "measure_memory_bandwidth"]

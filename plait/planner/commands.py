@@ -1,0 +1,103 @@
+"""The planner's subcommands of ``plait``: plan, simulate, calibrate (wired in by plait/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from plait.errors import ConfigError
+
+PLANNER_COMMANDS = ("plan", "simulate", "calibrate")
+
+
+def add_planner_commands(commands: Any) -> None:
+    plan = commands.add_parser("plan", help="rank every layout of a model on a cluster by predicted step time",
+                               description="Search all layouts (dp, tp, pp, cp, ZeRO, micro-batches, schedule, "
+                                           "recomputation, offload) and print the best.")
+    _model_args(plan)
+    plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    plan.add_argument("--out", help="write the best layout as a TOML that `plait train --config` reads")
+    plan.add_argument("--json", dest="json_out", help="write every shown prediction as JSON")
+    sim = commands.add_parser("simulate", help="predict one layout: step time, throughput, MFU, memory",
+                              description="Predict one given layout with the planner's cost model.")
+    _model_args(sim)
+    sim.add_argument("--layout", required=True, help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1")
+    cal = commands.add_parser("calibrate", help="measure this machine (matmul FLOP/s, gloo alpha-beta) in seconds",
+                              description="Fit this machine's compute and collectives; plan with --gpu this-machine.")
+    cal.add_argument("--nproc", type=int, default=2, help="local gloo processes (default 2)")
+    cal.add_argument("--out", help="where to write the JSON (default ~/.cache/plait/calibration.json)")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a name (llama-70b, gpt3-175b, ...) or a config.json path")
+    parser.add_argument("--gpus", type=int, help="number of devices (plan: required; simulate: from --layout)")
+    parser.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200 or this-machine")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
+    parser.add_argument("--global-batch", type=int, help="samples per step (default: one per dp rank)")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--implementation", default="plait", help="plait or megatron-2021")
+
+
+def parse_layout(text: str) -> Any:
+    """``dp=2,tp=4,schedule=1f1b`` -> Layout (values read as TOML, falling back to strings)."""
+    from plait.config import Layout
+    from plait.run_config import parse_value
+
+    fields: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--layout item {item!r} is not key=value. Fix: e.g. --layout dp=2,tp=4")
+        fields[key.strip()] = parse_value(value.strip())
+    return Layout.from_dict(fields)
+
+
+def run_planner(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console() if Console().is_terminal else Console(width=200)
+    if args.command == "calibrate":
+        from plait.planner.calibrate import calibrate
+
+        data = calibrate(args.nproc, out=args.out)
+        hw = data["hardware"]
+        console.print(f"matmul {hw['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
+                      f"{hw['memory_bandwidth'] / 1e9:.1f} GB/s, in {data['seconds']:.1f} s -> {data['path']}")
+        for op, (alpha, beta) in hw["measured"].items():
+            console.print(f"  {op:15s} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:8.3f} ns/byte")
+        return 0
+    from plait.planner.models import resolve_model
+    from plait.planner.report import print_plan, print_prediction, write_plan_toml
+
+    spec = resolve_model(args.model, args.seq)
+    if args.command == "plan":
+        import json
+
+        from plait.planner.search import plan
+
+        if args.gpus is None:
+            raise ConfigError("plait plan needs --gpus. Fix: e.g. --gpus 1024.")
+        result = plan(spec, args.gpus, args.gpu, global_batch=args.global_batch, top=args.top,
+                      precision=args.precision, implementation=args.implementation)
+        print_plan(result, console)
+        if args.out:
+            path = write_plan_toml(result.best, spec.to_gpt_config(), args.out)
+            console.print(f"wrote {path} (plait train --config {path})")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump([p.to_dict() for p in result.candidates], f, indent=1)
+        return 0
+    from dataclasses import replace
+
+    from plait.planner.predict import predict
+
+    layout = parse_layout(args.layout)
+    if args.precision != "bf16" or layout.precision == "fp32":
+        layout = replace(layout, precision=args.precision)
+    prediction = predict(spec, layout, args.gpu, global_batch=args.global_batch, world_size=args.gpus,
+                         implementation=args.implementation)
+    print_prediction(prediction, console)
+    return 0
+
+
+__all__ = ["PLANNER_COMMANDS", "add_planner_commands", "parse_layout", "run_planner"]

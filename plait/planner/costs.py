@@ -1,0 +1,239 @@
+"""Time primitives of the cost model: FLOPs of a transformer block, its compute time, and collectives.
+
+FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 5.1, eq. 3):
+a block's forward pass costs 24 b s h^2 (1 + s / 6h) for a = heads, h = hidden, f = 4h: the matmuls
+2 b s (4 h^2 + 2 h f) plus the attention scores and values 4 b s^2 h. Written here for k kv heads and a gated
+MLP as 2 b s [h (h + 2 k d) + h^2 + (2|3) h f] + 4 b s_q s_k h. The logits cost 2 b s h V. A backward pass costs
+twice the forward; full recomputation adds one forward of every block (Chowdhery et al. 2022, app. B: model
+FLOPs exclude it, hardware FLOPs include it).
+
+Compute time is a roofline sum (Williams et al. 2009): matmul FLOPs / (peak x compute efficiency) plus the
+bytes that memory-bound operators (norms, residual adds, dropout, activation functions, softmax) move through
+HBM / (bandwidth x memory efficiency). Those bytes follow the operators Korthikanti et al. 2022 (sec. 4.1)
+count for activation memory: per token ~15 h replicated across tp (norms, residual adds, dropouts), (2|3) f
+split across tp (activation), and, without fused flash attention, 4.5 a s elements of softmax and its dropout.
+
+Communication is the alpha-beta model (Hockney 1994) of bandwidth-optimal algorithms (Thakur, Rabenseifner and
+Gropp 2005; Chan et al. 2007): for N ranks and S bytes, ring all-reduce 2(N-1) alpha + 2 (N-1)/N S / beta, tree
+all-reduce 2 log2(N) alpha + 2 S / beta (the smaller is taken), all-gather and reduce-scatter (N-1) alpha +
+(N-1)/N S / beta, all-to-all (N-1) alpha + (N-1)/N S / beta, broadcast log2(N) alpha + S / beta, p2p alpha +
+S / beta. beta is the intra-node link when the group fits in one node (ranks are ordered pp, dp, cp, tp with tp
+innermost, so an axis of stride st and size n stays in a node iff st x n <= devices per node), else the
+device's network share. A calibrated machine replaces the link model by its measured per-collective fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from plait.config import AXES, Layout
+from plait.planner.hardware import Hardware
+from plait.planner.models import ModelSpec
+
+COMPUTE_EFFICIENCY = 0.724
+"""The one global calibrated factor: achieved / peak FLOP/s of large matmuls. Fitted once, as the median over
+the rows of Narayanan et al. 2021 Table 1 (see docs/planner.md), and used unchanged for every row, GPU, layout."""
+MEMORY_EFFICIENCY = 0.8
+"""Achievable / datasheet HBM bandwidth for streaming kernels (a prior, not fitted: STREAM-like copies reach 80-90%)."""
+COMM_EFFICIENCY = 0.8
+"""Achievable / link bandwidth of NCCL collectives (a prior, not fitted: nccl-tests bus bandwidth vs links)."""
+ADAM_BYTES_PER_PARAM = 30
+"""HBM bytes an Adam step moves per parameter: reads fp32 param, grad, m, v (16); writes param, m, v (12); a
+2-byte low-precision copy (2)."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the training system runs, where it changes time or memory (a description of the system, not a fit).
+
+    Attributes:
+        name: preset name.
+        overlap_dp: data-parallel gradient reduction overlaps the last micro-batch's backward (bucketed, as plait's
+            DDP and ZeRO do); False: it runs after backward (Megatron-LM 2021's local DDP).
+        overlap_cp: ring attention hides its K/V exchange behind the attention compute (Liu et al. 2023).
+        flash_attention: attention scores are never stored (Dao et al. 2022): no s^2 memory or traffic.
+        scatter_gather: pipeline sends b s h / tp per boundary instead of b s h (Narayanan et al. 2021, sec. 4.1).
+        grad_bytes: bytes per gradient element reduced across data parallel ranks.
+        state_accounting: "zero-paper" (2 + 2 + 12 bytes per parameter; plait.memory.zero_paper_bytes) or
+            "plait" (fp32 parameters and gradients; plait.memory.estimate_memory).
+        compute_efficiency, memory_efficiency, comm_efficiency: see the module constants.
+        reserved_bytes: memory the framework and allocator keep (CUDA context, fragmentation).
+    """
+
+    name: str = "plait"
+    overlap_dp: bool = True
+    overlap_cp: bool = True
+    flash_attention: bool = True
+    scatter_gather: bool = True
+    grad_bytes: int = 2
+    state_accounting: str = "zero-paper"
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    memory_efficiency: float = MEMORY_EFFICIENCY
+    comm_efficiency: float = COMM_EFFICIENCY
+    reserved_bytes: float = 2 * 2**30
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "plait": Implementation(),
+    "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False),
+}
+
+
+def act_bytes(precision: str) -> int:
+    """Bytes of one activation element: 2 under bf16/fp16 autocast, 4 in fp32."""
+    return 4 if precision == "fp32" else 2
+
+
+# ---------------------------------------------------------------------- rank placement
+def axis_stride(layout: Layout, axis: str) -> int:
+    """Distance between neighbours of ``axis`` in the rank order (AXES: pp, dp, cp, tp; tp innermost)."""
+    stride = 1
+    for inner in reversed(AXES):
+        if inner == axis:
+            return stride
+        stride *= layout.degrees[inner]
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+def spans_nodes(layout: Layout, axis: str, devices_per_node: int) -> bool:
+    """True when a group of ``axis`` (or "dp_cp") has members on more than one node."""
+    if axis == "dp_cp":
+        return axis_stride(layout, "cp") * layout.cp * layout.dp > devices_per_node
+    return axis_stride(layout, axis) * layout.degrees[axis] > devices_per_node
+
+
+# ---------------------------------------------------------------------- collectives
+def collective_time(hw: Hardware, op: str, nbytes: float, n: int, inter_node: bool,
+                    comm_efficiency: float = COMM_EFFICIENCY) -> float:
+    """Seconds for one ``op`` over ``n`` ranks on ``nbytes`` of payload (the whole tensor; for all-to-all and
+    all-gather the full result), by the alpha-beta formulas of the module docstring."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if op in hw.measured and not inter_node:
+        alpha, beta = hw.measured[op]
+        return alpha + beta * nbytes
+    alpha = hw.inter_node_latency if inter_node else hw.intra_node_latency
+    bandwidth = (hw.inter_node_bandwidth if inter_node else hw.intra_node_bandwidth) * comm_efficiency
+    frac = (n - 1) / n
+    if op == "all_reduce":
+        ring = 2 * (n - 1) * alpha + 2 * frac * nbytes / bandwidth
+        tree = 2 * math.log2(n) * alpha + 2 * nbytes / bandwidth
+        return min(ring, tree)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * alpha + frac * nbytes / bandwidth
+    if op == "broadcast":
+        return math.log2(n) * alpha + nbytes / bandwidth
+    if op == "send_recv":
+        return alpha + nbytes / bandwidth
+    raise ValueError(f"unknown collective {op!r}")
+
+
+# ---------------------------------------------------------------------- one block
+@dataclass(frozen=True)
+class BlockTime:
+    """Seconds one transformer block keeps a device busy for one micro-batch, by pass; ``*_comm`` are the
+    exposed tensor/context-parallel collectives inside that pass."""
+
+    forward: float
+    backward: float
+    recompute: float
+    forward_comm: float
+    backward_comm: float
+    recompute_comm: float
+    flops: float  # forward FLOPs of this block on this device
+
+
+def block_flops(spec: ModelSpec, batch: int, seq_q: int, seq_k: int) -> float:
+    """Forward FLOPs of one block for ``batch`` samples of ``seq_q`` queries attending to ``seq_k`` keys."""
+    h, d = spec.hidden, spec.head_dim
+    matmul_params = h * (h + 2 * spec.kv * d) + h * h + (3 if spec.gated else 2) * h * spec.ffn
+    return 2 * batch * seq_q * matmul_params + 4 * batch * seq_q * seq_k * h
+
+
+def logits_flops(spec: ModelSpec, batch: int, seq: int) -> float:
+    return 2 * batch * seq * spec.hidden * spec.vocab
+
+
+def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e: int, flash: bool) -> float:
+    """HBM bytes the memory-bound operators of one block's forward pass move on one device."""
+    tokens = batch * seq_q
+    replicated = 15 * spec.hidden * e * tokens / (tp if sp else 1)
+    split = ((3 if spec.gated else 2) * spec.ffn + 6 * spec.hidden) * e * tokens / tp
+    scores = 0.0 if flash else 4.5 * spec.heads * seq_q * seq_q * e * batch / tp
+    return replicated + split + scores
+
+
+def block_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int,
+               seq: int) -> BlockTime:
+    """Per-device time of one block on a micro-batch of ``micro_batch`` samples of ``seq`` tokens under
+    ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision)."""
+    t, cp, e = layout.tp, layout.cp, act_bytes(layout.precision)
+    s_local = seq // cp
+    flops = block_flops(spec, micro_batch, s_local, seq) / t
+    peak = hw.flops(layout.precision) * impl.compute_efficiency
+    traffic = block_traffic(spec, micro_batch, s_local, t, layout.sequence_parallel, e, impl.flash_attention)
+    fwd = flops / peak + traffic / (hw.memory_bandwidth * impl.memory_efficiency)
+    # tensor parallel (Shoeybi et al. 2019): 2 all-reduces forward, 2 backward, of b (s/cp) h; with sequence
+    # parallelism each becomes an all-gather + reduce-scatter of the same total volume (Korthikanti et al. 2022)
+    message = micro_batch * s_local * spec.hidden * e
+    tp_inter = spans_nodes(layout, "tp", hw.devices_per_node)
+    tp_one = collective_time(hw, "all_reduce", message, t, tp_inter, impl.comm_efficiency)
+    cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
+    attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
+    cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_fwd
+    cp_bwd_exposed = max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_bwd
+    recomputed = layout.recompute == "full"
+    return BlockTime(
+        forward=fwd, backward=2 * fwd, recompute=fwd if recomputed else 0.0,
+        forward_comm=2 * tp_one + cp_fwd_exposed, backward_comm=2 * tp_one + cp_bwd_exposed,
+        recompute_comm=(2 * tp_one + cp_fwd_exposed) if recomputed else 0.0, flops=flops,
+    )
+
+
+def _context_comm(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int,
+                  e: int) -> tuple[float, float]:
+    """Context parallel traffic of one block (forward, backward). Ring attention (Liu et al. 2023): cp - 1 steps
+    passing this rank's K and V blocks, b (s/cp) 2 k d bytes each; backward passes K, V and their gradients.
+    Ulysses (Jacobs et al. 2023): all-to-alls of q, k, v and the output forward, and of their gradients backward."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    s_local = seq // cp
+    inter = spans_nodes(layout, "cp", hw.devices_per_node)
+    kv_bytes = micro_batch * s_local * 2 * spec.kv * spec.head_dim * e / layout.tp
+    if layout.cp_mode == "ring":
+        step = collective_time(hw, "send_recv", kv_bytes, 2, inter, impl.comm_efficiency)
+        return (cp - 1) * step, 2 * (cp - 1) * step
+    q_bytes = micro_batch * seq * spec.hidden * e / layout.tp  # the full sequence's heads, redistributed
+    kv_full = micro_batch * seq * 2 * spec.kv * spec.head_dim * e / layout.tp
+    one_way = 2 * collective_time(hw, "all_to_all", q_bytes, cp, inter, impl.comm_efficiency) + \
+        collective_time(hw, "all_to_all", kv_full, cp, inter, impl.comm_efficiency)
+    return one_way, one_way
+
+
+def head_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int,
+              seq: int) -> tuple[float, float, float, float]:
+    """Forward time, backward time and forward FLOPs of the output layer (vocab-parallel across tp) on the last
+    stage, and the forward time of the vocab-parallel embedding's tp all-reduce on the first."""
+    s_local = seq // layout.cp
+    flops = logits_flops(spec, micro_batch, s_local) / layout.tp
+    e = act_bytes(layout.precision)
+    logits_bytes = 3 * micro_batch * s_local * spec.vocab * 4 / layout.tp  # fp32 logits, softmax, gradient
+    fwd = flops / (hw.flops(layout.precision) * impl.compute_efficiency) + \
+        logits_bytes / (hw.memory_bandwidth * impl.memory_efficiency)
+    embed_ar = collective_time(hw, "all_reduce", micro_batch * s_local * spec.hidden * e, layout.tp,
+                               spans_nodes(layout, "tp", hw.devices_per_node), impl.comm_efficiency)
+    return fwd, 2 * fwd, flops, embed_ar
+
+
+def with_efficiency(impl: Implementation, compute_efficiency: float) -> Implementation:
+    return replace(impl, compute_efficiency=compute_efficiency)
+
+
+__all__ = [
+    "ADAM_BYTES_PER_PARAM", "BlockTime", "COMM_EFFICIENCY", "COMPUTE_EFFICIENCY", "IMPLEMENTATIONS", "Implementation",
+    "MEMORY_EFFICIENCY", "act_bytes", "axis_stride", "block_flops", "block_time", "block_traffic",
+    "collective_time", "head_time", "logits_flops", "spans_nodes", "with_efficiency",
+]

@@ -1,0 +1,153 @@
+"""The hardware catalogue: what one accelerator and its node can do, from the vendors' datasheets.
+
+Every figure is per device (one GPU), dense (no 2:4 sparsity), and in SI units (FLOP/s, bytes, bytes/s):
+
+- A100 40GB / 80GB SXM: NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s BF16/FP16, 156 TF32;
+  HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s (80GB); NVLink 3 600 GB/s total (300 GB/s each way). Nodes:
+  NVIDIA DGX A100 datasheet: 8 GPUs on NVSwitch, 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU), 2 TB host RAM.
+- H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOP/s BF16, 494 TF32, 80 GB HBM3 at 3.35 TB/s,
+  NVLink 4 900 GB/s total; DGX H100: 8 GPUs, 8x 400 Gb/s ConnectX-7 (50 GB/s per GPU), 2 TB host RAM.
+- H200 SXM: NVIDIA H200 datasheet: 989 TFLOP/s BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200
+  nodes with 400 Gb/s per GPU.
+- B200: NVIDIA DGX B200 / HGX B200 datasheets: 72 PFLOP/s FP8 training and 36 PFLOP/s FP16/BF16 (sparse) per
+  8 GPUs -> 2.25 PFLOP/s dense BF16 per GPU, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s total, 8x 400 Gb/s.
+
+Achievable fractions are not in datasheets; the cost model (costs.py) applies them in one place. The
+"this-machine" entry is not in this table: ``plait calibrate`` measures it (calibrate.py) and ``get_hardware``
+reads it back from the JSON file it wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+TB = 1e12
+GB = 1e9
+GIB = 2**30
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+"""The collectives the cost model times (the same names as ``plait.comm.Comm``'s methods)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the node it sits in.
+
+    Attributes:
+        name: catalogue key.
+        peak_flops: dense matmul FLOP/s by precision ("bf16", "fp16", "fp32"; fp32 means TF32 tensor cores on GPUs).
+        memory_bytes: device memory (HBM) in bytes.
+        memory_bandwidth: device memory bandwidth, bytes/s.
+        intra_node_bandwidth: one direction of one device's links inside a node (NVLink), bytes/s.
+        inter_node_bandwidth: one device's share of the node's network (InfiniBand/RoCE), bytes/s.
+        devices_per_node: devices joined by the intra-node fabric.
+        intra_node_latency / inter_node_latency: alpha of the alpha-beta model, seconds per message step.
+        host_bandwidth: device <-> host copies (PCIe), bytes/s per device (offload traffic).
+        host_memory_bytes: host RAM per device (the node's RAM / devices_per_node), for offloaded states.
+        host_memory_bandwidth: one device's share of host DRAM bandwidth (CPU Adam under offload; DGX A100: 2 x 8
+            channels of DDR4-3200 = 410 GB/s per node).
+        nvme_bandwidth: NVMe read/write bandwidth per device (an assumption: one PCIe 4 drive per GPU).
+        measured: per collective, a fitted ``(alpha_s, beta_s_per_byte)`` of its payload (``plait calibrate``);
+            when present it replaces the link model for that collective inside a node.
+        source: where the figures come from.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 1e-5
+    host_bandwidth: float = 25 * GB
+    host_memory_bytes: float = 256 * GB
+    host_memory_bandwidth: float = 50 * GB
+    nvme_bandwidth: float = 6 * GB
+    measured: dict[str, tuple[float, float]] = field(default_factory=dict)
+    source: str = ""
+
+    def flops(self, precision: str) -> float:
+        """Peak dense matmul FLOP/s at ``precision`` (a ``Layout.precision``)."""
+        if precision not in self.peak_flops:
+            raise ConfigError(f"{self.name} has no peak FLOP/s for precision {precision!r}. "
+                              f"Fix: use one of {', '.join(self.peak_flops)}.")
+        return self.peak_flops[precision]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["measured"] = {op: list(fit) for op, fit in self.measured.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Hardware:
+        data = dict(data)
+        data["measured"] = {op: tuple(fit) for op, fit in data.get("measured", {}).items()}
+        return cls(**data)
+
+
+def _gpu(name: str, bf16_tflops: float, tf32_tflops: float, memory_gb: float, hbm_tb_s: float, nvlink_gb_s: float,
+         network_gbit_s: float, pcie_gb_s: float, host_tb_per_node: float, source: str) -> Hardware:
+    return Hardware(
+        name=name,
+        peak_flops={"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": tf32_tflops * TB},
+        memory_bytes=memory_gb * GB,
+        memory_bandwidth=hbm_tb_s * TB,
+        intra_node_bandwidth=nvlink_gb_s / 2 * GB,  # datasheets give both directions together
+        inter_node_bandwidth=network_gbit_s / 8 * GB,
+        devices_per_node=8,
+        host_bandwidth=pcie_gb_s * GB,
+        host_memory_bytes=host_tb_per_node * TB / 8,
+        source=source,
+    )
+
+
+CATALOGUE: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in (
+        _gpu("a100-40gb", 312, 156, 40, 1.555, 600, 200, 25, 1, "NVIDIA A100 datasheet; DGX A100 datasheet"),
+        _gpu("a100-80gb", 312, 156, 80, 2.039, 600, 200, 25, 2, "NVIDIA A100 80GB datasheet; DGX A100 datasheet"),
+        _gpu("h100", 989, 494, 80, 3.35, 900, 400, 50, 2, "NVIDIA H100 SXM5 datasheet; DGX H100 datasheet"),
+        _gpu("h200", 989, 494, 141, 4.8, 900, 400, 50, 2, "NVIDIA H200 SXM datasheet; HGX H200"),
+        _gpu("b200", 2250, 1100, 180, 8.0, 1800, 400, 50, 2, "NVIDIA DGX B200 / HGX B200 datasheets"),
+    )
+}
+ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100", "h200-sxm": "h200"}
+THIS_MACHINE = "this-machine"
+
+
+def calibration_path() -> Path:
+    """Where ``plait calibrate`` writes and ``get_hardware("this-machine")`` reads: $PLAIT_CALIBRATION, else
+    ~/.cache/plait/calibration.json."""
+    env = os.environ.get("PLAIT_CALIBRATION")
+    return Path(env) if env else Path.home() / ".cache" / "plait" / "calibration.json"
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """The catalogue entry called ``name`` (case-insensitive; aliases such as "a100"), or this machine's
+    calibration. Unknown names raise ConfigError listing the options."""
+    if isinstance(name, Hardware):
+        return name
+    key = str(name).lower()
+    key = ALIASES.get(key, key)
+    if key in CATALOGUE:
+        return CATALOGUE[key]
+    if key == THIS_MACHINE:
+        path = calibration_path()
+        if not path.is_file():
+            raise ConfigError(f"no calibration of this machine at {path}. Fix: run `plait calibrate` first "
+                              f"(a few seconds), or pick one of {', '.join(CATALOGUE)}.")
+        return Hardware.from_dict(json.loads(path.read_text())["hardware"])
+    options = ", ".join([*CATALOGUE, THIS_MACHINE])
+    raise ConfigError(f"unknown GPU {name!r}. Fix: use one of {options} (aliases: {', '.join(ALIASES)}).")
+
+
+__all__ = ["CATALOGUE", "COLLECTIVES", "GIB", "Hardware", "THIS_MACHINE", "calibration_path", "get_hardware"]

@@ -1,0 +1,290 @@
+"""Predict one layout: step time (with its breakdown), FLOPs, throughput, MFU and memory per device.
+
+A step is a pipeline of m micro-batches of b samples over pp stages (pp = 1: plain gradient accumulation):
+
+    step = makespan(schedule simulated on per-stage F, B and p2p times) + exposed data-parallel reduction
+           + optimizer step (+ offload traffic)
+
+F and B of a stage sum its blocks' ``costs.block_time`` (compute, tensor/context parallel collectives, ZeRO-3's
+parameter gathers where compute cannot hide them) and the embedding / output layer on the first / last stage.
+Layers are cut into pp x v chunks by ``inter_op.balanced_stages``. The makespan comes from
+``plait.parallel.pipeline.simulate``: the schedule is simulated for m' = min(m, 2 pp) micro-batches (rounded to
+a multiple of pp) and extended by (m - m') x the slowest rank's work per micro-batch, which is exact for these
+schedules once m' >= pp (their idle time no longer grows with m).
+
+Definitions (Chowdhery et al. 2022, app. B): model FLOPs exclude recomputation, hardware FLOPs include it;
+MFU = model FLOPs / (devices x peak x step time); TFLOP/s per device counts hardware FLOPs (as Megatron-LM does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from plait.config import Layout
+from plait.errors import LayoutError
+from plait.parallel.pipeline import build_schedule, simulate
+from plait.planner.costs import (
+    ADAM_BYTES_PER_PARAM, IMPLEMENTATIONS, Implementation, act_bytes, block_flops, block_time, collective_time,
+    head_time, logits_flops, spans_nodes,
+)
+from plait.planner.hardware import Hardware, get_hardware
+from plait.planner.inter_op import balanced_stages
+from plait.planner.memory import MemoryBreakdown, stage_memory
+from plait.planner.models import ModelSpec, resolve_model
+
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "zero3_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
+
+
+@dataclass
+class Prediction:
+    """What one layout should do per step. Times in seconds, memory in bytes per device, FLOPs per step."""
+
+    model: str
+    layout: Layout
+    hardware: str
+    global_batch: int
+    micro_batch: int
+    seq: int
+    step_time: float
+    time: dict[str, float]
+    model_flops: float
+    hardware_flops: float
+    peak_flops: float
+    memory: MemoryBreakdown
+    memory_limit: float
+    stages: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.device <= self.memory_limit
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_batch * self.seq / self.step_time
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Achieved hardware TFLOP/s per device (recomputation included, as Megatron-LM reports)."""
+        return self.hardware_flops / (self.world_size * self.step_time) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.world_size * self.peak_flops * self.step_time)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.world_size * self.peak_flops * self.step_time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "hardware": self.hardware, "layout": self.layout.to_dict(),
+            "global_batch": self.global_batch, "micro_batch": self.micro_batch, "seq": self.seq,
+            "step_time_s": self.step_time, "time_s": dict(self.time), "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "hfu": self.hfu,
+            "memory_bytes": self.memory.as_dict(), "memory_limit_bytes": self.memory_limit, "fits": self.fits,
+            "stages": [list(s) for s in self.stages],
+        }
+
+
+def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
+    """Raise LayoutError (problem + fix) for a layout this model cannot use; return the micro-batch size."""
+    if spec.heads % layout.tp or (spec.kv % layout.tp and layout.tp % spec.kv):
+        raise LayoutError(f"tp={layout.tp} does not split {spec.heads} heads / {spec.kv} kv heads of {spec.name}. "
+                          f"Fix: use a tp that divides {spec.heads}.")
+    if spec.seq % layout.cp:
+        raise LayoutError(f"cp={layout.cp} does not divide the sequence length {spec.seq}. Fix: use a cp that "
+                          f"divides {spec.seq}.")
+    chunks = layout.pp * layout.virtual_stages
+    if chunks > spec.layers:
+        raise LayoutError(f"pp x virtual_stages = {chunks} chunks, but {spec.name} has {spec.layers} layers. "
+                          f"Fix: use pp x virtual_stages <= {spec.layers}.")
+    if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
+        raise LayoutError(f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
+                          f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'.")
+    if layout.zero and layout.dp * layout.cp == 1:
+        raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
+    return layout.check_batch(global_batch)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(schedule: str, p: int, m: int, v: int, forward: tuple[float, ...], backward: tuple[float, ...],
+              p2p: float) -> tuple[float, float, int]:
+    """(makespan, slowest rank's busy time, peak in-flight chunk-micro-batches on any rank) for m micro-batches."""
+    if p == 1:
+        return m * (forward[0] + backward[0]), m * (forward[0] + backward[0]), 1
+    sim_m = m if m <= 2 * p else 2 * p
+    result = simulate(build_schedule(schedule, p, sim_m, v), {"F": list(forward), "B": list(backward), "p2p": p2p})
+    per_mb = max(sum(forward[s] + backward[s] for s in range(r, p * v, p)) for r in range(p))
+    extra = (m - sim_m) * per_mb
+    return result.makespan + extra, max(result.busy) + extra, max(result.peak_activations)
+
+
+def pipeline_closed_form(schedule: str, p: int, m: int, v: int, forward: float, backward: float,
+                         p2p: float) -> tuple[float, float, int]:
+    """(makespan, busy, peak in-flight chunk-micro-batches) of equal stages with chunk times ``forward`` and
+    ``backward``: 1F1B and GPipe (m + p - 1)(F + B) (Narayanan et al. 2021, sec. 2.2), interleaved
+    m (F + B) + (p - 1)(F + B) / v with per-rank F, B (their sec. 2.2.2), ZB-H1 m (F + B) + (p - 1) F when
+    I = W = B / 2 (Qi et al. 2023); plus 2 (p - 1) p2p transfers on the critical path. Used by the search;
+    ``predict(exact=True)`` runs the simulator instead (tests hold them to each other)."""
+    rank_f, rank_b = forward * v, backward * v
+    busy = m * (rank_f + rank_b)
+    if p == 1:
+        return busy, busy, 1
+    if schedule == "zero-bubble":
+        bubble = (p - 1) * rank_f
+    elif schedule == "interleaved":
+        bubble = (p - 1) * (rank_f + rank_b) / v
+    else:
+        bubble = (p - 1) * (rank_f + rank_b)
+    in_flight = {"gpipe": m * v, "naive": 1, "interleaved": min(m * v, 2 * (p - 1) + (v - 1) * p + 1)}.get(
+        schedule, min(p, m))
+    return busy + bubble + 2 * (p - 1) * p2p, busy, in_flight
+
+
+def _rounded(values: list[float], unit: float) -> tuple[float, ...]:
+    return tuple(round(x / unit, 4) for x in values)
+
+
+def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", global_batch: int | None = None,
+            seq: int | None = None, world_size: int | None = None,
+            implementation: str | Implementation = "plait", exact: bool = True) -> Prediction:
+    """Predict ``layout`` for ``model`` (name, config.json, GPTConfig, GPT or ModelSpec) on ``hardware``.
+    ``global_batch`` is in samples (default: dp x microbatches, one sample per micro-batch). ``exact=False``
+    times the pipeline with closed forms on the slowest chunk instead of the simulator (the search's fast pass)."""
+    spec = resolve_model(model, seq)
+    if not isinstance(spec, ModelSpec):
+        raise LayoutError("predict() needs a transformer ModelSpec; a profiled model is planned by plan(). "
+                          "Fix: pass a model name, config.json, GPTConfig or ModelSpec.")
+    hw = get_hardware(hardware)
+    impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
+    layout = layout.resolve(world_size) if (world_size or not layout.is_resolved) else layout
+    if global_batch is None:
+        global_batch = layout.dp * layout.microbatches
+    b = check_layout(spec, layout, global_batch)
+    s, t, p, v, m = spec.seq, layout.tp, layout.pp, layout.virtual_stages, layout.microbatches
+    e = act_bytes(layout.precision)
+    n_shard = layout.dp * layout.cp
+
+    blk = block_time(spec, hw, impl, layout, b, s)
+    head_f, head_b, head_flops, embed_f = head_time(spec, hw, impl, layout, b, s)
+    block_cost = blk.forward + blk.backward + blk.recompute + blk.forward_comm + blk.backward_comm + blk.recompute_comm
+    costs = [block_cost] * spec.layers
+    costs[0] += embed_f
+    costs[-1] += head_f + head_b
+    chunks = balanced_stages(costs, p * v)
+
+    fwd, bwd, compute, tp_cp = [], [], [], []
+    for start, end in chunks:
+        n = end - start
+        f = n * (blk.forward + blk.forward_comm) + (embed_f if start == 0 else 0.0)
+        bw = n * (blk.backward + blk.backward_comm + blk.recompute + blk.recompute_comm)
+        if end == spec.layers:
+            f, bw = f + head_f, bw + head_b
+        fwd.append(f)
+        bwd.append(bw)
+        compute.append(n * (blk.forward + blk.backward + blk.recompute) + (head_f + head_b if end == spec.layers else 0))
+    stage_params = []
+    for r in range(p):
+        blocks = sum(chunks[c][1] - chunks[c][0] for c in range(r, p * v, p))
+        extra = spec.embedding_parameters if r == 0 else 0
+        extra += spec.head_parameters if r == (p * v - 1) % p else 0
+        stage_params.append((blocks, blocks * spec.block_parameters + extra))
+
+    # ZeRO-3: each micro-batch gathers this rank's parameters forward and backward and reduce-scatters gradients
+    zero3 = 0.0
+    dp_inter = spans_nodes(layout, "dp_cp", hw.devices_per_node)
+    psi_max = max(params for _, params in stage_params) / t
+    if layout.zero == 3:
+        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
+        scatter = collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_inter,
+                                  impl.comm_efficiency)
+        rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
+        rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
+        zero3 = max(0.0, gather - rank_f) + max(0.0, gather + scatter - rank_b)
+        fwd = [f * (1 + max(0.0, gather - rank_f) / rank_f) for f in fwd]
+        bwd = [x * (1 + max(0.0, gather + scatter - rank_b) / rank_b) for x in bwd]
+
+    message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
+    p2p = collective_time(hw, "send_recv", message, 2, spans_nodes(layout, "pp", hw.devices_per_node),
+                          impl.comm_efficiency) if p > 1 else 0.0
+    unit = max(fwd) or 1.0
+    schedule = layout.schedule if p > 1 else "1f1b"
+    if exact:
+        makespan, busy, in_flight = _pipeline(schedule, p, m, v, _rounded(fwd, unit), _rounded(bwd, unit),
+                                              round(p2p / unit, 4))
+        makespan, busy = makespan * unit, busy * unit
+    else:
+        slowest = max(range(p * v), key=lambda c: fwd[c] + bwd[c])
+        makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, fwd[slowest], bwd[slowest], p2p)
+    slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
+    rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in range(slow, p * v, p))
+    tp_time = m * rank_blocks * 4 * collective_time(hw, "all_reduce", b * (s // layout.cp) * spec.hidden * e, t,
+                                                    spans_nodes(layout, "tp", hw.devices_per_node),
+                                                    impl.comm_efficiency) * ((6 / 4) if layout.recompute == "full" else 1)
+
+    # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
+    grads = psi_max * impl.grad_bytes
+    dp_time = 0.0
+    if n_shard > 1 and layout.zero < 3:
+        op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        reduce = collective_time(hw, op, grads, n_shard, dp_inter, impl.comm_efficiency)
+        if impl.overlap_dp:
+            window = bwd[slow]
+            tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
+            reduce = max(reduce - window, tail)
+        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency) \
+            if layout.zero else 0.0
+        dp_time = reduce + gather
+    owned = psi_max / n_shard if layout.zero >= 1 else psi_max
+    optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0
+    if layout.offload != "none" and layout.zero >= 1:
+        optimizer = owned * ADAM_BYTES_PER_PARAM / hw.host_memory_bandwidth
+        offload = owned * (impl.grad_bytes + e) / hw.host_bandwidth
+        if layout.offload == "nvme":
+            offload += owned * 2 * 16 / hw.nvme_bandwidth  # read and write the fp32 states
+    step = makespan + dp_time + optimizer + offload
+    time = {
+        "compute": 0.0, "tp_comm": tp_time if t > 1 else 0.0,
+        "cp_comm": max(0.0, m * rank_blocks * (blk.forward_comm + blk.backward_comm + blk.recompute_comm)
+                       - (tp_time if t > 1 else 0.0)),
+        "zero3_comm": m * zero3, "pp_bubble": max(0.0, makespan - busy), "dp_comm": dp_time,
+        "optimizer": optimizer, "offload": offload,
+    }
+    time["compute"] = max(0.0, makespan - time["pp_bubble"] - time["tp_comm"] - time["cp_comm"] - time["zero3_comm"])
+
+    per_sample_layers = block_flops(spec, 1, s, s)
+    model_flops = global_batch * 3 * (spec.layers * per_sample_layers + logits_flops(spec, 1, s))
+    hardware_flops = model_flops + (global_batch * spec.layers * per_sample_layers if layout.recompute == "full" else 0)
+
+    worst: MemoryBreakdown | None = None
+    for r, (blocks, params) in enumerate(stage_params):
+        held = in_flight if p > 1 else 1
+        if p > 1 and layout.schedule in ("gpipe", "naive"):
+            held = m * v if layout.schedule == "gpipe" else 1
+        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == (p * v - 1) % p,
+                           spec.block_parameters)
+        if worst is None or mem.device > worst.device:
+            worst = mem
+    assert worst is not None
+    return Prediction(spec.name, layout, hw.name, global_batch, b, s, step, time, model_flops, hardware_flops,
+                      hw.flops(layout.precision), worst, hw.memory_bytes, chunks)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
+__all__ = ["Prediction", "TIME_PARTS", "check_layout", "fmt_bytes", "pipeline_closed_form", "fmt_time", "math", "predict"]

@@ -1,0 +1,301 @@
+"""Pipeline runtime: parity with single-device training (loss, gradients and parameters every step) for every
+schedule at pp=2 and pp=4, interleaved chunks, m < p, pp x dp (DDP and ZeRO-1), an nn.Sequential model;
+split backward (I + W == B, without re-running the input path); forward-only evaluation; 1F1B holding fewer
+activations than GPipe; bad input rejected before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from harness import run_distributed
+from plait import Layout, LayoutError
+from plait.data import AdditionTask, ShardedBatches
+from plait.errors import ScheduleError
+from plait.models import GPT, GPTConfig
+from plait.parallel.pipeline import Schedule
+from plait.parallel.pipeline.apply import plan_pipeline
+from plait.parallel.pipeline.split import split_model
+from plait.parallel.pipeline.stage import PipelineStage
+from reference import TOLERANCES, Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
+
+STEPS = 5
+GLOBAL_BATCH = 8
+N_LAYER = 8
+"""Eight blocks: enough for pp=4 x virtual_stages=2."""
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+}
+
+
+def make_gpt() -> tuple[GPT, AdditionTask]:
+    task = AdditionTask(digits=2, seed=1)
+    torch.manual_seed(1234)
+    # bias=False: the key bias's gradient is analytically zero, i.e. rounding noise (see tests/test_engine.py)
+    config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=N_LAYER, n_head=2, d_model=16,
+                       bias=False)
+    return GPT(config), task
+
+
+def train_pipeline(layout: Layout, optimizer: str, clip: float | None) -> Trajectory:
+    """This rank's view: losses, and its stages' gradients and parameters by (full-model) name, per step."""
+    model, task = make_gpt()
+    engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=clip)
+    out = Trajectory()
+    engine.before_optimizer_step.append(lambda e: out.grads.append(snapshot_grads(e.model)))
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+    for _step, batch in zip(range(STEPS), loader):
+        out.losses.append(engine.train_step(batch).loss)
+        out.params.append(snapshot_params(engine.model))
+    return out
+
+
+def reference(optimizer: str, clip: float | None) -> Trajectory:
+    model, task = make_gpt()
+    loader = ShardedBatches(task, GLOBAL_BATCH)
+    return train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], OPTIMIZERS[optimizer],
+                           max_grad_norm=clip)
+
+
+def merge(parts: list[Trajectory]) -> Trajectory:
+    """The whole model's trajectory from the stages' parts (union by name; replicas must agree exactly)."""
+    whole = Trajectory(losses=parts[0].losses)
+    for field in ("grads", "params"):
+        for step in range(len(getattr(parts[0], field))):
+            merged: dict[str, torch.Tensor] = {}
+            for part in parts:
+                for name, tensor in getattr(part, field)[step].items():
+                    if name in merged:
+                        assert torch.equal(merged[name], tensor), f"dp replicas differ on {name} at step {step}"
+                    merged[name] = tensor
+            getattr(whole, field).append(merged)
+    whole.grads = [g for g in whole.grads if g]  # ZeRO-1 holds no model .grad after the reduction
+    return whole
+
+
+CONFIGS = {
+    2: [
+        (dict(pp=2, microbatches=4, schedule="gpipe"), "sgd", None),
+        (dict(pp=2, microbatches=4, schedule="1f1b"), "adamw", 0.05),
+        (dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2), "adamw", None),
+        (dict(pp=2, microbatches=4, schedule="zero-bubble"), "sgd", 0.05),
+        (dict(pp=2, microbatches=2, schedule="naive"), "adamw", None),
+    ],
+    4: [
+        (dict(pp=4, microbatches=4, schedule="gpipe"), "adamw", None),
+        (dict(pp=4, microbatches=2, schedule="1f1b"), "sgd", 0.05),  # m < p
+        (dict(pp=4, microbatches=4, schedule="interleaved", virtual_stages=2), "sgd", None),
+        (dict(pp=4, microbatches=4, schedule="zero-bubble"), "adamw", 0.05),
+        (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), "adamw", 0.05),
+        (dict(pp=2, dp=2, microbatches=2, schedule="interleaved", virtual_stages=2, zero=1), "adamw", None),
+    ],
+}
+"""(layout, optimizer, clip) per world size: every schedule, clipping (global norm over pp), m < p, pp x dp."""
+
+
+def _train_all(world: int) -> list[Trajectory]:
+    return [train_pipeline(Layout(**{"dp": 1, **layout}), opt, clip) for layout, opt, clip in CONFIGS[world]]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_matches_single_device(world):
+    per_rank = run_distributed(_train_all, world, world, timeout=240)
+    for index, (layout, optimizer, clip) in enumerate(CONFIGS[world]):
+        parts = [results[index] for results in per_rank]
+        for rank, part in enumerate(parts):
+            assert part.losses == parts[0].losses, f"{layout}: rank {rank} reports another loss"
+        try:
+            # fp32: micro-batching reorders the batch sums (TOLERANCES in tests/reference.py)
+            assert_trajectories_match(merge(parts), reference(optimizer, clip))
+        except AssertionError as error:
+            raise AssertionError(f"{layout} {optimizer} clip={clip}: {error}") from error
+
+
+# ----------------------------------------------------------------- mixed precision
+def _mixed_precision() -> dict[str, list[tuple[float, float | None]]]:
+    out = {}
+    for precision in ("bf16", "fp16"):
+        model, task = make_gpt()
+        layout = Layout(pp=2, dp=1, microbatches=4, schedule="zero-bubble", precision=precision)
+        engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS["adamw"])
+        loader = ShardedBatches(task, GLOBAL_BATCH)
+        stats = [engine.train_step(loader.global_batch_at(step)) for step in range(STEPS)]
+        out[precision] = [(s.loss, s.loss_scale) for s in stats]
+    return out
+
+
+@pytest.mark.distributed
+def test_mixed_precision_autocasts_stages_and_scales_the_loss():
+    results = run_distributed(_mixed_precision, 2)
+    expected = reference("adamw", None).losses
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        assert results[0][precision] == results[1][precision]
+        tolerance = TOLERANCES[dtype]  # a few steps of the dtype's mantissa (tests/reference.py)
+        for step, ((loss, scale), want) in enumerate(zip(results[0][precision], expected)):
+            assert abs(loss - want) <= tolerance["atol"] + tolerance["rtol"] * abs(want), (precision, step, loss, want)
+            assert (scale is not None) == (precision == "fp16")
+
+
+# ----------------------------------------------------------------- nn.Sequential, cuts, evaluate, bad batch
+def make_mlp() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(STEPS)]
+
+
+def _train_mlp() -> dict:
+    engine = plait.parallelize(make_mlp(), Layout(pp=2, dp=1, microbatches=4, schedule="1f1b"),
+                               optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, pipeline_cuts=[5])
+    out = Trajectory()
+    engine.before_optimizer_step.append(lambda e: out.grads.append(snapshot_grads(e.model)))
+    for batch in regression_batches():
+        out.losses.append(engine.train_step(batch).loss)
+        out.params.append(snapshot_params(engine.model))
+    evaluation = engine.evaluate(regression_batches()[:2])
+    try:
+        engine.train_step((torch.randn(6, 6), torch.randn(6, 3)))
+        bad_batch = None
+    except LayoutError as error:
+        bad_batch = str(error)
+    return {"trajectory": out, "eval": evaluation.loss, "bad_batch": bad_batch}
+
+
+@pytest.mark.distributed
+def test_sequential_model_with_cuts_evaluate_and_bad_batch():
+    results = run_distributed(_train_mlp, 2)
+    assert sorted(results[1]["trajectory"].params[0]) == ["6.bias", "6.weight"], "cuts=[5]: stage 1 is children 5, 6"
+    expected = train_reference(make_mlp(), regression_batches(), OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss)
+    assert_trajectories_match(merge([r["trajectory"] for r in results]), expected)  # fp32 micro-batch reordering
+    final = make_mlp()
+    final.load_state_dict(expected.params[-1])
+    with torch.no_grad():
+        losses = [nn.functional.mse_loss(final(x), y) for x, y in regression_batches()[:2]]
+    for result in results:  # the whole batch in one pass (no micro-batches): same sums as the reference
+        assert result["eval"] == pytest.approx(float(sum(losses) / 2), rel=1e-6)
+        assert "does not split into microbatches=4" in result["bad_batch"] and "Fix" in result["bad_batch"]
+
+
+# ----------------------------------------------------------------- memory: 1F1B vs GPipe
+def _peak_first_stage(schedule: str) -> int:
+    model, task = make_gpt()
+    engine = plait.parallelize(model, Layout(pp=4, dp=1, microbatches=8, schedule=schedule),
+                               optimizer=OPTIMIZERS["sgd"])
+    engine.train_step(ShardedBatches(task, 16).global_batch_at(0))
+    assert engine.pipeline is not None
+    return engine.pipeline.peak_activation_bytes().get(0, 0)
+
+
+def _peaks() -> dict[str, int]:
+    return {schedule: _peak_first_stage(schedule) for schedule in ("gpipe", "1f1b")}
+
+
+@pytest.mark.distributed
+def test_1f1b_holds_fewer_activations_than_gpipe_on_the_first_stage():
+    peaks = run_distributed(_peaks, 4)[0]
+    # stage 0 holds all m=8 micro-batches under GPipe, at most p=4 under 1F1B: the ratio is 4/8 exactly when
+    # every micro-batch saves the same bytes (same shapes)
+    assert peaks["1f1b"] * 2 == peaks["gpipe"], peaks
+
+
+# ----------------------------------------------------------------- split backward (no processes)
+class CountBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls (marks the input path of the graph)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        CountBackward.calls += 1
+        return grad
+
+
+class Counted(nn.Module):
+    def forward(self, x):
+        return CountBackward.apply(x)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_input_then_weight_backward_equals_full_backward(split):
+    torch.manual_seed(0)
+    body = nn.Sequential(Counted(), nn.Linear(8, 8), nn.GELU(), Counted(), nn.LayerNorm(8), nn.Linear(8, 4))
+    stage = PipelineStage(body, index=1, num_stages=3)
+    x, grad_out = torch.randn(5, 8), torch.randn(5, 4)
+    stage.forward(0, x)
+    CountBackward.calls = 0
+    if split:
+        grad_in = stage.backward_input(0, grad_out)
+        calls_in_i = CountBackward.calls
+        assert all(p.grad is None for p in body.parameters()), "I must not touch the weight gradients"
+        stage.backward_weight(0)
+        assert CountBackward.calls == calls_in_i == 2, "W must not run the input path again"
+    else:
+        grad_in = stage.backward(0, grad_out)
+    grads = {name: p.grad.clone() for name, p in body.named_parameters()}
+    expected_x = x.clone().requires_grad_(True)
+    for p in body.parameters():
+        p.grad = None
+    torch.autograd.backward(body(expected_x), grad_out)
+    assert torch.equal(grad_in, expected_x.grad)  # the same kernels on the same values: bitwise
+    for name, p in body.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+    assert stage.in_flight == 0 and stage.held_bytes == 0
+
+
+def test_weight_used_twice_falls_back_to_an_exact_second_pass():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    body = nn.Sequential(shared, nn.Tanh(), shared)
+    stage = PipelineStage(body, index=1, num_stages=2)
+    x = torch.randn(3, 4)
+    stage.forward(0, x)
+    stage.set_loss(0, stage._held[0].output.square().sum())
+    grad_in = stage.backward_input(0, None)
+    stage.backward_weight(0)
+    expected_x = x.clone().requires_grad_(True)
+    got = {n: p.grad.clone() for n, p in body.named_parameters()}
+    body.zero_grad(set_to_none=True)
+    body(expected_x).square().sum().backward()
+    assert torch.allclose(grad_in, expected_x.grad, rtol=1e-6, atol=1e-7)  # fp32, another summation order
+    for n, p in body.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-6, atol=1e-7), n
+
+
+# ----------------------------------------------------------------- bad input (no processes)
+def test_bad_pipeline_layouts_are_rejected_before_any_collective():
+    model, _ = make_gpt()
+    with pytest.raises(LayoutError, match=r"16 stages, but the model has only 8 blocks.*Fix"):
+        plan_pipeline(model, Layout(pp=8, dp=1, microbatches=8, schedule="interleaved", virtual_stages=2).resolve(8))
+    with pytest.raises(LayoutError, match=r"zero=2 with pp=2.*Fix: use zero=1"):
+        plan_pipeline(model, Layout(pp=2, dp=2, zero=2).resolve(4))
+    with pytest.raises(LayoutError, match=r"multiple of pp.*Fix"):
+        plan_pipeline(model, Layout(pp=4, dp=1, microbatches=6, schedule="interleaved", virtual_stages=2).resolve(4))
+
+
+def test_deadlocking_custom_schedule_is_rejected_before_running():
+    deadlock = Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1")  # rank 1 waits for 0F1 behind 0B0
+    model, _ = make_gpt()
+    with pytest.raises(ScheduleError, match="deadlock"):
+        plan_pipeline(model, Layout(pp=2, dp=1, microbatches=2).resolve(2), schedule=deadlock)
+    with pytest.raises(LayoutError, match="m=2 .* microbatches=4"):
+        plan_pipeline(model, Layout(pp=2, dp=1, microbatches=4).resolve(2), schedule=deadlock)
+
+
+def test_stage_outputs_must_be_one_tensor():
+    stages = split_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2)
+    stage = PipelineStage(nn.ModuleList(stages), 0, 2)
+    stage.module.forward = lambda x: (x, x)  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="single tensor"):
+        stage.forward(0, torch.randn(1, 2))

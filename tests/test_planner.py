@@ -1,0 +1,252 @@
+"""The planner: hardware, models, cost formulas, memory, pipeline timing, Alpa passes, search, report, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from plait.config import Layout
+from plait.errors import ConfigError, LayoutError
+from plait.memory import zero_paper_bytes
+from plait.models import GPT, GPTConfig
+from plait.planner import (
+    NAMED, balanced_stages, block_operators, get_hardware, inter_op_plan, plan, predict, profile_layers,
+    resolve_model, solve_intra_op,
+)
+from plait.planner.calibrate import fit_alpha_beta
+from plait.planner.costs import block_flops, collective_time, spans_nodes
+from plait.planner.intra_op import brute_force
+from plait.planner.memory import block_activation_bytes, model_state_bytes
+from plait.planner.costs import IMPLEMENTATIONS
+from plait.planner.predict import pipeline_closed_form
+from plait.planner.report import plan_toml
+from plait.run_config import load_config
+
+H100 = get_hardware("h100")
+
+
+# ---------------------------------------------------------------------- hardware and models
+def test_catalogue_names_aliases_and_errors(monkeypatch, tmp_path):
+    assert get_hardware("A100").name == "a100-80gb" and get_hardware("h200").memory_bytes == 141e9
+    assert get_hardware("b200").flops("bf16") == 2.25e15 and H100.intra_node_bandwidth == 450e9
+    with pytest.raises(ConfigError, match="unknown GPU 'tpu'.*a100-40gb.*this-machine"):
+        get_hardware("tpu")
+    monkeypatch.setenv("PLAIT_CALIBRATION", str(tmp_path / "none.json"))
+    with pytest.raises(ConfigError, match="plait calibrate"):
+        get_hardware("this-machine")
+
+
+@pytest.mark.parametrize("name, billions", [("gpt3-175b", 174.6), ("llama-7b", 6.74), ("llama-13b", 13.0),
+                                            ("llama-70b", 68.98), ("llama3-8b", 8.03), ("llama3-405b", 405.9),
+                                            ("gpt2", 0.124)])
+def test_named_models_have_their_published_sizes(name, billions):
+    assert NAMED[name].parameters / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_models_from_hf_config_gptconfig_and_profiles(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
+                                "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+                                "vocab_size": 32000, "max_position_embeddings": 4096, "hidden_act": "silu"}))
+    assert resolve_model(str(path)).parameters == NAMED["llama-70b"].parameters
+    config = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32)
+    model = GPT(config)
+    spec = resolve_model(model)
+    assert spec.parameters == model.num_parameters()  # exact: the same architecture
+    profiles = profile_layers([model.blocks["0"], model.blocks["1"]], torch.randn(1, 16, 32))
+    assert profiles[0].parameters == spec.block_parameters
+    # flop_counter counts the matmuls (2 b s x weights); the attention product is the formula's 4 b s^2 h
+    assert profiles[0].flops == block_flops(spec, 1, 16, 16) - 4 * 16 * 16 * 32
+    with pytest.raises(ConfigError, match="unknown model 'llama-9000'.*llama3-8b"):
+        resolve_model("llama-9000")
+
+
+# ---------------------------------------------------------------------- formulas
+def test_collectives_follow_alpha_beta_and_rank_order():
+    s, n, hw = 1e9, 8, H100
+    beta = hw.intra_node_bandwidth * 0.8
+    ring = 2 * (n - 1) * hw.intra_node_latency + 2 * (n - 1) / n * s / beta
+    assert collective_time(hw, "all_reduce", s, n, False) == pytest.approx(ring)
+    assert collective_time(hw, "all_gather", s, n, False) == pytest.approx(ring / 2, rel=1e-3)
+    assert collective_time(hw, "all_reduce", s, 1, True) == 0.0
+    assert collective_time(hw, "all_reduce", s, n, True) > 5 * collective_time(hw, "all_reduce", s, n, False)
+    layout = Layout(dp=4, tp=8, pp=2)  # tp innermost: one node; dp stride 8: across nodes
+    assert not spans_nodes(layout, "tp", 8) and spans_nodes(layout, "dp", 8) and spans_nodes(layout, "pp", 8)
+    assert not spans_nodes(Layout(dp=2, tp=4), "dp", 8)
+
+
+def test_zero_paper_figure_through_the_planner():
+    impl = IMPLEMENTATIONS["megatron-2021"]
+    psi, dp = 7.5e9, 64
+    for stage, expected_gb in {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}.items():
+        parts = model_state_bytes(psi, Layout(dp=dp, zero=stage), impl)
+        total = sum(parts[:3])
+        assert total == zero_paper_bytes(psi, dp, stage)  # the same formula, not a re-derivation
+        assert round(total / 1e9, 1) == expected_gb  # Rajbhandari et al. 2020, Figure 1
+    params, grads, states, host = model_state_bytes(psi, Layout(dp=dp, zero=2, offload="cpu"), impl)
+    assert host == states == 12 * psi / dp and grads == 2 * psi / dp
+
+
+def test_activations_follow_korthikanti():
+    spec = NAMED["gpt3-175b"]
+    impl = IMPLEMENTATIONS["megatron-2021"]
+    s, b, h, a, t = 2048, 1, spec.hidden, spec.heads, 8
+    tp_only = block_activation_bytes(spec, Layout(dp=1, tp=t, precision="bf16"), b, s, impl, False)
+    assert tp_only == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    with_sp = block_activation_bytes(spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, False)
+    assert with_sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
+    recomputed = block_activation_bytes(spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, True)
+    assert recomputed == pytest.approx(2 * s * b * h / t)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
+                                               ("zero-bubble", 4, 12, 1), ("gpipe", 4, 8, 1)])
+def test_pipeline_closed_forms_match_the_simulator(schedule, p, m, v):
+    """The search's fast pass and predict(exact=True) agree on equal stages (1% for rounding of p2p)."""
+    from plait.parallel.pipeline import build_schedule, simulate
+
+    f, b, p2p = 1.0, 2.0, 0.05
+    sim = simulate(build_schedule(schedule, p, m, v), {"F": f / v, "B": b / v, "p2p": p2p})
+    makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, f / v, b / v, p2p)
+    assert makespan == pytest.approx(sim.makespan, rel=0.03)
+    assert busy == pytest.approx(max(sim.busy)) and in_flight == max(sim.peak_activations)
+
+
+def test_predict_reports_consistent_numbers_and_rejects_bad_layouts():
+    layout = Layout(dp=16, tp=8, pp=4, microbatches=32, zero=1, sequence_parallel=True, precision="bf16")
+    fast = predict("llama-70b", layout, "h100", global_batch=512, exact=False)
+    exact = predict("llama-70b", layout, "h100", global_batch=512)
+    assert exact.step_time == pytest.approx(fast.step_time, rel=0.03)
+    assert sum(exact.time.values()) == pytest.approx(exact.step_time, rel=1e-9)
+    assert 0 < exact.mfu <= exact.hfu < 1 and exact.fits
+    assert exact.tflops_per_device == pytest.approx(exact.hfu * 989, rel=1e-9)
+    with pytest.raises(LayoutError, match="tp=3 does not split 64 heads"):
+        predict("llama-70b", Layout(dp=1, tp=3), "h100", global_batch=8)
+    with pytest.raises(LayoutError, match="81 chunks"):
+        predict("llama-70b", Layout(dp=1, pp=81), "h100", global_batch=81)
+    with pytest.raises(LayoutError, match="multiple of 16"):
+        predict("llama-70b", Layout(dp=16, tp=8), "h100", global_batch=100)
+
+
+# ---------------------------------------------------------------------- Alpa passes
+def test_balanced_stages_is_the_min_max_partition():
+    rng = random.Random(0)
+    for _ in range(20):
+        costs = [rng.uniform(0.5, 3) for _ in range(rng.randint(3, 9))]
+        p = rng.randint(1, len(costs))
+        got = balanced_stages(costs, p)
+        assert len(got) == p and got[0][0] == 0 and got[-1][1] == len(costs)
+        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+                   for cuts in itertools.combinations(range(1, len(costs)), p - 1))
+        assert max(sum(costs[a:b]) for a, b in got) == pytest.approx(best)
+
+
+def test_inter_op_dp_matches_brute_force_with_submeshes():
+    """Layers of different widths on sub-meshes of 1, 2 or 4 devices (time / devices, wider layers need 2+)."""
+    work = [4.0, 1.0, 6.0, 2.0, 3.0]
+    need = [1, 1, 2, 1, 1]
+
+    def stage_time(start: int, end: int, devices: int) -> float:
+        return math.inf if devices < max(need[start:end]) else sum(work[start:end]) / devices + 0.5
+
+    def brute(devices: int, m: int) -> float:
+        best = math.inf
+        for k in range(1, 6):
+            for cuts in itertools.combinations(range(1, 5), k - 1):
+                bounds = list(zip((0, *cuts), (*cuts, 5)))
+                for sizes in itertools.product((1, 2, 4), repeat=k):
+                    if sum(sizes) != devices:
+                        continue
+                    times = [stage_time(a, b, n) for (a, b), n in zip(bounds, sizes)]
+                    best = min(best, sum(times) + (m - 1) * max(times))
+        return best
+
+    for devices, m in ((4, 8), (6, 4), (8, 16)):
+        result = inter_op_plan(5, devices, (1, 2, 4), stage_time, m)
+        assert result.latency == pytest.approx(brute(devices, m))
+        assert sum(n for *_, n in result.stages) == devices
+
+
+def test_intra_op_ilp_finds_megatron_sequence_parallel():
+    spec = NAMED["llama-7b"]
+    for tp in (2, 4):
+        ops = block_operators(spec, tp, 4096, H100)
+        ilp, exhaustive = solve_intra_op(ops, tp, H100), brute_force(ops, tp, H100)
+        assert ilp.cost == pytest.approx(exhaustive.cost, rel=1e-6)
+        assert ilp.choice == {"norm1": "sequence", "qkv": "column", "attention": "heads", "out": "row",
+                              "norm2": "sequence", "up": "column", "act": "split", "down": "row"}
+        assert ilp.tp_plan()["blocks.*.attn.q"] == "colwise" and ilp.tp_plan()["blocks.*.mlp.down"] == "rowwise"
+    with pytest.raises(ConfigError, match="memory budget"):
+        solve_intra_op(block_operators(spec, 2, 4096, H100), 2, H100, memory_budget=1e3)
+
+
+# ---------------------------------------------------------------------- search, report, CLI
+def test_plan_ranks_fitting_layouts_and_writes_a_runnable_toml(tmp_path):
+    result = plan("llama-7b", 16, "a100-80gb", seq=2048, global_batch=64, top=3)
+    times = [c.step_time for c in result.candidates]
+    assert times == sorted(times) and all(c.fits and c.world_size == 16 for c in result.candidates)
+    by_hand = predict("llama-7b", Layout(dp=16, microbatches=4, zero=1), "a100-80gb", global_batch=64, seq=2048)
+    assert result.best.step_time <= by_hand.step_time * (1 + 1e-9)
+    assert "slower" in result.why_runner_up_loses()
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(result.best, resolve_model("llama-7b", 2048).to_gpt_config()))
+    config = load_config(path)
+    assert config.layout == result.best.layout and config.train.global_batch == 64
+    assert config.model["n_layer"] == 32 and config.model["mlp"] == "swiglu"
+
+
+def test_plan_errors_name_what_would_help():
+    with pytest.raises(ConfigError, match="cannot plan for 0 devices"):
+        plan("llama-7b", 0)
+    with pytest.raises(ConfigError, match=r"fits no layout of 1 x a100-40gb.*more devices"):
+        plan("llama3-405b", 1, "a100-40gb", global_batch=1)
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        plan("llama-7b", 8, "v100")
+
+
+def test_plan_for_ten_thousand_gpus_takes_seconds():
+    result = plan("llama3-405b", 10240, "h100", seq=8192, global_batch=2048, top=3)
+    assert result.best.fits and result.best.mfu > 0.2
+    assert result.seconds < 40  # ~5 s on an idle core; generous for a shared CI machine
+
+
+def test_cli_plan_simulate_and_errors(tmp_path, capsys):
+    from plait.cli import main
+
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "a100", "--seq", "2048",
+                 "--global-batch", "32", "--top", "2", "--out", str(out)]) == 0
+    assert load_config(out).layout.world_size == 8
+    assert main(["simulate", "--model", "gpt2", "--gpu", "h100", "--global-batch", "16",
+                 "--layout", "dp=4,tp=2,zero=1"]) == 0
+    printed = capsys.readouterr().out
+    assert "MFU" in printed and "why #2 loses" in printed
+    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "tpu"]) == 2
+    assert main(["simulate", "--model", "gpt2", "--layout", "dp=4,tp=5"]) == 2
+    assert "unknown GPU 'tpu'" in capsys.readouterr().err
+
+
+def test_alpha_beta_fit_recovers_a_line():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    alpha, beta = fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
+    assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
+
+
+@pytest.mark.distributed
+def test_calibrate_measures_this_machine(tmp_path, monkeypatch):
+    from plait.planner.calibrate import calibrate
+
+    monkeypatch.setenv("PLAIT_CALIBRATION", str(tmp_path / "cal.json"))
+    data = calibrate(2, repeats=2)
+    hw = get_hardware("this-machine")
+    assert hw.flops("fp32") > 1e8 and set(hw.measured) == {"all_reduce", "all_gather", "reduce_scatter",
+                                                           "all_to_all", "broadcast", "send_recv"}
+    assert data["seconds"] < 120
+    prediction = predict(GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32), Layout(dp=2),
+                         hw, global_batch=8)
+    assert prediction.step_time > 0 and prediction.fits
