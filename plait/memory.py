@@ -28,6 +28,7 @@ recomputation (only the layer input is kept); scaled by (activation bytes / 2) f
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -172,3 +173,45 @@ def measure_held(engine: Engine) -> dict[str, int]:
         "gradients": storage_bytes([p.grad for p in model_params if p.grad is not None]),
         "optimizer_states": storage_bytes([t for t in states if t.dim() > 0]),
     }
+
+
+class SavedActivations:
+    """Context manager counting the activations autograd keeps for backward while it is active: ``bytes`` is the
+    total size of the distinct storages passed to ``saved_tensors_hooks``, leaving out ``exclude`` (parameters:
+    a Linear saves its weight by reference, which is not an activation). ``add(t)`` counts a tensor held
+    beside the graph (e.g. a pipeline stage's received input), once per storage like the rest."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage (some subclasses): its own size
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in self._excluded:
+            self._seen.setdefault(key, size)
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+
+def saved_activation_bytes(model: nn.Module, forward: Callable[[], Any]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``forward()`` runs, ``model``'s parameters
+    left out: the activations a rank keeps between forward and backward."""
+    with SavedActivations(exclude=model.parameters()) as saved:
+        forward()
+    return saved.bytes

@@ -23,15 +23,13 @@ checks and the bookkeeping.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from plait.comm import Comm
 from plait.config import Layout
 from plait.errors import LayoutError
+from plait.memory import saved_activation_bytes  # re-exported: measured SP activation memory
 
 AXIS = "tp"
 
@@ -74,24 +72,6 @@ def sum_over_tp(grads: list[Tensor], comm: Comm, axis: str = AXIS) -> None:
         for grad in group:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
-
-
-def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``forward()`` runs, leaving out the
-    storages of ``model``'s parameters (saved by reference, held anyway): the activations a rank keeps between
-    forward and backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(seen.values())
 
 
 __all__ = ["check_sequence_parallel", "is_sequence_partial", "saved_activation_bytes", "sum_over_tp"]

@@ -10,38 +10,12 @@ spawned gloo ranks.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from typing import Any
 
 import torch
-from torch import Tensor
 
+from plait.memory import SavedActivations
 
-class SavedActivations:
-    """Context manager: ``bytes`` = total size of the distinct non-parameter storages autograd saved inside."""
-
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self._seen: dict[int, int] = {}
-        self._hooks: Any = None
-
-    def _pack(self, tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._excluded:
-            self._seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._seen.values())
+__all__ = ["SavedActivations", "gpt_saved_bytes"]
 
 
 def gpt_saved_bytes(cp: int, mode: str, lengths: list[int]) -> list[int]:

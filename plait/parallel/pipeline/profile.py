@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.errors import LayoutError
+from plait.memory import SavedActivations
 
 
 @dataclass(frozen=True)
@@ -172,18 +173,9 @@ def _run_backward(output: Tensor, leaf: Tensor, modules: Sequence[nn.Module]) ->
 def saved_activation_bytes(module: nn.Module, value: Tensor) -> tuple[int, Tensor]:
     """Bytes autograd saves for the backward while ``module`` runs on ``value`` (each storage once, parameters
     excluded), and the output."""
-    excluded = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedActivations(exclude=module.parameters()) as saved:
         output = module(_leaf(value))
-    return sum(seen.values()), output
+    return saved.bytes, output
 
 
 def _time_once(modules: Sequence[nn.Module], value: Tensor, name: str) -> tuple[float, float]:

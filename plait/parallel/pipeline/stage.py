@@ -28,6 +28,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from plait.errors import ScheduleError
+from plait.memory import SavedActivations
 
 
 @dataclass
@@ -73,25 +74,15 @@ class PipelineStage:
             raise ScheduleError(f"stage {self.index}: {self.index}F{microbatch} ran twice without its backward.")
         if not self.is_first and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
-        param_storages = {_storage(p) for p in self.params}
-        seen: set[int] = {_storage(inputs)}
-        counted = [inputs.numel() * inputs.element_size()]
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            key = _storage(tensor)
-            if key not in param_storages and key not in seen:
-                seen.add(key)
-                counted[0] += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedActivations(exclude=self.params) as saved:  # the input, then what autograd keeps
+            saved.add(inputs)
             output = self.module(inputs)
         if not isinstance(output, torch.Tensor):
             raise TypeError(
                 f"pipeline stage {self.index} returned {type(output).__name__}; stages must pass one tensor to the next. "
                 f"Fix: make each chunk's forward return a single tensor."
             )
-        held = _Held(inputs if inputs.requires_grad else None, output, counted[0])
+        held = _Held(inputs if inputs.requires_grad else None, output, saved.bytes)
         self._held[microbatch] = held
         self.held_bytes += held.bytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -164,13 +155,6 @@ class PipelineStage:
     def in_flight(self) -> int:
         """Micro-batches whose forward has run and whose backward has not finished."""
         return len(self._held)
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
-        return id(tensor)
 
 
 def _capture(store: dict[Node, tuple[Any, ...]], node: Node) -> Any:
