@@ -47,6 +47,8 @@ class ContextPlan:
     mode: str
     size: int
     attention_paths: tuple[str, ...]
+    kv_groups: tuple[int, ...]
+    """Query heads per key/value head of each layer, read before tensor parallelism swaps the projections."""
 
 
 def _attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
@@ -95,7 +97,8 @@ def plan_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan | Non
                     f"Fix: choose cp (and tp) so that tp*cp divides {kv_heads}, or use cp_mode='ring' (no constraint "
                     f"on heads)."
                 )
-    return ContextPlan(mode, cp, tuple(path for path, _ in layers))
+    kv_groups = tuple(attention.q.out_features // attention.k.out_features for _, attention in layers)
+    return ContextPlan(mode, cp, tuple(path for path, _ in layers), kv_groups)
 
 
 class ContextParallelModel:
@@ -184,9 +187,9 @@ def apply_context_parallel(model: nn.Module, plan: ContextPlan, comm: Comm, loss
     """Swap the attention cores, install the sequence-sharding hooks; returns the loss the Engine must use."""
     sharding = SequenceSharding(plan.mode, comm.size(AXIS), comm.mesh.index(AXIS))
     core_class = RingAttention if plan.mode == "ring" else UlyssesAttention
+    kv_groups = dict(zip(plan.attention_paths, plan.kv_groups))  # from the plan: under tp, q/k are parallel layers
     for path, attention in _attention_layers(model):
-        kv_group = attention.q.out_features // attention.k.out_features
-        attention.core = core_class(comm, sharding, kv_group=kv_group, causal=True, axis=AXIS)
+        attention.core = core_class(comm, sharding, kv_group=kv_groups[path], causal=True, axis=AXIS)
     handle = ContextParallelModel(model, sharding, comm)
     model._plait_context_parallel = handle  # type: ignore[assignment]
     log.info("context parallel: %s over cp=%d (rank %d of the cp group), %d attention layers",

@@ -1,0 +1,134 @@
+"""The composition parity matrix (docs/composition.md): dp x tp x pp x cp (each 1 or 2) x ZeRO 0/1/3 against
+single-device training of the tiny reference GPT (tests/composition.py).
+
+Default suite: every one of the 48 cells is checked in one process for what ``plait.parallelize`` decides
+(refused with a LayoutError naming the reason and a fix, or accepted), and a deterministic sample of 8 runnable
+cells (world <= 4, every axis and every ZeRO stage) trains 3 steps on gloo ranks and must match single-device
+training. The whole matrix (all 28 runnable cells, up to 8 ranks; the 16-rank layout is refused at every ZeRO
+stage) trains with ``PLAIT_FULL_MATRIX=1 .venv/bin/python -m pytest -q tests/test_composition.py``; with
+``PLAIT_MATRIX_TABLE=path`` it also writes the docs table with the measured worst errors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from composition import (
+    ALL_COMBOS,
+    AXES,
+    CLIP,
+    EXTRA,
+    REFUSED,
+    RUNNABLE,
+    SAMPLE,
+    ZERO_STAGES,
+    Combo,
+    assert_combo_matches,
+    axis_and_zero_coverage,
+    check_in_one_process,
+    markdown_table,
+    max_errors,
+    reference_trajectory,
+    refusal,
+    train_combos,
+)
+from harness import run_distributed
+from plait import LayoutError
+from plait.logging import get_logger
+
+log = get_logger(__name__)
+FULL_MATRIX = os.environ.get("PLAIT_FULL_MATRIX") == "1"
+
+
+def _ids(combos: list[Combo]) -> list[str]:
+    return [combo.name for combo in combos]
+
+
+def run_grouped(combos: list[Combo], timeout: float) -> dict[str, list[dict]]:
+    """Train ``combos``: one ``run_distributed`` per world size (each rank trains that size's cells in turn, so
+    processes start once per size); returns name -> per-rank results."""
+    names = [combo.name for combo in combos]
+    out: dict[str, list[dict]] = {}
+    for world in sorted({combo.world for combo in combos}):
+        per_rank = run_distributed(train_combos, world, names, timeout=timeout, comm_timeout_s=60)
+        for name in per_rank[0]:
+            out[name] = [results[name] for results in per_rank]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_trajectory()
+
+
+@pytest.fixture(scope="module")
+def sample_runs() -> dict[str, list[dict]]:
+    return run_grouped(SAMPLE + EXTRA, timeout=240)
+
+
+# ----------------------------------------------------------------- the matrix itself (no processes)
+def test_the_matrix_has_every_cell_and_the_sample_covers_every_axis_and_zero_stage():
+    assert len(ALL_COMBOS) == len({combo.name for combo in ALL_COMBOS}) == 16 * len(ZERO_STAGES)
+    assert len(RUNNABLE) == 28 and len(REFUSED) == 20, (len(RUNNABLE), len(REFUSED))  # pinned: docs/composition.md
+    axes, zeros = axis_and_zero_coverage(SAMPLE)
+    assert axes == set(AXES) and zeros == set(ZERO_STAGES), (axes, zeros)
+    assert all(combo in RUNNABLE and combo.world <= 4 for combo in SAMPLE), "the default suite runs <= 4 ranks"
+    assert {combo.world for combo in SAMPLE + EXTRA} == {2, 4}, "two run_distributed calls (process start-ups)"
+
+
+def test_clipping_acts_at_every_reference_step(reference):
+    """The clipped reference gradients have norm CLIP at every step: the global norm is part of every cell's
+    check (reduced over dp_cp shards, pp stages and tp slices), not an inactive branch."""
+    for step, grads in enumerate(reference.grads):
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        assert abs(float(norm) - CLIP) < 1e-5, f"step {step}: clipped norm {float(norm)} (clipping inactive?)"
+
+
+@pytest.mark.parametrize("combo", REFUSED, ids=_ids(REFUSED))
+def test_refused_cell_raises_a_layout_error_naming_the_reason_and_a_fix(combo):
+    with pytest.raises(LayoutError) as info:
+        check_in_one_process(combo.world, combo.layout())
+    _, phrase = refusal(combo)
+    assert phrase in str(info.value) and "Fix:" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("combo", RUNNABLE, ids=_ids(RUNNABLE))
+def test_runnable_cell_passes_every_check_of_parallelize(combo):
+    check_in_one_process(combo.world, combo.layout())  # reaches Mesh.build: no LayoutError for any runnable cell
+
+
+# ----------------------------------------------------------------- training parity
+@pytest.mark.distributed
+@pytest.mark.parametrize("combo", SAMPLE + EXTRA, ids=_ids(SAMPLE + EXTRA))
+def test_sampled_cell_matches_single_device(combo, sample_runs, reference):
+    assert_combo_matches(combo, sample_runs[combo.name], reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL_MATRIX, reason="the whole matrix (28 cells, up to 8 ranks): set PLAIT_FULL_MATRIX=1")
+def test_whole_matrix_matches_single_device(reference):
+    runs = run_grouped(RUNNABLE, timeout=600)
+    outcomes, failures = {}, []
+    for combo in ALL_COMBOS:
+        refused = refusal(combo)
+        if refused is not None:  # the LayoutError itself is asserted by the refusal test above
+            outcomes[combo.name] = f"refused: {refused[0]}"
+            continue
+        try:
+            assert_combo_matches(combo, runs[combo.name], reference)
+        except AssertionError as error:
+            failures.append(f"{combo.name}: {error}")
+            outcomes[combo.name] = "**differs**"
+            continue
+        errors = max_errors(runs[combo.name], reference)
+        outcomes[combo.name] = f"matches ({errors['loss']:.0e} / {errors['grad']:.0e} / {errors['param']:.0e})"
+    table = markdown_table(outcomes)
+    log.warning("composition matrix (worst |error| of loss / step-0 grad / final param):\n%s", table)
+    if os.environ.get("PLAIT_MATRIX_TABLE"):
+        Path(os.environ["PLAIT_MATRIX_TABLE"]).write_text(table + "\n")
+    assert not failures, "\n".join(failures)
