@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
 
+DEMO_ARGS := --set layout.tp=2
+
 .PHONY: setup demo test test-all bench clean
 
 setup: $(STAMP)
@@ -19,7 +21,7 @@ $(STAMP):
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/plait train
+	$(BIN)/plait train $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,6 +25,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full")
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "cpu", "nvme")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+"""Tensor-parallel algorithms: Megatron 1D, SUMMA 2D (q x q), Tesseract 2.5D (q x q x depth), 3D (q x q x q)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class Layout:
         sequence_parallel: Megatron sequence parallelism inside the tp group.
         offload: where ZeRO keeps optimizer states and master weights, one of ``OFFLOADS``.
         bucket_mb: gradient bucket size for data-parallel reduction, in MiB.
+        tp_mode: tensor-parallel algorithm, one of ``TP_MODES``; "2d" needs tp = q^2, "2.5d" tp = q^2 x tp_depth,
+            "3d" tp = q^3 (see ``tp_grid_dims``).
+        tp_depth: the depth d of 2.5D (Tesseract) tensor parallelism (1 for every other mode).
     """
 
     dp: int = -1
@@ -62,6 +67,8 @@ class Layout:
     sequence_parallel: bool = False
     offload: str = "none"
     bucket_mb: float = 25.0
+    tp_mode: str = "1d"
+    tp_depth: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
@@ -118,6 +125,15 @@ class Layout:
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "
                 f"Fix: set schedule='interleaved' or virtual_stages=1."
             )
+        if self.tp_mode not in TP_MODES:
+            raise LayoutError(f"tp_mode={self.tp_mode!r} is unknown. Fix: use one of {', '.join(map(repr, TP_MODES))}.")
+        if self.tp != -1:
+            tp_grid_dims(self.tp, self.tp_mode, self.tp_depth)
+        if self.sequence_parallel and self.tp_mode != "1d":
+            raise LayoutError(
+                f"sequence_parallel=True is Megatron 1D's; tp_mode={self.tp_mode!r} already splits the activations. "
+                f"Fix: set sequence_parallel=False or tp_mode='1d'."
+            )
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2.")
 
@@ -159,7 +175,10 @@ class Layout:
                     f"world size {world_size}. Fix: choose degrees whose product divides {world_size}, or launch a "
                     f"multiple of {known} processes."
                 )
-            return dataclasses.replace(self, **{axis: world_size // known})
+            resolved = dataclasses.replace(self, **{axis: world_size // known})
+            if axis == "tp":
+                tp_grid_dims(resolved.tp, resolved.tp_mode, resolved.tp_depth)
+            return resolved
         if known != world_size:
             raise LayoutError(
                 f"the degrees ({formula}) multiply to {known} ranks, but the world size is {world_size}. "
@@ -197,6 +216,45 @@ class Layout:
         return from_mapping(cls, data, "layout", LayoutError)
 
 
+def _nearest(tp: int, power: int, scale: int = 1) -> str:
+    """``"tp=a or tp=b"``: the nearest valid degrees scale * q^power below and above ``tp``."""
+    q = max(1, round((tp / scale) ** (1.0 / power)))
+    while scale * q**power > tp and q > 1:
+        q -= 1
+    below, above = scale * q**power, scale * (q + 1) ** power
+    return f"tp={below} or tp={above}" if below != tp else f"tp={above}"
+
+
+def tp_grid_dims(tp: int, tp_mode: str, tp_depth: int = 1) -> dict[str, int]:
+    """The sizes of the tp sub-axes ``{"tp_dep": d, "tp_row": q, "tp_col": q}`` of an nD tensor-parallel mode
+    ({} for "1d"); LayoutError naming valid degrees when tp is not q^2 (2D), q^2 d (2.5D) or q^3 (3D). Pure."""
+    if not isinstance(tp_depth, int) or isinstance(tp_depth, bool) or tp_depth < 1:
+        raise LayoutError(f"tp_depth={tp_depth!r} must be an integer >= 1. Fix: e.g. tp_depth=2 with tp_mode='2.5d'.")
+    if tp_depth != 1 and tp_mode != "2.5d":
+        raise LayoutError(
+            f"tp_depth={tp_depth} is the depth of 2.5D tensor parallelism, but tp_mode={tp_mode!r}. "
+            f"Fix: set tp_mode='2.5d', or tp_depth=1."
+        )
+    if tp_mode == "1d":
+        return {}
+    if tp_mode == "3d":
+        q = round(tp ** (1.0 / 3.0))
+        if q**3 != tp:
+            raise LayoutError(f"tp={tp} is not a cube, which tp_mode='3d' needs (q x q x q ranks). "
+                              f"Fix: use {_nearest(tp, 3)}.")
+        return {"tp_dep": q, "tp_row": q, "tp_col": q}
+    depth = tp_depth if tp_mode == "2.5d" else 1
+    if tp % depth:
+        raise LayoutError(f"tp={tp} does not split into tp_depth={depth} layers (2.5D needs tp = q^2 x depth). "
+                          f"Fix: use {_nearest(tp, 2, depth)}, or another tp_depth.")
+    q = round((tp // depth) ** 0.5)
+    if q * q * depth != tp:
+        shape = "a square" if depth == 1 else f"{depth} x a square"
+        raise LayoutError(f"tp={tp} is not {shape}, which tp_mode={tp_mode!r} needs (q x q"
+                          f"{' x depth' if depth > 1 else ''} ranks). Fix: use {_nearest(tp, 2, depth)}.")
+    return {"tp_dep": depth, "tp_row": q, "tp_col": q}
+
+
 def from_mapping(cls: type, data: dict[str, Any], section: str, error: type[Exception]) -> Any:
     """Construct dataclass ``cls`` from ``data``; unknown keys raise ``error`` naming the valid ones."""
     names = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -209,4 +267,4 @@ def from_mapping(cls: type, data: dict[str, Any], section: str, error: type[Exce
     return cls(**data)
 
 
-__all__ = ["AXES", "Layout", "from_mapping"]
+__all__ = ["AXES", "TP_MODES", "Layout", "from_mapping", "tp_grid_dims"]

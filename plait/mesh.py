@@ -7,8 +7,15 @@ Ranks are numbered in ``AXES`` order, pp outermost and tp innermost::
 so the ranks of one tp group are consecutive (neighbours on a node) and pipeline stages are the largest
 blocks. Besides the four axes the mesh has the combined axes that paradigms need: ``dp_cp`` (gradients are
 averaged over data *and* context parallel ranks, which see different tokens of the same weights) and
-``world``. The grid arithmetic (``RankGrid``) is pure; ``Mesh.build`` creates the process groups once, on
-every rank in the same order, and the Mesh is then passed explicitly to whatever needs it.
+``world``. Under nD tensor parallelism (``Layout.tp_mode`` "2d", "2.5d", "3d") the tp group is further split
+into the sub-axes ``TP_SUB_AXES``, tp staying innermost::
+
+    tp_i = (tp_dep * ROWS + tp_row) * COLS + tp_col
+
+(2D: a q x q grid, depth 1; 2.5D: q x q x d, depth outermost; 3D: a q x q x q cube), so a ``tp_col`` group
+is consecutive ranks. The sub-axes exist only when tp_mode needs them. The grid arithmetic (``RankGrid``)
+is pure; ``Mesh.build`` creates the process groups once, on every rank in the same order, and the Mesh is
+then passed explicitly to whatever needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from plait.config import AXES, Layout
+from plait.config import AXES, Layout, tp_grid_dims
 from plait.errors import LayoutError
 
 COMBINED_AXES: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "world": AXES}
@@ -28,44 +35,83 @@ COMBINED_AXES: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "world": AXE
 
 ALL_AXES: tuple[str, ...] = AXES + tuple(COMBINED_AXES)
 
+TP_SUB_AXES: tuple[str, ...] = ("tp_dep", "tp_row", "tp_col")
+"""The sub-axes that split the tp group for 2D / 2.5D / 3D tensor parallelism, outermost first."""
+
 
 def axis_members(axis: str) -> tuple[str, ...]:
-    """The mesh axes that ``axis`` spans (itself for a plain axis)."""
-    if axis in AXES:
+    """The mesh axes that ``axis`` spans (itself for a plain axis or a tp sub-axis)."""
+    if axis in AXES or axis in TP_SUB_AXES:
         return (axis,)
     if axis in COMBINED_AXES:
         return COMBINED_AXES[axis]
-    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES)}")
+    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES + TP_SUB_AXES)}")
 
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Pure rank arithmetic for degrees in ``AXES`` order (no processes needed)."""
+    """Pure rank arithmetic for degrees in ``AXES`` order (no processes needed).
+
+    ``tp_split`` = (depth, rows, cols) splits tp into ``TP_SUB_AXES`` (None: 1D tensor parallelism, no sub-axes).
+    """
 
     sizes: tuple[int, ...]
+    tp_split: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_split is not None and math.prod(self.tp_split) != self.sizes[AXES.index("tp")]:
+            raise LayoutError(f"tp sub-axes {self.tp_split} do not multiply to tp={self.sizes[AXES.index('tp')]}.")
 
     @classmethod
     def from_layout(cls, layout: Layout) -> RankGrid:
-        return cls(tuple(layout.degrees[axis] for axis in AXES))
+        dims = tp_grid_dims(layout.tp, layout.tp_mode, layout.tp_depth)
+        split = tuple(dims[a] for a in TP_SUB_AXES) if dims else None
+        return cls(tuple(layout.degrees[axis] for axis in AXES), split)  # type: ignore[arg-type]
 
     @property
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis this grid has groups for: ``ALL_AXES``, plus ``TP_SUB_AXES`` under nD tensor parallelism."""
+        return ALL_AXES + (TP_SUB_AXES if self.tp_split is not None else ())
+
+    def _axis_size(self, axis: str) -> int:
+        if axis in TP_SUB_AXES:
+            if self.tp_split is None:
+                raise KeyError(f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d'")
+            return self.tp_split[TP_SUB_AXES.index(axis)]
+        return self.sizes[AXES.index(axis)]
+
     def size(self, axis: str) -> int:
-        return math.prod(self.sizes[AXES.index(a)] for a in axis_members(axis))
+        return math.prod(self._axis_size(a) for a in axis_members(axis))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each of ``AXES``."""
+        """This rank's index along each of ``AXES`` (and each of ``TP_SUB_AXES`` when tp is split)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a mesh of {self.world_size} ranks.")
         coords: dict[str, int] = {}
         for axis, size in zip(reversed(AXES), reversed(self.sizes)):
             coords[axis] = rank % size
             rank //= size
-        return {axis: coords[axis] for axis in AXES}
+        ordered = {axis: coords[axis] for axis in AXES}
+        if self.tp_split is not None:
+            tp, sub = ordered["tp"], {}
+            for axis, size in zip(reversed(TP_SUB_AXES), reversed(self.tp_split)):
+                sub[axis] = tp % size
+                tp //= size
+            ordered.update({axis: sub[axis] for axis in TP_SUB_AXES})
+        return ordered
 
     def rank_of(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (``AXES``; under a tp split, tp is taken from the sub-axes when they are given)."""
+        coords = dict(coords)
+        if self.tp_split is not None and all(a in coords for a in TP_SUB_AXES):
+            tp = 0
+            for axis, size in zip(TP_SUB_AXES, self.tp_split):
+                tp = tp * size + coords[axis]
+            coords["tp"] = tp
         rank = 0
         for axis, size in zip(AXES, self.sizes):
             rank = rank * size + coords[axis]
@@ -75,8 +121,10 @@ class RankGrid:
         """The ranks that share ``rank``'s coordinates on every axis outside ``axis``, in mesh order."""
         varying = axis_members(axis)
         base = self.coords(rank)
+        if self.tp_split is not None and "tp" in varying:  # the sub-axes follow tp
+            base = {a: c for a, c in base.items() if a not in TP_SUB_AXES}
         ranks = []
-        for combo in itertools.product(*(range(self.sizes[AXES.index(a)]) for a in varying)):
+        for combo in itertools.product(*(range(self._axis_size(a)) for a in varying)):
             ranks.append(self.rank_of({**base, **dict(zip(varying, combo))}))
         return sorted(ranks)
 
@@ -116,10 +164,10 @@ class Mesh:
             rank, world_size = 0, 1
         layout = layout.resolve(world_size)
         grid = RankGrid.from_layout(layout)
-        groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in ALL_AXES}
+        groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in grid.axes}
         if world_size > 1:
             created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-            for axis in ALL_AXES:
+            for axis in grid.axes:
                 if grid.size(axis) == 1:
                     continue
                 for members in grid.groups(axis):
@@ -147,6 +195,9 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         axis_members(axis)
+        if axis not in self._groups:
+            raise KeyError(f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: "
+                           f"{self.layout.tp_mode!r})")
         return self._groups[axis]
 
     def peer(self, axis: str, offset: int) -> int:

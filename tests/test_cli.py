@@ -3,10 +3,12 @@ refused before any launch, a worker failure reported with its rank, and a 2-"nod
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,11 +79,13 @@ def test_two_nodes_on_loopback(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_demo_learns_addition_in_four_processes(tmp_path):
-    """`plait train` with no settings (the `make demo` job): 4 ranks, 1500 steps, the task is learned."""
+def test_demo_learns_addition_in_four_processes(tmp_path):
+    """The `make demo` job (`plait train` + the Makefile's DEMO_ARGS, dp=2 x tp=2): 4 ranks, 1500 steps, learned."""
     out = tmp_path / "demo"
-    result = plait("train", "--out", str(out), cwd=tmp_path, timeout=600)
+    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    demo_args = re.search(r"^DEMO_ARGS := (.*)$", makefile, re.M).group(1).split()
+    result = plait("train", *demo_args, "--out", str(out), cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 4 and summary["steps"] == 1500
+    assert summary["world_size"] == 4 and summary["steps"] == 1500 and "tp2" in summary["layout"], summary
     assert summary["accuracy"] >= 0.9, summary  # measured: 100% (2-digit addition, exact match)

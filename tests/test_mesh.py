@@ -34,6 +34,23 @@ def test_groups_partition_every_axis():
         assert all(len(g) == grid.size(axis) for g in groups)
 
 
+def test_tp_sub_axes_split_the_tp_group():
+    """nD tensor parallelism: tp_i = (tp_dep * q + tp_row) * q + tp_col, tp innermost; sub-axes only when needed."""
+    grid = RankGrid.from_layout(Layout(dp=2, tp=4, tp_mode="2d").resolve(8))
+    assert grid.coords(6) == {"pp": 0, "dp": 1, "cp": 0, "tp": 2, "tp_dep": 0, "tp_row": 1, "tp_col": 0}
+    assert grid.groups("tp_col") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("tp_row") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]] and grid.size("tp_dep") == 1
+    assert all(grid.rank_of(grid.coords(r)) == r for r in range(8))
+    cube = RankGrid.from_layout(Layout(tp=8, tp_mode="3d").resolve(8))
+    assert cube.groups("tp_dep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    tesseract = RankGrid.from_layout(Layout(tp=8, tp_mode="2.5d", tp_depth=2).resolve(8))
+    assert tesseract.tp_split == (2, 2, 2) and tesseract.groups("tp_dep") == cube.groups("tp_dep")
+    assert "tp_row" not in RankGrid.from_layout(Layout(tp=4).resolve(4)).axes
+    with pytest.raises(KeyError, match="exists only with tp_mode"):
+        RankGrid.from_layout(Layout(tp=4).resolve(4)).size("tp_row")
+
+
 def test_unknown_axis():
     with pytest.raises(KeyError, match="unknown mesh axis 'xp'"):
         RankGrid((1, 1, 1, 1)).size("xp")
