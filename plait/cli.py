@@ -5,8 +5,9 @@
 worker (LOCAL_RANK set) it is the training program itself. So on a cluster the same program runs under
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
 
-``plait schedule`` simulates and draws a pipeline schedule in this process (``cli_schedule.py``); ``plait plan``,
-``plait simulate`` and ``plait calibrate`` are the planner's (``plait/planner/commands.py``).
+``plait schedule`` simulates and draws a pipeline schedule in this process (``cli_schedule.py``); ``plait ps``
+trains with parameter servers (``cli_ps.py``); ``plait plan``, ``plait simulate`` and ``plait calibrate`` are the
+planner's (``plait/planner/commands.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from plait.cli_ps import add_ps_command, run_ps
 from plait.cli_schedule import add_schedule_command, run_schedule
 from plait.errors import ConfigError, PlaitError
 from plait.planner.commands import PLANNER_COMMANDS, add_planner_commands, run_planner
@@ -36,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=4, help="local processes to launch (default 4)")
     train.add_argument("--out", help="run folder for metrics, plot and checkpoints (default runs/<id>)")
     add_schedule_command(commands)
+    add_ps_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -112,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "schedule":
             return run_schedule(args)
+        if args.command == "ps":
+            return run_ps(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:

@@ -22,6 +22,7 @@ from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
+from plait.models.hf import is_hf_model, return_logits
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.data import DistributedDataParallel, broadcast_parameters
 from plait.parallel.pipeline.apply import place_pipeline, plan_pipeline
@@ -88,7 +89,8 @@ def parallelize(
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
     Args:
-        model: any nn.Module (it stays free of parallel code; plait wraps or swaps its parts).
+        model: any nn.Module (it stays free of parallel code; plait wraps or swaps its parts). A Hugging Face
+            transformers model is made to return its logits (``plait.models.hf.return_logits``).
         layout: the parallel layout (default: data parallel over every rank).
         optimizer: a factory ``params -> torch.optim.Optimizer`` (preferred: sharding strategies call it on
             the parameters they own), or an optimizer already built on ``model.parameters()``.
@@ -110,6 +112,12 @@ def parallelize(
             sync; default ``PipeDreamOptions()``: weight stashing, an update after every micro-batch).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if isinstance(model, nn.Module) and is_hf_model(model) and layout is not None and layout.pp > 1:
+        raise LayoutError(
+            f"pipeline parallelism (pp={layout.pp}) of Hugging Face transformers models ({type(model).__name__}) "
+            f"is not supported yet: their forward does not split into stages. Fix: use pp=1 (dp, tp and ZeRO "
+            f"work on them), or plait's GPT for pipeline parallelism."
+        )
     layout = (layout or Layout()).resolve(world_size)
     check_available(layout)
     if not isinstance(model, nn.Module):
@@ -122,6 +130,8 @@ def parallelize(
         raise ValueError(f"max_grad_norm={max_grad_norm} must be positive (or None to disable clipping)")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to train")
+    if is_hf_model(model):  # a transformers model: forward returns the logits tensor (hooks; names unchanged)
+        return_logits(model)
 
     pipeline = plan_pipeline(model, layout, pipeline_cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)

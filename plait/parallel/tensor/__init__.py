@@ -1,7 +1,12 @@
 """Tensor parallelism: Megatron 1D layers (``layers``), vocab-parallel cross-entropy (``loss``), plans as data
-(``plan``) and what ``parallelize`` does with them (``apply``). 2D/2.5D/3D variants will live here too."""
+(``plan``) and what ``parallelize`` does with them (``apply``); 2D SUMMA (``linear2d``), 2.5D Tesseract
+(``linear2p5d``) and 3D (``linear3d``) layers on the tp sub-axes of ``grid`` (modules, not yet a plan)."""
 
 from plait.parallel.tensor.apply import apply_tensor_parallel, plan_tensor_parallel
+from plait.parallel.tensor.grid import GridLinear, GridMLP, gather_activation, scatter_activation
+from plait.parallel.tensor.linear2d import MLP2D, Linear2D
+from plait.parallel.tensor.linear2p5d import MLP2p5D, Linear2p5D
+from plait.parallel.tensor.linear3d import MLP3D, Linear3D
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -13,6 +18,16 @@ from plait.parallel.tensor.loss import VocabParallelLoss, vocab_parallel_cross_e
 from plait.parallel.tensor.plan import PLANS, STYLES, apply_plan, default_plan, register_plan, resolve_plan
 
 __all__ = [
+    "MLP2D",
+    "MLP2p5D",
+    "MLP3D",
+    "GridLinear",
+    "GridMLP",
+    "Linear2D",
+    "Linear2p5D",
+    "Linear3D",
+    "gather_activation",
+    "scatter_activation",
     "PLANS",
     "STYLES",
     "ColumnParallelLinear",

@@ -29,6 +29,13 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 def plan_tensor_parallel(model: nn.Module, layout: Layout, plan: Plan | None = None) -> ResolvedPlan | None:
     """None when tp == 1 (a plan given then is an error); otherwise the checked plan (``plan`` or the built-in
     one of the model's class). Pure: the same LayoutError on every rank, before any collective."""
+    if layout.tp_mode != "1d":
+        raise LayoutError(
+            f"tp_mode={layout.tp_mode!r} is not yet available through parallelize: 2D / 2.5D / 3D tensor parallelism "
+            f"exists as modules (plait.parallel.tensor.Linear2D / MLP2D, Linear2p5D / MLP2p5D, Linear3D / MLP3D, built "
+            f"from nn.Linear on a Mesh of that Layout), not as a parallelize plan. Fix: use tp_mode='1d' with "
+            f"parallelize, or build those modules yourself."
+        )
     if layout.tp == 1:
         if plan is not None:
             raise LayoutError("tp_plan was given, but the layout has tp=1. Fix: set tp > 1, or leave tp_plan out.")

@@ -18,6 +18,13 @@ Each layer is made ``from_linear`` / ``from_embedding`` of the single-device lay
 tensor-parallel model built from the same initial weights is the single-device model; parameters keep the
 names ``weight`` and ``bias``, and every parameter split over tp carries ``param.tp_shard_dim`` (the tensor dim
 that is split) and ``param.tp_sharded = True`` so that norms and gathers can tell them from replicated ones.
+
+Two variants serve Hugging Face models (``plait.parallel.tensor.hf_plans``):
+- ``transposed=True``: the weight is stored [in, out], as in GPT-2's ``Conv1D`` (Y = X W + b); the split dims
+  swap (column: dim 1, row: dim 0) and the parameter keeps the Conv1D layout, so names and shapes stay the model's.
+- ``fused_parts=k``: a fused projection whose outputs are k equal blocks (GPT-2's c_attn = [q | k | v]). Each
+  block is split over tp separately, so rank i holds [q_i | k_i | v_i] (its heads of each) in the layout the
+  model's ``split`` expects; ``param.tp_fused_parts = k`` lets ``gather_slice`` put the blocks back in order.
 """
 
 from __future__ import annotations
@@ -57,16 +64,32 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tp_sharded", False))
 
 
-def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str) -> nn.Parameter:
-    """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter."""
+def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1) -> nn.Parameter:
+    """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter; with
+    ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated."""
     parts = comm.size(axis)
-    if tensor.shape[dim] % parts:
+    if tensor.shape[dim] % (parts * fused_parts):
         raise LayoutError(
-            f"{what}: size {tensor.shape[dim]} of dim {dim} does not split over {axis}={parts} ranks. "
-            f"Fix: choose {axis} dividing {tensor.shape[dim]}, or leave this layer out of the plan."
+            f"{what}: size {tensor.shape[dim]} of dim {dim} ({fused_parts} fused block(s)) does not split over "
+            f"{axis}={parts} ranks. Fix: choose {axis} dividing {tensor.shape[dim] // fused_parts}, or leave this "
+            f"layer out of the plan."
         )
-    chunk = tensor.detach().chunk(parts, dim=dim)[comm.mesh.index(axis)].clone()
-    return mark_sharded(nn.Parameter(chunk, requires_grad=tensor.requires_grad), dim)
+    index = comm.mesh.index(axis)
+    blocks = tensor.detach().chunk(fused_parts, dim=dim)
+    chunk = torch.cat([block.chunk(parts, dim=dim)[index] for block in blocks], dim=dim).clone()
+    param = mark_sharded(nn.Parameter(chunk, requires_grad=tensor.requires_grad), dim)
+    if fused_parts > 1:
+        param.tp_fused_parts = fused_parts  # type: ignore[attr-defined]
+    return param
+
+
+def _matmul(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """X A^T + b for an [out, in] weight, X W + b for a transposed [in, out] one (computed as Conv1D does)."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return y.view(*x.shape[:-1], weight.shape[1])
 
 
 class ColumnParallelLinear(nn.Module):
@@ -76,11 +99,11 @@ class ColumnParallelLinear(nn.Module):
     all-gather of the sequence shards fwd / reduce-scatter bwd), or "entered" (a parent module already did
     it once for several column layers sharing X, e.g. q/k/v: see ``plait.parallel.tensor.plan``).
     ``gather_output="eval"`` keeps the output split in training (for a vocab-parallel loss) and gathers it in
-    evaluation, so metrics such as accuracy see whole logits.
+    evaluation, so metrics such as accuracy see whole logits. ``transposed``: the weight is [in, out_local].
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
-                 gather_output: bool | str = False, input_mode: str = "copy") -> None:
+                 gather_output: bool | str = False, input_mode: str = "copy", transposed: bool = False) -> None:
         super().__init__()
         if gather_output not in (True, False, "eval"):
             raise ValueError(f"gather_output={gather_output!r}: use True, False or 'eval'")
@@ -91,26 +114,31 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.axis = comm, axis
         self.gather_output = gather_output
         self.input_mode = input_mode
+        self.transposed = transposed
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, axis: str = AXIS, gather_output: bool | str = False,
-                    input_mode: str = "copy", name: str = "linear") -> ColumnParallelLinear:
-        weight = _slice(linear.weight, 0, comm, axis, f"{name} (column parallel, out_features)")
-        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias")
-        return cls(weight, bias, comm, axis, gather_output, input_mode)
+    def from_linear(cls, linear: nn.Module, comm: Comm, axis: str = AXIS, gather_output: bool | str = False,
+                    input_mode: str = "copy", name: str = "linear", transposed: bool = False,
+                    fused_parts: int = 1) -> ColumnParallelLinear:
+        """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out])."""
+        dim = 1 if transposed else 0
+        weight = _slice(linear.weight, dim, comm, axis, f"{name} (column parallel, out_features)", fused_parts)
+        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias", fused_parts)
+        return cls(weight, bias, comm, axis, gather_output, input_mode, transposed)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_mode == "copy":
             x = copy_to(x, self.comm, self.axis)
         elif self.input_mode == "sequence":
             x = gather_sequence(x, self.comm, self.axis)
-        y = F.linear(x, self.weight, self.bias)
+        y = _matmul(x, self.weight, self.bias, self.transposed)
         gather = self.gather_output is True or (self.gather_output == "eval" and not self.training)
         return gather_from(y, self.comm, self.axis, dim=-1) if gather else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, bias={self.bias is not None}, "
-                f"axis={self.axis!r}, input={self.input_mode}, gather_output={self.gather_output}")
+        out_local, in_features = self.weight.shape[::-1] if self.transposed else self.weight.shape
+        return (f"in={in_features}, out_local={out_local}, bias={self.bias is not None}, axis={self.axis!r}, "
+                f"input={self.input_mode}, gather_output={self.gather_output}, transposed={self.transposed}")
 
 
 class RowParallelLinear(nn.Module):
@@ -118,23 +146,25 @@ class RowParallelLinear(nn.Module):
     (``sequence_parallel``: reduce-scattered along the sequence instead), then the whole bias is added once."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, transposed: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.comm, self.axis = comm, axis
         self.sequence_parallel = sequence_parallel
+        self.transposed = transposed
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
-                    name: str = "linear") -> RowParallelLinear:
-        weight = _slice(linear.weight, 1, comm, axis, f"{name} (row parallel, in_features)")
+    def from_linear(cls, linear: nn.Module, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
+                    name: str = "linear", transposed: bool = False) -> RowParallelLinear:
+        """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out])."""
+        weight = _slice(linear.weight, 0 if transposed else 1, comm, axis, f"{name} (row parallel, in_features)")
         bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                              requires_grad=linear.bias.requires_grad)
-        return cls(weight, bias, comm, axis, sequence_parallel)
+        return cls(weight, bias, comm, axis, sequence_parallel, transposed)
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)
+        partial = _matmul(x, self.weight, None, self.transposed)
         if self.sequence_parallel:
             y = scatter_sequence(partial, self.comm, self.axis)
         else:
@@ -142,8 +172,9 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}, "
-                f"axis={self.axis!r}, sequence_parallel={self.sequence_parallel}")
+        out, in_local = self.weight.shape[::-1] if self.transposed else self.weight.shape
+        return (f"in_local={in_local}, out={out}, bias={self.bias is not None}, axis={self.axis!r}, "
+                f"sequence_parallel={self.sequence_parallel}, transposed={self.transposed}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -189,15 +220,26 @@ class VocabParallelEmbedding(nn.Module):
 
 
 @torch.no_grad()
+def gather_slice(tensor: Tensor, param: Tensor, comm: Comm, axis: str = AXIS) -> Tensor:
+    """The whole tensor of which ``tensor`` (``param`` itself, or its gradient) is this rank's tp slice: an
+    all-gather along ``param.tp_shard_dim``; a fused parameter's blocks are put back in order (the gather gives
+    [q_0 k_0 v_0 | q_1 k_1 v_1], the model's layout is [q_0 q_1 | k_0 k_1 | v_0 v_1])."""
+    dim = param.tp_shard_dim  # type: ignore[attr-defined]
+    gathered = comm.all_gather(tensor.detach().contiguous(), axis, dim=dim)
+    fused = getattr(param, "tp_fused_parts", 1)
+    if fused > 1:
+        per_rank = [piece.chunk(fused, dim=dim) for piece in gathered.chunk(comm.size(axis), dim=dim)]
+        gathered = torch.cat([blocks[part] for part in range(fused) for blocks in per_rank], dim=dim)
+    return gathered.clone()
+
+
+@torch.no_grad()
 def gather_parameters(model: nn.Module, comm: Comm, axis: str = AXIS) -> dict[str, Tensor]:
     """Every parameter of ``model`` whole, by name: tp slices all-gathered along their ``tp_shard_dim`` (the
     same call on every tp rank, in name order); replicated parameters copied. For checks and export."""
     out: dict[str, Tensor] = {}
     for name, param in model.named_parameters():
-        if is_tp_sharded(param):
-            out[name] = comm.all_gather(param.detach().contiguous(), axis, dim=param.tp_shard_dim).clone()
-        else:
-            out[name] = param.detach().clone()
+        out[name] = gather_slice(param, param, comm, axis) if is_tp_sharded(param) else param.detach().clone()
     return out
 
 
@@ -207,6 +249,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "gather_parameters",
     "gather_sequence",
+    "gather_slice",
     "is_tp_sharded",
     "mark_sharded",
     "scatter_sequence",

@@ -7,6 +7,8 @@ A pattern is a dotted module path in which a ``*`` component matches any one nam
 ``colwise_gather`` the same, output all-gathered back to whole (any consumer works)
 ``colwise_vocab``  the LM head: logits stay split over the vocabulary when the loss is vocab-parallel
                    cross-entropy, else they are gathered (``parallelize`` decides, from the loss)
+``colwise_fused_qkv`` a fused [q | k | v] projection (GPT-2's c_attn): column parallel with each third split
+                   separately, so each rank holds [q_i | k_i | v_i], its heads of each, in the model's layout
 ``rowwise``        nn.Linear -> RowParallelLinear: input features split; g (all-reduce) at its output
 ``vocab``          nn.Embedding -> VocabParallelEmbedding: rows split, partial lookups all-reduced
 ``enter``          any module: its first input enters the tp region once (f: identity fwd / all-reduce bwd;
@@ -16,13 +18,20 @@ A pattern is a dotted module path in which a ``*`` component matches any one nam
                    (dim -2; e.g. a position embedding added to the sequence-split token embeddings)
 =================  ===================================================================================
 
-The built-in plan for a model is found by class in ``PLANS`` (``register_plan`` adds one, e.g. for Hugging Face
-GPT-2 / Llama). Swapped modules take the place of the originals, so parameter names stay the model's.
+Linear styles take an nn.Linear or a transformers ``Conv1D`` (weight [in, out]; recognised by name, so plait needs
+no transformers to import). The built-in plan for a model is found by class in ``PLANS`` (``register_plan`` adds
+one); plans for Hugging Face GPT-2 and Llama live in ``hf_plans`` and are registered on first use, when a model
+from the ``transformers`` package reaches ``default_plan`` / ``resolve_plan``. ``register_attention`` tells the
+checks how many heads a third-party attention module has and, after the swap, sets its per-rank head counts.
+Swapped modules take the place of the originals, so parameter names stay the model's; two planned modules that
+shared a weight (tied embeddings) share the slice afterwards, which is the same slice for "vocab" and a
+"colwise"/"colwise_vocab" head (rows [i V/t, (i+1) V/t) of the [V, d] table).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -39,10 +48,29 @@ from plait.parallel.tensor.layers import gather_sequence, is_tp_sharded
 log = get_logger(__name__)
 
 Plan = dict[str, str]
-STYLES = ("colwise", "colwise_gather", "colwise_vocab", "rowwise", "vocab", "enter", "seq_shard")
-LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_vocab", "rowwise")
+STYLES = ("colwise", "colwise_gather", "colwise_vocab", "colwise_fused_qkv", "rowwise", "vocab", "enter", "seq_shard")
+LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_vocab", "colwise_fused_qkv", "rowwise")
+FUSED_PARTS = {"colwise_fused_qkv": 3}
+INPUT_KEYWORDS = ("hidden_states", "x", "input")
+"""Where an "enter" module's input is when it is called with keywords only (HF Llama: self_attn(hidden_states=...))."""
 PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
 """Built-in plans by model class (the most derived registered class of a model wins)."""
+LAZY_PLANS = {"transformers.": "plait.parallel.tensor.hf_plans"}
+"""Plans imported on first use: a model whose class comes from a module starting with the key loads the value."""
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """How tensor parallelism sees a third-party attention module: ``heads(module)`` gives {label: count} for
+    the checks (tp must divide each), ``localize(module, tp)`` sets its per-rank head attributes after the swap
+    (None: its forward infers them), ``sequence_parallel``: whether its model works under Megatron-SP."""
+
+    heads: Callable[[nn.Module], dict[str, int]]
+    localize: Callable[[nn.Module, int], None] | None = None
+    sequence_parallel: bool = False
+
+
+ATTENTION: dict[type, AttentionHeads] = {}
 
 
 def register_plan(model_class: type, make_plan: Callable[[nn.Module], Plan]) -> None:
@@ -50,8 +78,23 @@ def register_plan(model_class: type, make_plan: Callable[[nn.Module], Plan]) -> 
     PLANS[model_class] = make_plan
 
 
+def register_attention(module_class: type, spec: AttentionHeads) -> None:
+    """Teach the head checks (and the per-rank head counts) about a third-party attention module class."""
+    ATTENTION[module_class] = spec
+
+
+def load_lazy_plans(model: nn.Module) -> None:
+    """Import the plan module registered in ``LAZY_PLANS`` for ``model``'s library (once; a no-op otherwise)."""
+    for cls in type(model).__mro__:
+        for prefix, module in LAZY_PLANS.items():
+            if cls.__module__.startswith(prefix):
+                importlib.import_module(module)
+                return
+
+
 def default_plan(model: nn.Module) -> Plan:
     """The registered plan of ``model``'s class; LayoutError naming the fix when none is registered."""
+    load_lazy_plans(model)
     for cls in type(model).__mro__:
         if cls in PLANS:
             return PLANS[cls](model)
@@ -107,6 +150,7 @@ def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool 
     not split, heads / kv heads that do not split, a sequence that does not split under SP."""
     if not isinstance(plan, dict) or not plan:
         raise LayoutError(f"a tensor-parallel plan is a non-empty dict {{module path: style}}, got {plan!r}.")
+    load_lazy_plans(model)
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -127,6 +171,7 @@ def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool 
     for path, style in styles.items():
         _check_module(path, modules[path], style, tp)
     _check_heads(modules, styles, tp)
+    _check_registered_attention(modules, styles, tp, sequence_parallel)
     if sequence_parallel:
         seq_len = getattr(getattr(model, "config", None), "seq_len", None)
         if isinstance(seq_len, int) and seq_len % tp:
@@ -138,25 +183,37 @@ def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool 
     return ResolvedPlan(ordered, sequence_parallel)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """A transformers ``Conv1D`` (Y = X W + b, weight [in, out] = [nx, nf]), told by name and fields."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def linear_sizes(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+
+
 def _check_module(path: str, module: nn.Module, style: str, tp: int) -> None:
-    if style in LINEAR_STYLES and type(module) is not nn.Linear:
-        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear. "
-                          f"Fix: give {path} a style that fits it, or remove it from the plan.")
+    if style in LINEAR_STYLES and type(module) is not nn.Linear and not is_conv1d(module):
+        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear "
+                          f"(or a transformers Conv1D). Fix: give {path} a style that fits it, or remove it from the plan.")
     if style == "vocab" and type(module) is not nn.Embedding:
         raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style 'vocab' needs an nn.Embedding. "
                           f"Fix: give {path} a style that fits it, or remove it from the plan.")
     if style in ("enter", "seq_shard"):
         return
     if style == "rowwise":
-        what, size = "in_features", module.in_features
+        what, size = "in_features", linear_sizes(module)[0]
     elif style == "vocab":
         what, size = "vocabulary (num_embeddings)", module.num_embeddings
     else:
-        what, size = "out_features", module.out_features
-    if size % tp:
+        what, size = "out_features", linear_sizes(module)[1]
+    parts = FUSED_PARTS.get(style, 1)
+    if size % parts or (size // parts) % tp:
+        fused = f" (each of its {parts} fused blocks: {size // parts})" if parts > 1 else ""
         raise LayoutError(
-            f"tp={tp} does not divide the {what} of {path} ({size}), which style {style!r} splits. "
-            f"Fix: choose tp dividing {size} (or resize the model)."
+            f"tp={tp} does not divide the {what} of {path} ({size}){fused}, which style {style!r} splits. "
+            f"Fix: choose tp dividing {size // parts} (or resize the model)."
         )
 
 
@@ -174,18 +231,46 @@ def _check_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int)
                 )
 
 
+def _check_registered_attention(modules: dict[str, nn.Module], styles: dict[str, str], tp: int,
+                                sequence_parallel: bool) -> None:
+    """The same head check for attention modules registered with ``register_attention`` (e.g. Hugging Face's)."""
+    for path, module in modules.items():
+        spec = ATTENTION.get(type(module))
+        if spec is None or not any(p.startswith(path + ".") for p in styles):
+            continue
+        if sequence_parallel and not spec.sequence_parallel:
+            raise LayoutError(f"sequence_parallel=True is not supported for {type(module).__name__} ({path}). "
+                              f"Fix: use sequence_parallel=False with this model.")
+        for label, heads in spec.heads(module).items():
+            if heads % tp:
+                raise LayoutError(
+                    f"tp={tp} does not divide the {heads} {label} of {path}: tensor parallelism gives each rank whole "
+                    f"heads. Fix: choose tp dividing {heads} (e.g. tp={_largest_divisor(heads, tp)})."
+                )
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 def _enter_hook(comm: Comm, sequence_parallel: bool) -> Callable[..., tuple]:
-    """Forward pre-hook: the module's first input through f (or the SP all-gather along the sequence)."""
+    """Forward pre-hook (with kwargs): the module's first positional input, or else its ``INPUT_KEYWORDS``
+    keyword input, through f (or the SP all-gather along the sequence)."""
 
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        if not args:
-            return args
-        x = gather_sequence(args[0], comm, AXIS) if sequence_parallel else copy_to(args[0], comm, AXIS)
-        return (x, *args[1:])
+    def enter(x: object) -> object:
+        return gather_sequence(x, comm, AXIS) if sequence_parallel else copy_to(x, comm, AXIS)  # type: ignore[arg-type]
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        if args:
+            return (enter(args[0]), *args[1:]), kwargs
+        for key in INPUT_KEYWORDS:
+            if key in kwargs:
+                return args, {**kwargs, key: enter(kwargs[key])}
+        raise LayoutError(
+            f"tp style 'enter' on {type(module).__name__}: it was called without a positional input or one of the "
+            f"keywords {', '.join(INPUT_KEYWORDS)}, so its input cannot enter the tp region. Fix: give its column "
+            f"layers the style 'colwise' without 'enter' on the module."
+        )
 
     return hook
 
@@ -207,13 +292,28 @@ def _seq_shard_hook(comm: Comm) -> Callable[..., object]:
 
 def _build(path: str, module: nn.Module, style: str, comm: Comm, sequence_parallel: bool, entered: bool,
            gather_logits: bool | str) -> nn.Module:
+    transposed = is_conv1d(module)
     if style == "rowwise":
-        return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path)  # type: ignore[arg-type]
+        return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path, transposed=transposed)
     if style == "vocab":
         return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path)  # type: ignore[arg-type]
     mode = "entered" if entered else ("sequence" if sequence_parallel else "copy")
     gather = True if style == "colwise_gather" else (gather_logits if style == "colwise_vocab" else False)
-    return ColumnParallelLinear.from_linear(module, comm, AXIS, gather, mode, name=path)  # type: ignore[arg-type]
+    return ColumnParallelLinear.from_linear(module, comm, AXIS, gather, mode, name=path, transposed=transposed,
+                                            fused_parts=FUSED_PARTS.get(style, 1))
+
+
+def _tie(new: nn.Module, original: nn.Module, tied: dict[int, nn.Module], path: str) -> None:
+    """Two planned modules that shared a weight (tied embeddings) share the new slice, which must be the same one."""
+    first = tied.setdefault(id(original.weight), new)
+    if first is new:
+        return
+    same = first.weight.shape == new.weight.shape and first.weight.tp_shard_dim == new.weight.tp_shard_dim \
+        and getattr(first.weight, "tp_fused_parts", 1) == getattr(new.weight, "tp_fused_parts", 1)
+    if not same:
+        raise LayoutError(f"tp plan: {path} shares its weight with another planned module, but their styles split it "
+                          f"differently. Fix: give tied modules matching styles ('vocab' with 'colwise_vocab').")
+    new.weight = first.weight
 
 
 def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
@@ -224,6 +324,7 @@ def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
     ``gather_output`` of "colwise_vocab" heads (True, False, or "eval"). Returns the swapped paths."""
     roots = list({id(root): root for root in roots}.values())
     swapped: dict[int, nn.Module] = {}
+    tied: dict[int, nn.Module] = {}
     done: list[str] = []
     entered_paths = [p for p, s in resolved.styles.items() if s == "enter"]
     for path, style in resolved.styles.items():
@@ -234,7 +335,7 @@ def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
             module = modules[path]
             if style == "enter":
                 if not getattr(module, "_plait_tp_enter", False):
-                    module.register_forward_pre_hook(_enter_hook(comm, resolved.sequence_parallel))
+                    module.register_forward_pre_hook(_enter_hook(comm, resolved.sequence_parallel), with_kwargs=True)
                     module._plait_tp_enter = True  # type: ignore[attr-defined]
                 continue
             if style == "seq_shard":
@@ -248,15 +349,29 @@ def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
                 entered = style != "rowwise" and any(path.startswith(p + ".") for p in entered_paths)
                 swapped[id(module)] = _build(path, module, style, comm, resolved.sequence_parallel, entered,
                                              gather_logits)
+                _tie(swapped[id(module)], module, tied, path)
                 done.append(path)
             parent_path, _, leaf = path.rpartition(".")
             setattr(modules[parent_path] if parent_path else root, leaf, swapped[id(module)])
+    _localize_attention(roots, done, comm.size(AXIS))
     if resolved.sequence_parallel:
         for root in roots:
             mark_sequence_partial(root)
     log.info("tensor parallel over tp=%d: %d modules swapped (sequence_parallel=%s)", comm.size(AXIS), len(done),
              resolved.sequence_parallel)
     return done
+
+
+def _localize_attention(roots: list[nn.Module], swapped: list[str], tp: int) -> None:
+    """Registered attention modules with swapped projections get their per-rank head counts (once each)."""
+    for root in roots:
+        for path, module in root.named_modules():
+            spec = ATTENTION.get(type(module))
+            if spec is None or spec.localize is None or getattr(module, "_plait_tp_localized", False):
+                continue
+            if any(p.startswith(path + ".") for p in swapped):
+                spec.localize(module, tp)
+                module._plait_tp_localized = True  # type: ignore[attr-defined]
 
 
 def mark_sequence_partial(model: nn.Module) -> None:
@@ -267,5 +382,5 @@ def mark_sequence_partial(model: nn.Module) -> None:
             param.sequence_partial = True  # type: ignore[attr-defined]
 
 
-__all__ = ["PLANS", "STYLES", "Plan", "ResolvedPlan", "apply_plan", "default_plan", "gpt_plan", "register_plan",
-           "resolve_plan"]
+__all__ = ["ATTENTION", "PLANS", "STYLES", "AttentionHeads", "Plan", "ResolvedPlan", "apply_plan", "default_plan",
+           "gpt_plan", "is_conv1d", "load_lazy_plans", "register_attention", "register_plan", "resolve_plan"]
