@@ -36,8 +36,29 @@ def _last_line(message: object) -> str:
     return lines[-1].strip() if lines else ""
 
 
+START_UP_FAILURES = ("DistStoreError", "wait timeout")
+"""Signs that a launch failed while its ranks were still connecting, before anything was measured."""
+START_UP_ATTEMPTS = 3
+
+
 def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "fork") -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` local ranks (standalone rendezvous); return their results in rank order."""
+    """Run ``fn(*args)`` on ``world`` local ranks; return their results in rank order.
+
+    A forked rank can, rarely (about one launch in a hundred on a loaded 2-core machine), stall before it joins the
+    process group: the parent's rendezvous threads were mid-call when it forked. Such a launch fails with a store
+    timeout before any step ran, so it is retried (up to ``START_UP_ATTEMPTS`` launches); any other failure is raised.
+    """
+    for attempt in range(1, START_UP_ATTEMPTS + 1):
+        try:
+            return _launch_once(fn, world, args, start_method)
+        except LaunchError as error:
+            if attempt == START_UP_ATTEMPTS or not any(sign in str(error) for sign in START_UP_FAILURES):
+                raise
+            log.warning("launch %d/%d failed while connecting (%s); launching again", attempt, START_UP_ATTEMPTS, error)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn: Callable[..., Any], world: int, args: tuple[Any, ...], start_method: str) -> list[Any]:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

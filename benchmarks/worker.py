@@ -32,7 +32,7 @@ from benchmarks.workload import Workload
 
 log = logging.getLogger("benchmarks.worker")
 
-COMM_TIMEOUT_S = 120.0
+COMM_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
