@@ -159,12 +159,17 @@ def markdown(suite: str, rows: list[Row], command: str, info: dict[str, Any]) ->
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, rows: list[Row], command: str, info: dict[str, Any]) -> None:
-    """Replace each suite's block between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in ``path``
-    (appending the block where the markers are missing), so the prose around the tables stays as written."""
+def replace_block(path: Path, name: str, body: str) -> None:
+    """Replace the block between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in ``path`` with ``body``
+    (appending it where the markers are missing), so the prose around the tables stays as written."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    for suite in dict.fromkeys(r["suite"] for r in rows):
-        block = f"<!-- bench:{suite} -->\n{markdown(suite, rows, command, info)}\n<!-- /bench:{suite} -->"
-        pattern = re.compile(rf"<!-- bench:{re.escape(suite)} -->.*?<!-- /bench:{re.escape(suite)} -->", re.DOTALL)
-        text = pattern.sub(lambda _m: block, text) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
+    block = f"<!-- bench:{name} -->\n{body}\n<!-- /bench:{name} -->"
+    pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.DOTALL)
+    text = pattern.sub(lambda _m: block, text) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
     path.write_text(text)
+
+
+def write_markdown(path: Path, rows: list[Row], command: str, info: dict[str, Any]) -> None:
+    """Write each suite's results into its block of ``path`` (``replace_block``)."""
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        replace_block(path, suite, markdown(suite, rows, command, info))

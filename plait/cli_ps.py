@@ -5,13 +5,15 @@
     plait ps --role server --index 0 --servers 2 --bind 0.0.0.0:29600          # on server host 0
     plait ps --role worker --index 3 --servers 2 --connect h0:29600,h1:29600   # on any worker host
 
-Server 0 logs progress every second (version, updates/s, staleness, live workers). A local run ends with a
-summary and the held-out loss. Bad input is a ``ConfigError``: ``plait`` prints it and exits with 2.
+A local run shows the servers' progress live (version, updates/s, staleness, live workers: a table in a terminal,
+log lines otherwise) and ends with a summary and the held-out loss; a server started with ``--role server`` logs
+the same figures every second. Bad input is a ``ConfigError``: ``plait`` prints it and exits with 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -61,6 +63,7 @@ def run_ps(args: argparse.Namespace) -> int:
 
     from plait.logging import configure
     from plait.parallel.param_server import run_local, run_worker, serve_shard
+    from plait.parallel.param_server.progress import ProgressView, summary_line
     from plait.parallel.param_server.transport import parse_address
 
     config = _config(args)
@@ -79,17 +82,18 @@ def run_ps(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from error
     configure(rank=0)
-    result = run_local(config)
+    title = f"plait ps: {config.consistency.mode.upper()}, {config.servers} servers, {config.workers} workers"
+    view = ProgressView(title)
+    try:  # the view shows progress here, so the servers' own progress log lines are off
+        result = run_local(dataclasses.replace(config, log_every_s=0.0), on_reports=view.update)
+    finally:
+        view.close()
     model = config.task.build_model()
     model.load_state_dict(result.params)
     with torch.no_grad():
         held_out = float(config.task.loss(model, config.task.eval_batch()))
-    lines = [f"{config.consistency.mode.upper()} with {config.servers} servers and {config.workers} workers: "
-             f"held-out loss {held_out:.3f}"]
-    for report in result.reports:
-        lines.append(f"  server {report['index']}: {report['version']} updates ({report['updates_per_s']:.1f}/s), "
-                     f"{report['pushes_applied']} pushes applied, {report['duplicates']} duplicates ignored, "
-                     f"staleness mean {report['staleness']['mean']:.2f} max {report['staleness']['max']}")
+    lines = [f"{title}: held-out loss {held_out:.3f}"]
+    lines += [f"  {summary_line(report)}, {report['pushes_applied']} pushes applied" for report in result.reports]
     print("\n".join(lines), file=sys.stdout)  # noqa: T201 - the command's output
     return 0
 

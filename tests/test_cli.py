@@ -54,7 +54,9 @@ def test_worker_failure_names_the_rank(tmp_path):
     # model.n_head=3 does not divide d_model=64: every worker fails while building the model.
     result = plait("train", "--nproc", "2", "--out", str(tmp_path / "r"), "--set", "model.n_head=3", cwd=tmp_path)
     assert result.returncode != 0
-    assert "n_head" in result.stderr
+    assert "n_head" in result.stderr  # the cause, from the failing rank's own error
+    # the launcher's last word names the failed rank(s) and their exit codes
+    assert re.search(r"plait: error: training failed on rank \d+ \(exit code \d+\)", result.stderr), result.stderr[-2000:]
 
 
 def _free_port() -> int:

@@ -223,6 +223,51 @@ def test_killing_a_worker_mid_run_does_not_stop_training():
     assert report["pushes_applied"] == sum(applied.values())
     assert report["version"] >= config.steps and report["live_workers"] == 0
     assert all(torch.isfinite(p).all() for p in report["params"].values())
+    # BSP over the survivors is synchronous training on 3/4 of the global batch after the kill: it must keep at
+    # least 80% of the loss reduction of uninterrupted synchronous training with 4 workers (measured: 1.00-1.02 of
+    # it over 3 runs killed at rounds 8-14; a lost or doubly applied round of a 30-round run costs several %)
+    initial, sync, loss = _eval_loss(None), _eval_loss(_sync_training(ADAMW, 4, config.steps)[-1]), \
+        _eval_loss(report["params"])
+    assert loss <= initial - 0.8 * (initial - sync), f"killed at {kill_at}: {loss:.3f}, sync {sync:.3f}"
+
+
+def _wait_for_version(cluster: LocalCluster, server: int, version: int, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while cluster.report(server)["version"] < version:
+        assert time.monotonic() < deadline, f"training did not reach {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_killed_server_restarts_from_its_checkpoint_and_training_completes(tmp_path):
+    # BSP with two shards is the hard case: after the restart, shard 1's rounds restart from an older version while
+    # shard 0's go on, so the workers' in-flight shard-1 pushes are stale (dropped) and their rounds fall out of step
+    config = JobConfig(servers=2, workers=3, steps=30, consistency=Consistency("bsp"), optimizer=ADAMW,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=4, log_every_s=0)
+    with LocalCluster(config) as cluster:
+        cluster.start_servers()
+        for index in range(config.workers):
+            cluster.start_worker(index)
+        _wait_for_version(cluster, 1, random.randint(9, 15), "the kill step")
+        cluster.kill_server(1)
+        cluster.restart_server(1)
+        finished = cluster.wait_workers()
+        reports = cluster.stop()
+    assert sorted(finished) == [0, 1, 2] and all(out["acked"] <= config.steps for out in finished.values())
+    survivor, restarted = reports
+    assert survivor["resumed_from"] is None and survivor["version"] == config.steps
+    # resumed at its last checkpoint (a multiple of 4, at least 8), then kept training
+    assert restarted["resumed_from"] % 4 == 0 and restarted["resumed_from"] >= 8
+    assert restarted["version"] > restarted["resumed_from"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server-0.pt", "server-1.pt"]  # no temporary files
+    params = {**survivor["params"], **restarted["params"]}
+    assert all(torch.isfinite(p).all() for p in params.values())
+    # the restart loses shard 1's updates since its checkpoint (<= 3 rounds) and the rounds whose pushes were then
+    # dropped as stale: training keeps 80% of synchronous training's loss reduction (measured: 0.985-1.02 of it,
+    # 3 runs restarted at rounds 9-15, 0-3 rounds lost)
+    initial, sync, loss = _eval_loss(None), _eval_loss(_sync_training(ADAMW, 3, config.steps)[-1]), _eval_loss(params)
+    assert loss <= initial - 0.8 * (initial - sync), f"{loss:.3f} vs sync {sync:.3f} (initial {initial:.3f})"
 
 
 @pytest.mark.distributed

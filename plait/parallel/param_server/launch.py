@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,7 @@ class LocalCluster:
         self.acked = self.ctx.Array("i", MAX_WORKERS)
         self.results = self.ctx.Queue()
         self.servers: list[Any] = []
+        """Server processes by index (a restarted server replaces its predecessor)."""
         self.workers: dict[int, Any] = {}
         self.addresses: list[tuple[str, int]] = []
 
@@ -131,27 +133,46 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         for process in [*self.servers, *self.workers.values()]:
+            if process is None:
+                continue
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
 
     def start_servers(self) -> list[tuple[str, int]]:
+        """Start every server on a free port; returns their addresses in index order."""
+        self.servers = [None] * self.config.servers
+        self.addresses = self._start({index: 0 for index in range(self.config.servers)})
+        return self.addresses
+
+    def _start(self, ports: dict[int, int]) -> list[tuple[str, int]]:
+        """Start server `index` on `port` (0: any free port) for each item; wait until every one listens."""
         found = self.ctx.Queue()
-        for index in range(self.config.servers):
-            process = self.ctx.Process(target=serve_shard, args=(self.config, index, "127.0.0.1", 0, found),
+        for index, port in ports.items():
+            process = self.ctx.Process(target=serve_shard, args=(self.config, index, "127.0.0.1", port, found),
                                        name=f"ps-server{index}", daemon=True)
             process.start()
-            self.servers.append(process)
+            self.servers[index] = process
         addresses: dict[int, tuple[str, int]] = {}
         deadline = time.monotonic() + self.config.timeout_s
-        while len(addresses) < self.config.servers:
+        while len(addresses) < len(ports):
             try:
                 index, address = found.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"servers did not start within {self.config.timeout_s:g} s") from None
+                raise TimeoutError(f"servers {sorted(set(ports) - set(addresses))} did not start within "
+                                   f"{self.config.timeout_s:g} s") from None
             addresses[index] = address
-        self.addresses = [addresses[index] for index in range(self.config.servers)]
-        return self.addresses
+        return [addresses[index] for index in sorted(addresses)]
+
+    def kill_server(self, index: int) -> None:
+        """SIGKILL server `index`: its shard's updates since its last checkpoint are lost with it."""
+        os.kill(self.servers[index].pid, signal.SIGKILL)
+        self.servers[index].join(timeout=10)
+
+    def restart_server(self, index: int) -> None:
+        """Start server `index` again on its old address; it resumes from its checkpoint (if the job writes
+        them) and the workers, retrying, reconnect to it."""
+        self._start({index: self.addresses[index][1]})
 
     def start_worker(self, index: int, step_delay_s: float = 0.0) -> None:
         process = self.ctx.Process(target=_worker_entry, name=f"ps-worker{index}", daemon=True,
@@ -171,27 +192,46 @@ class LocalCluster:
         finally:
             conn.close()
 
-    def wait_workers(self) -> dict[int, dict[str, Any]]:
-        """Wait for every worker still alive: {index: {losses, acked, first_versions}}; raises on a worker's error."""
+    def reports(self) -> list[dict[str, Any] | str]:
+        """Every server's report, or a sentence saying why it gave none (down, restarting)."""
+        found: list[dict[str, Any] | str] = []
+        for server in range(len(self.addresses)):
+            try:
+                found.append(self.report(server))
+            except Exception as error:  # noqa: BLE001 - a server being down is a state to show, not a failure here
+                found.append(f"server {server}: no report ({error})")
+        return found
+
+    def wait_workers(self, on_reports: Callable[[list[dict[str, Any]]], None] | None = None,
+                     poll_s: float = 0.5) -> dict[int, dict[str, Any]]:
+        """Wait for every worker still alive: {index: {losses, acked, first_versions}}; raises on a worker's error.
+
+        Every `poll_s` the servers' reports go to `on_reports` (a progress view). The job fails with the servers'
+        states when it makes no progress (no server version moves, no worker finishes) for `config.timeout_s`."""
         expected = {index for index, process in self.workers.items() if process.exitcode is None}
         done: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + self.config.timeout_s
+        last_progress, last_versions = time.monotonic(), None
         while expected - set(done):
             try:
-                index, outcome = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+                index, outcome = self.results.get(timeout=poll_s)
             except queue.Empty:
-                states = []
-                for server in range(len(self.addresses)):
-                    try:
-                        report = self.report(server)
-                        states.append(f"server {server}: version {report['version']}, {report['live_workers']} live")
-                    except Exception as error:  # noqa: BLE001 - diagnostics only
-                        states.append(f"server {server}: no report ({error})")
-                raise TimeoutError(f"workers {sorted(expected - set(done))} did not finish within "
-                                   f"{self.config.timeout_s:g} s; {'; '.join(states)}") from None
+                reports = self.reports()
+                versions = [r["version"] if isinstance(r, dict) else None for r in reports]
+                if versions != last_versions:
+                    last_versions, last_progress = versions, time.monotonic()
+                if on_reports is not None:
+                    on_reports([r for r in reports if isinstance(r, dict)])
+                if time.monotonic() - last_progress > self.config.timeout_s:
+                    states = [r if isinstance(r, str) else f"server {r['index']}: version {r['version']}, "
+                              f"{r['live_workers']} live" for r in reports]
+                    raise TimeoutError(f"workers {sorted(expected - set(done))} made no progress for "
+                                       f"{self.config.timeout_s:g} s; {'; '.join(states)}") from None
+                continue
             if "error" in outcome:
                 raise RuntimeError(f"worker {index} failed: {outcome['error']}")
-            done[index] = outcome
+            done[index], last_progress = outcome, time.monotonic()
+        if on_reports is not None:  # the final state, however short the job was
+            on_reports([r for r in self.reports() if isinstance(r, dict)])
         return done
 
     def stop(self) -> list[dict[str, Any]]:
@@ -215,13 +255,14 @@ class JobResult:
     losses: dict[int, list[float]]
 
 
-def run_local(config: JobConfig) -> JobResult:
-    """Run a whole job on this machine: servers, then `config.workers` workers; returns when they finish."""
+def run_local(config: JobConfig, on_reports: Callable[[list[dict[str, Any]]], None] | None = None) -> JobResult:
+    """Run a whole job on this machine: servers, then `config.workers` workers; returns when they finish.
+    `on_reports` receives the servers' reports while it runs (e.g. `ProgressView.update`)."""
     with LocalCluster(config) as cluster:
         cluster.start_servers()
         for index in range(config.workers):
             cluster.start_worker(index)
-        finished = cluster.wait_workers()
+        finished = cluster.wait_workers(on_reports)
         reports = cluster.stop()
     params = {name: value for report in reports for name, value in report["params"].items()}
     return JobResult(params, reports, {index: out["losses"] for index, out in finished.items()})

@@ -87,6 +87,7 @@ class ShardServer:
         self.staleness = StalenessStats()
         self.pushes_applied = self.duplicates = self.dropped = self.joined = 0
         self.history: list[dict[str, Tensor]] = []
+        self.resumed_from: int | None = None
         self.started = time.monotonic()
         self.cond = threading.Condition()
         self._resume()
@@ -254,6 +255,9 @@ class ShardServer:
         for wid, (name, last_seq, applied) in state["last_seq"].items():
             self.workers[wid] = WorkerRecord(name, 0, time.monotonic(), alive=False, last_seq=last_seq,
                                              applied=applied)
+        # the workers in the checkpoint had joined: they count for BSP's start barrier when they rejoin (without
+        # this, a restarted server would wait for min_workers *new* workers and never close a round)
+        self.joined, self.resumed_from = len(self.workers), self.version
         log.warning("server %d resumed from %s at version %d", self.settings.index, self.checkpoint_path(),
                     self.version)
 
@@ -265,6 +269,7 @@ class ShardServer:
                 "index": self.settings.index, "version": self.version, "updates_per_s": self.version / elapsed,
                 "pushes_applied": self.pushes_applied, "duplicates": self.duplicates, "dropped": self.dropped,
                 "live_workers": self.live_count(), "staleness": self.staleness.as_dict(),
+                "resumed_from": self.resumed_from,
                 "applied_by_worker": {r.name: r.applied for r in self.workers.values()},
             }
             if with_params:

@@ -4,6 +4,12 @@ Each push carries ``(wid, seq, version)``: ``wid`` names this worker incarnation
 shard version the gradient was computed on. A push whose reply does not come (timeout, broken connection, restarted
 server) is re-sent with the same seq after reconnecting; the server applies it at most once. A heartbeat thread on
 its own connections tells the servers this worker is alive while it computes.
+
+Pulls and pushes go to every server at once (a thread per server), as a real parameter server's client does: the
+step's latency is the slowest server's, not their sum, and under BSP a worker has submitted its gradient to every
+shard's round before it waits on any of them. Sequential pushes could deadlock once two shards' rounds fall out of
+step (after a server restarts from an older checkpoint): worker A waiting in shard 1's round for B, while B, whose
+shard-1 push was dropped as stale, waits in shard 0's next round for A.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,8 +47,8 @@ class PSWorker:
         self.versions = [0] * len(self.addresses)
         self.acked = 0
         self._stop = threading.Event()
-        for index in range(len(self.addresses)):
-            self._join(index)
+        self._io = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-io")
+        self._each(self._join)
         self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -64,10 +71,13 @@ class PSWorker:
                 self._join(index)
         raise AssertionError("unreachable")
 
+    def _each(self, fn: Callable[[int], Any]) -> list[Any]:
+        """`fn(index)` for every server at once; the results in server order (the first error is raised)."""
+        return list(self._io.map(fn, range(len(self.addresses))))
+
     def pull(self) -> list[int]:
         """Copy every server's shard into the local model; returns the shard versions."""
-        for index in range(len(self.addresses)):
-            reply = self._call(index, "pull")
+        for index, reply in enumerate(self._each(lambda index: self._call(index, "pull"))):
             self.versions[index] = reply["version"]
             with torch.no_grad():
                 for name, value in reply["params"].items():
@@ -77,11 +87,10 @@ class PSWorker:
     def push(self, seq: int) -> bool:
         """Send each server its shard of the local gradients (tagged with the pulled versions); True iff every
         server applied it (a BSP push computed on an old version, or by a worker declared dead, is dropped)."""
-        applied = True
-        for index in range(len(self.addresses)):
-            grads = {name: _grad(self.params[name]) for name in self.shard_names[index]}
-            reply = self._call(index, "push", seq=seq, version=self.versions[index], grads=grads)
-            applied = applied and reply["applied"]
+        shards = [{name: _grad(self.params[name]) for name in names} for names in self.shard_names]
+        replies = self._each(lambda index: self._call(index, "push", seq=seq, version=self.versions[index],
+                                                      grads=shards[index]))
+        applied = all(reply["applied"] for reply in replies)
         if applied:
             self.acked += 1
         return applied
@@ -121,6 +130,7 @@ class PSWorker:
             conn.close()
         self._stop.set()
         self._heartbeat.join(timeout=2 * self.heartbeat_s + 1)
+        self._io.shutdown(wait=False)
 
 
 def _grad(param: nn.Parameter) -> Tensor:
