@@ -4,9 +4,10 @@
     plait schedule --schedule interleaved --pp 4 --microbatches 8 --virtual-stages 2 --costs F=1,B=2,p2p=0.1
     plait schedule --text mine.txt --out mine.png        # or --csv mine.csv: a hand-written schedule
 
-Costs are ``KEY=VALUE`` pairs separated by commas (F, B, I, W, p2p; F/B/I/W may be per stage, values separated
-by colons: ``F=1:1:2:2``); the default is F=1, B=2 (I = W = 1 when the backward is split). A schedule that
-cannot run (unknown name, malformed, deadlocking) is a ``ScheduleError``: ``plait`` prints it and exits with 2.
+Costs are ``KEY=VALUE`` pairs separated by commas (F, B, I, W, p2p, overhead; F/B/I/W may be per stage, values
+separated by colons: ``F=1:1:2:2``); the default is F=1, B=2 (I = W = 1 when the backward is split). A schedule
+that cannot run (unknown name, malformed, deadlocking) is a ``ScheduleError``: ``plait`` prints it and exits
+with 2.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def add_schedule_command(commands: Any) -> None:
     parser.add_argument("--microbatches", type=int, help="micro-batches m per step (default 8)")
     parser.add_argument("--virtual-stages", type=int, help="model chunks per rank v (default 1; interleaved: 2)")
     parser.add_argument("--costs", default="", metavar="F=1,B=2,...",
-                        help="action costs: F, B, I, W (numbers, or per-stage a:b:c) and p2p (default F=1,B=2)")
+                        help="action costs: F, B, I, W (numbers, or per-stage a:b:c), p2p, overhead "
+                             "(default F=1,B=2)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", metavar="FILE", help="read a custom schedule: one line of actions per rank")
     source.add_argument("--csv", metavar="FILE", help="read a custom schedule: rows rank,action,action,...")
@@ -57,8 +59,8 @@ def parse_costs(text: str) -> dict[str, Any]:
         except ValueError:
             raise ConfigError(f"--costs item {item!r} is not KEY=NUMBER. Fix: e.g. --costs F=1,B=2,p2p=0.1, or "
                               f"per stage F=1:1:2:2.") from None
-        if key == "p2p" and len(numbers) != 1:
-            raise ConfigError("--costs p2p takes one number (the transfer time of every hop).")
+        if key in ("p2p", "overhead") and len(numbers) != 1:
+            raise ConfigError(f"--costs {key} takes one number (the same for every hop / action).")
         costs[key] = numbers[0] if len(numbers) == 1 else numbers
     return costs
 

@@ -22,6 +22,8 @@ AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream")
 PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "compute")
+"""Gradient reduction dtype: fp32 (the gradients' own), or the compute dtype of ``precision`` (half the bytes)."""
 RECOMPUTE_MODES = ("none", "full")
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "cpu", "nvme")
@@ -51,6 +53,11 @@ class Layout:
         tp_mode: tensor-parallel algorithm, one of ``TP_MODES``; "2d" needs tp = q^2, "2.5d" tp = q^2 x tp_depth,
             "3d" tp = q^3 (see ``tp_grid_dims``).
         tp_depth: the depth d of 2.5D (Tesseract) tensor parallelism (1 for every other mode).
+        tp_pad_vocab: 1D tensor parallelism pads a vocabulary that tp does not divide with zero rows (never looked
+            up, logits masked out of the loss and cut off the gathered logits) instead of raising a LayoutError.
+        reduce_dtype: the dtype data parallelism reduces gradients in, one of ``REDUCE_DTYPES``: "fp32" (the
+            fp32 gradients as they are), or "compute": cast to ``precision``'s bf16/fp16 for the all-reduce /
+            reduce-scatter (half the bytes; the same as "fp32" when precision is fp32).
     """
 
     dp: int = -1
@@ -69,6 +76,8 @@ class Layout:
     bucket_mb: float = 25.0
     tp_mode: str = "1d"
     tp_depth: int = 1
+    tp_pad_vocab: bool = False
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
@@ -107,6 +116,7 @@ class Layout:
             ("precision", PRECISIONS),
             ("cp_mode", CP_MODES),
             ("offload", OFFLOADS),
+            ("reduce_dtype", REDUCE_DTYPES),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -129,6 +139,13 @@ class Layout:
             raise LayoutError(f"tp_mode={self.tp_mode!r} is unknown. Fix: use one of {', '.join(map(repr, TP_MODES))}.")
         if self.tp != -1:
             tp_grid_dims(self.tp, self.tp_mode, self.tp_depth)
+        if not isinstance(self.tp_pad_vocab, bool):
+            raise LayoutError(f"tp_pad_vocab={self.tp_pad_vocab!r} must be true or false.")
+        if self.tp_pad_vocab and self.tp_mode != "1d":
+            raise LayoutError(
+                f"tp_pad_vocab=True pads Megatron 1D's vocab-parallel embedding and head; tp_mode={self.tp_mode!r} "
+                f"splits the embedding's features, not its vocabulary. Fix: set tp_pad_vocab=False or tp_mode='1d'."
+            )
         if self.sequence_parallel and self.tp_mode != "1d":
             raise LayoutError(
                 f"sequence_parallel=True is Megatron 1D's; tp_mode={self.tp_mode!r} already splits the activations. "

@@ -32,6 +32,7 @@ from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
+    from plait.parallel.pipeline.simulate import SimResult
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
@@ -209,6 +210,28 @@ class Engine:
         self.comm.all_reduce(totals, "dp")
         loss_value = float(totals[0] / totals[1]) if totals[1] else float("nan")
         return EvalStats(loss=loss_value, correct=int(totals[2]), total=int(totals[3]))
+
+    # ----------------------------------------------------------------- pipeline pictures
+    def pipeline_timeline(self) -> SimResult:
+        """The last ``train_step`` as measured on every rank of this rank's pp group (ms; a collective over
+        "pp"): a ``SimResult`` with real timelines, busy/idle times and bubble fraction."""
+        if self.pipeline is None:
+            raise LayoutError("pipeline_timeline needs pipeline parallelism, but the layout has pp=1. Fix: train "
+                              "with Layout(pp > 1).")
+        from plait.parallel.pipeline.measured import gather_timeline
+
+        return gather_timeline(self.pipeline)
+
+    def save_pipeline_trace(self, path: str | Path | None, png: str | Path | None = None) -> SimResult:
+        """Gather ``pipeline_timeline()`` (every rank must call) and, on global rank 0, write it as a
+        Chrome/Perfetto trace to ``path`` (ui.perfetto.dev) and as a picture to ``png`` (ranks x time,
+        measured bubble in the title). Returns the timeline."""
+        from plait.parallel.pipeline.measured import save_timeline
+
+        result = self.pipeline_timeline()
+        if self.mesh.rank == 0:
+            save_timeline(result, path, png)
+        return result
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path) -> Path:

@@ -11,7 +11,9 @@ from plait.engine import EvalStats, StepStats
 
 
 def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
-    """The JSON record of one training step (bytes per mesh axis on rank 0, ring model)."""
+    """The JSON record of one training step (bytes per mesh axis on rank 0, ring model). ``skipped``: fp16 loss
+    scaling found inf/NaN gradients and the optimizer did not step; ``loss_scale``: the scale after this step's
+    update (halved after a skip; null without fp16)."""
     return {
         "kind": "train",
         "step": stats.step,
@@ -20,6 +22,8 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
         "seconds": stats.seconds,
         "grad_norm": stats.grad_norm,
         "lr": lr,
+        "skipped": stats.skipped,
+        "loss_scale": stats.loss_scale,
         "comm_bytes": {axis: int(b) for axis, b in stats.comm.wire_by_axis().items()},
     }
 

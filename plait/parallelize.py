@@ -112,12 +112,6 @@ def parallelize(
             sync; default ``PipeDreamOptions()``: weight stashing, an update after every micro-batch).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if isinstance(model, nn.Module) and is_hf_model(model) and layout is not None and layout.pp > 1:
-        raise LayoutError(
-            f"pipeline parallelism (pp={layout.pp}) of Hugging Face transformers models ({type(model).__name__}) "
-            f"is not supported yet: their forward does not split into stages. Fix: use pp=1 (dp, tp and ZeRO "
-            f"work on them), or plait's GPT for pipeline parallelism."
-        )
     layout = (layout or Layout()).resolve(world_size)
     check_available(layout)
     if not isinstance(model, nn.Module):

@@ -65,6 +65,9 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0
     out: str = ""
+    pipeline_trace: str = ""
+    """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
+    its picture next to it (same name, .png); "" turns it off."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "eval_batches", "log_every"):

@@ -71,6 +71,9 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
     """Dataset, model and engine for ``config`` (validated before any collective)."""
     layout = config.layout.resolve(world.world_size)
     layout.check_batch(config.train.global_batch)
+    if config.train.pipeline_trace and layout.pp == 1:
+        raise ConfigError(f"train.pipeline_trace={config.train.pipeline_trace!r} needs pipeline parallelism, but "
+                          f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it.")
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
     model_fields = {"vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len, **config.model}
     try:
@@ -168,6 +171,12 @@ def run(config: RunConfig, world: World | None = None) -> Summary:
     finally:
         progress.close()
     seconds = time.perf_counter() - started
+    if train.pipeline_trace and stats is not None:  # the last training step, before evaluation runs the stages
+        trace = Path(train.pipeline_trace)
+        timeline = engine.save_pipeline_trace(trace, png=trace.with_suffix(".png"))
+        if lead:
+            log.info("pipeline timeline of step %d: bubble %.1f%% -> %s, %s", engine.step,
+                     100 * timeline.bubble_fraction, trace, trace.with_suffix(".png"))
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
     summary = Summary(
         run_dir=str(run_dir), steps=engine.step, final_loss=stats.loss if stats else float("nan"),

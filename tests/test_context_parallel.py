@@ -4,13 +4,16 @@
 falling as 1/cp, and clear errors for what cannot work."""
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import plait
+from composition import Combo, assert_combo_matches, reference_trajectory, train_combo
 from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.comm import Comm
@@ -18,7 +21,8 @@ from plait.mesh import Mesh
 from plait.models import GPT, GPTConfig
 from plait.parallel.context import ring as ring_module
 from plait.parallel.context import RingAttention, SequenceSharding, UlyssesAttention, plan_context_parallel
-from plait.parallel.context.measure import SavedActivations, gpt_saved_bytes
+from plait.parallel.context.measure import SavedActivations, gpt_saved_bytes, longest_sequence
+from plait.parallel.context.traffic import measure_wire_bytes, theory_wire_bytes
 from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 BATCH, HEADS, LENGTH, HEAD_DIM = 2, 4, 16, 8
@@ -29,11 +33,11 @@ FP32_ATTENTION_TOL = {"rtol": 1e-5, "atol": 2e-6}
 """Blockwise online softmax and the split of the key sum into blocks reorder fp32 sums: a few ulps of O(1) values."""
 
 
-def _qkv(group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(group: int, length: int = LENGTH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full-sequence q [B, H, T, D] and k, v as the Attention layer hands them over (kv heads repeated)."""
     generator = torch.Generator().manual_seed(7 + group)
-    q = torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM, generator=generator)
-    k, v = (torch.randn(BATCH, HEADS // group, LENGTH, HEAD_DIM, generator=generator).repeat_interleave(group, 1)
+    q = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=generator)
+    k, v = (torch.randn(BATCH, HEADS // group, length, HEAD_DIM, generator=generator).repeat_interleave(group, 1)
             for _ in range(2))
     return q, k, v
 
@@ -100,21 +104,70 @@ def _attention_on_rank(cp: int) -> dict:
     return results
 
 
-def _theory_bytes(mode: str, cp: int, group: int) -> dict[str, float]:
-    """Wire bytes one rank sends per attention layer and step (forward + backward), fp32 (4-byte) tensors.
+def _uneven_length_on_rank(cp: int) -> dict:
+    """T = 3 cp: a multiple of cp but not of 2 cp. Ulysses (contiguous T/cp = 3 tokens per rank) must equal full
+    attention, causal and not, outputs and input gradients; ring (zigzag, 2 cp chunks) must refuse the length
+    with a LayoutError naming the fix, raised by the sharding before any collective."""
+    mesh = Mesh.build(Layout(dp=1, cp=cp))
+    comm, length, results = Comm(mesh), 3 * cp, {}
+    for causal in (True, False):
+        q, k, v = _qkv(1, length)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = F.scaled_dot_product_attention(*full, is_causal=causal)
+        weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(3))
+        (reference * weights).sum().backward()
+        sharding = SequenceSharding("ulysses", cp, mesh.index("cp"))
+        index = sharding.local_positions(length)
+        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out = UlyssesAttention(comm, sharding, causal=causal)(*local)
+        (out * weights[:, :, index]).sum().backward()
+        pairs = [(out, reference[:, :, index])] + [(a.grad, e.grad[:, :, index]) for a, e in zip(local, full)]
+        results[causal] = [float((a - e).detach().abs().max()) for a, e in pairs]
+        results[f"close {causal}"] = all(torch.allclose(a, e, **FP32_ATTENTION_TOL) for a, e in pairs)
+    with pytest.raises(LayoutError) as refused:
+        SequenceSharding("ring", cp, mesh.index("cp")).local_positions(length)
+    results["ring"] = str(refused.value)
+    return results
 
-    block = B * kv_heads * T/cp * D elements.
-    ring:    forward (cp-1) hops of k and v (2 block); backward (cp-1) hops of k and v again plus (cp-1) hops
-             of their float32 gradient accumulators: 3 (cp-1) * 2 block * 4 bytes, in 3 (cp-1) sends.
-    Ulysses: 4 all-to-alls forward (q and o with H heads, k and v with kv heads) and 4 backward, each sending
-             (cp-1)/cp of its input: 2 * (cp-1)/cp * B T/cp D (2H + 2 kv_heads) * 4 bytes, in 8 calls.
-    """
-    local_length, kv_heads = LENGTH // cp, HEADS // group
-    block = BATCH * kv_heads * local_length * HEAD_DIM
-    if mode == "ring":
-        return {"cp/send": 3 * (cp - 1) * 2 * block * 4, "calls": 3 * (cp - 1)}
-    local = BATCH * local_length * HEAD_DIM * (2 * HEADS + 2 * kv_heads)
-    return {"cp/all_to_all": 2 * (cp - 1) / cp * local * 4, "calls": 8}
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_runs_lengths_that_are_not_multiples_of_2cp_and_ring_refuses_them(cp):
+    for rank, result in enumerate(run_distributed(_uneven_length_on_rank, cp, cp)):
+        for causal in (True, False):
+            assert result[f"close {causal}"], f"cp={cp} rank {rank} causal={causal}: worst |out, dq, dk, dv| errors " \
+                                              f"{result[causal]}"
+        assert f"2*cp = {2 * cp} chunks" in result["ring"] and f"{3 * cp} tokens" in result["ring"], result["ring"]
+        assert "Fix:" in result["ring"] and "pad the batch" in result["ring"], result["ring"]
+
+
+def _theory_bytes(mode: str, cp: int, group: int) -> dict[str, float]:
+    """Wire bytes one rank sends per attention layer and step (forward + backward) in fp32, and its calls, from
+    the formulas of ``plait.parallel.context.traffic`` (checked by hand in ``test_wire_byte_formulas``)."""
+    theory = theory_wire_bytes(mode, cp, BATCH, HEADS, HEADS // group, LENGTH, HEAD_DIM)
+    key = "cp/send" if mode == "ring" else "cp/all_to_all"
+    return {key: theory["forward"] + theory["backward"], "calls": theory["calls"]}
+
+
+def test_wire_byte_formulas():
+    """By hand for B=2, H=4, T=16, D=8, fp32. Ring, cp=2: block = 2*4*8*8 = 512 elements; forward one hop of
+    (k, v) = 1024 x 4 B; backward that hop again plus one of the fp32 (dk, dv) accumulators. Ulysses, cp=2:
+    each of the four all-to-alls per direction sends half of its [2, 8 tokens, 4 heads, 8] = 512-element input
+    (1/2 x 512 x 4 B). cp=4: ring 3 hops of 2*4*4*8 = 256-element blocks; Ulysses 3/4 of 256-element inputs."""
+    shape = (BATCH, HEADS, HEADS, LENGTH, HEAD_DIM)
+    assert theory_wire_bytes("ring", 2, *shape) == {"forward": 4096, "backward": 8192, "calls": 3}
+    assert theory_wire_bytes("ulysses", 2, *shape) == {"forward": 4 * 1024, "backward": 4 * 1024, "calls": 8}
+    assert theory_wire_bytes("ring", 4, *shape) == {"forward": 3 * 2 * 256 * 4, "backward": 3 * 2 * 256 * 8, "calls": 9}
+    assert theory_wire_bytes("ulysses", 4, *shape) == {"forward": 4 * 768, "backward": 4 * 768, "calls": 8}
+    assert theory_wire_bytes("ring", 2, 2, 4, 2, 16, 8)["forward"] == 2048  # GQA: only the 2 kv heads travel
+
+
+def _attention_and_traffic_on_rank(cp: int) -> tuple[dict, dict]:
+    """``_attention_on_rank``, and the forward/backward split of one layer's bytes (``measure_wire_bytes``, what
+    ``python -m plait.parallel.context.measure`` prints for docs/context_parallel.md)."""
+    comm = Comm(Mesh.build(Layout(dp=1, cp=cp)))
+    split = {mode: measure_wire_bytes(comm, mode, BATCH, HEADS, HEADS, LENGTH, HEAD_DIM) for mode in CORES}
+    return _attention_on_rank(cp), split
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +179,10 @@ def single_rank_saved() -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_matches_full_attention_bytes_and_memory(cp, single_rank_saved):
-    per_rank = run_distributed(_attention_on_rank, cp, cp)
-    for rank, results in enumerate(per_rank):
+    per_rank = run_distributed(_attention_and_traffic_on_rank, cp, cp)
+    for rank, (results, split) in enumerate(per_rank):
+        for mode, measured in split.items():  # forward and backward each equal their formula, to the byte
+            assert measured == theory_wire_bytes(mode, cp, BATCH, HEADS, HEADS, LENGTH, HEAD_DIM), (cp, rank, mode)
         assert len(results) == len(ATTENTION_CASES) - (2 if cp == 4 else 0)  # Ulysses + GQA at cp=4: refused
         for (mode, causal, group), result in results.items():
             what = f"cp={cp} rank {rank} {mode} causal={causal} kv_group={group}"
@@ -183,7 +238,8 @@ def global_batch(step: int, length: int = LENGTH) -> tuple[torch.Tensor, torch.T
 
 def _train_on_rank(names: list[str]) -> dict:
     world = torch.distributed.get_world_size()
-    results = {f"memory-cp{world}": {mode: gpt_saved_bytes(world, mode, MEMORY_LENGTHS) for mode in CORES}}
+    results = {f"memory-cp{world}": {mode: gpt_saved_bytes(world, mode, MEMORY_LENGTHS) for mode in CORES},
+               f"longest-cp{world}": {mode: longest_sequence(world, mode, MEMORY_LIMIT) for mode in CORES}}
     for name in names:
         layout, position, kv_heads = GPT_CASES[name]
         if layout.world_size != torch.distributed.get_world_size():
@@ -206,6 +262,13 @@ def _train_on_rank(names: list[str]) -> dict:
             engine.train_step(global_batch(0, length=LENGTH - 3))
         results[name] = {"trajectory": trajectory, "traffic": traffic, "eval": evaluation.loss, "eval_total": evaluation.total,
                          "bad_length": str(bad_length.value)}
+        uneven = [global_batch(STEPS, length=LENGTH - layout.cp)]  # a multiple of cp, not of 2 cp
+        if layout.cp_mode == "ulysses":
+            results[name]["eval_uneven"] = engine.evaluate(uneven).loss
+        else:
+            with pytest.raises(LayoutError) as refused:
+                engine.evaluate(uneven)
+            results[name]["eval_uneven"] = str(refused.value)
     return results
 
 
@@ -254,8 +317,15 @@ def test_gpt_training_matches_single_device(name, gpt_runs):
     inputs, targets = global_batch(STEPS)
     with torch.no_grad():
         full_loss = float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
+    inputs, targets = global_batch(STEPS, length=LENGTH - layout.cp)
+    with torch.no_grad():
+        uneven_loss = float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
     for result in gpt_runs[name]:
         assert result["eval"] == pytest.approx(full_loss, rel=1e-5), f"{name}: eval {result['eval']} != {full_loss}"
+        if layout.cp_mode == "ulysses":  # T = 16 - cp is a multiple of cp but not of 2 cp: Ulysses runs it
+            assert result["eval_uneven"] == pytest.approx(uneven_loss, rel=1e-5), (name, result["eval_uneven"])
+        else:  # ... and the zigzag ring refuses it, naming the fix
+            assert f"2*cp = {2 * layout.cp} chunks" in result["eval_uneven"] and "Fix:" in result["eval_uneven"]
         assert result["eval_total"] == GLOBAL_BATCH * layout.dp, f"{name}: samples counted once per dp rank, not per cp"
 
 
@@ -266,6 +336,8 @@ def train_reference_model(model: GPT, trajectory: Trajectory) -> GPT:
 
 
 MEMORY_LENGTHS = [32, 64]
+MEMORY_LIMIT = 2**18
+"""Per-rank saved-activation budget of the longest-sequence test: ~59 tokens on one device for measure's GPT."""
 
 
 @pytest.mark.distributed
@@ -327,3 +399,57 @@ def test_models_context_parallel_cannot_handle_are_refused():
     dropout = GPT(GPTConfig(vocab_size=VOCAB, seq_len=LENGTH, n_layer=1, n_head=2, d_model=16, dropout=0.1))
     with pytest.raises(LayoutError, match="dropout=0.1"):
         plan_context_parallel(dropout, Layout(dp=1, cp=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [2, 4])
+def test_longest_sequence_within_a_memory_limit_grows_as_cp(cp, gpt_runs):
+    """measure.longest_sequence: the answer T fits the per-rank limit and T + one split unit does not (both
+    measured). Ring saves exactly 1/cp per rank, so its T is cp times one device's, less the rounding to a
+    multiple of 2cp; Ulysses saves (4440 + 2*32*4) / 4440 ~ 1.06 times more per token than 1/cp (the extra
+    B x T/cp x d tensor per layer), so its T is at least 0.9 cp times one device's."""
+    single, _, _ = longest_sequence(1, "ring", MEMORY_LIMIT)
+    for rank, longest in enumerate(gpt_runs[f"longest-cp{cp}"]):
+        for mode, (length, fits, over) in longest.items():
+            assert fits <= MEMORY_LIMIT < over, (cp, rank, mode, length, fits, over)
+        assert cp * single - 2 * cp < longest["ring"][0] <= cp * single + 2 * cp, (cp, single, longest)
+        assert 0.9 * cp * single < longest["ulysses"][0] < longest["ring"][0], (cp, single, longest)
+
+
+# ----------------------------------------------------------------- cp with Megatron-SP (tp=2, cp=2)
+@dataclasses.dataclass(frozen=True)
+class SequenceParallelCombo(Combo):
+    """A cell of the composition matrix (tests/composition.py) with Megatron sequence parallelism switched on."""
+
+    def layout(self) -> Layout:
+        return dataclasses.replace(super().layout(), sequence_parallel=True)
+
+
+def _train_with_sequence_parallel(modes: list[str]) -> dict:
+    """Each mode's composition-matrix run (3 steps, clipping, the evaluation loss) under tp=2 x cp=2 with SP, the
+    tp collectives it used, and the LayoutError for a length whose T/cp tokens SP cannot split."""
+    results, built = {}, []
+    real_parallelize = plait.parallelize
+    with mock.patch.object(plait, "parallelize", lambda *a, **k: built.append(real_parallelize(*a, **k)) or built[-1]):
+        for mode in modes:
+            results[mode] = train_combo(SequenceParallelCombo(dp=1, tp=2, pp=1, cp=2, zero=0, cp_mode=mode))
+            results[mode]["tp ops"] = sorted(key for key in built[-1].comm.stats.to_dict() if key.startswith("tp/"))
+    with pytest.raises(LayoutError) as refused:  # Ulysses takes T=6 (3 tokens per cp rank), SP cannot split 3
+        built[-1].model(torch.zeros(1, 6, dtype=torch.long))
+    results["refused"] = str(refused.value)
+    return results
+
+
+@pytest.mark.distributed
+def test_context_parallel_with_megatron_sequence_parallel_matches_single_device():
+    """cp cuts the sequence first (T/cp tokens per rank at their global positions), SP cuts those over tp (norms,
+    residuals: T/(cp tp) tokens), attention gathers them back over tp and runs ring/Ulysses over cp."""
+    modes = ["ring", "ulysses"]
+    per_rank = run_distributed(_train_with_sequence_parallel, 4, modes, timeout=300)
+    expected = reference_trajectory()
+    for mode in modes:
+        assert_combo_matches(SequenceParallelCombo(1, 2, 1, 2, 0, mode), [r[mode] for r in per_rank], expected)
+        for result in per_rank:  # SP's reduce-scatter / all-gather along the sequence, not plain tp's all-reduce
+            assert "tp/reduce_scatter" in result[mode]["tp ops"], result[mode]["tp ops"]
+    for result in per_rank:
+        assert "Megatron-SP cannot split over tp=2" in result["refused"] and "multiple of 4" in result["refused"]

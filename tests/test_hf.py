@@ -1,8 +1,10 @@
 """Hugging Face transformers models under plait: GPT-2 (Conv1D, fused q/k/v, tied embeddings) and Llama (GQA,
 RoPE, SwiGLU), built from tiny configs with random weights (nothing is downloaded), trained against single-device
 training: DDP (dp=2), ZeRO-1, tensor parallel with the built-in plans (tp=2: logits, loss each step, step-1
-gradients and parameters after 5 steps gathered by name) and dp=2 x tp=2; heads that tp does not divide; plait
-importing without transformers."""
+gradients and parameters after 5 steps gathered by name) and dp=2 x tp=2; pipeline parallel (pp=2 with 1F1B,
+GPT-2's tied embeddings split over the first and last stage; pp=2 x dp=2: GPT-2 zero-bubble with ZeRO-1, Llama
+1F1B with DDP; Llama pp=2 x tp=2 with GPipe); heads that tp does not divide; pipeline refusals; plait importing
+without transformers."""
 
 from __future__ import annotations
 
@@ -14,12 +16,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import plait  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from plait import Layout, LayoutError  # noqa: E402
 from plait.models.hf import return_logits  # noqa: E402
+from plait.parallel.pipeline.apply import plan_pipeline  # noqa: E402
 from plait.parallel.tensor import plan_tensor_parallel  # noqa: E402
 from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded  # noqa: E402
 from plait.parallel.tensor.plan import default_plan, resolve_plan  # noqa: E402
@@ -75,8 +85,9 @@ def train_plait(kind: str, layout: Layout) -> dict:
     engine = plait.parallelize(make_model(kind), layout, optimizer=optimizer, max_grad_norm=CLIP)
     dp_rank, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
     engine.model.eval()
-    with torch.no_grad():
-        logits = engine.model(global_batch(0)[0])
+    with torch.no_grad():  # with pp: through the stages, the logits on the last stage's rank (None elsewhere)
+        logits = engine.model(global_batch(0)[0]) if engine.pipeline is None else engine.pipeline.forward(
+            global_batch(0)[0])
     engine.model.train()
     grads: list[dict[str, torch.Tensor]] = []
     engine.before_optimizer_step.append(lambda e: grads.append(gather_grads(e)) if not grads else None)
@@ -132,8 +143,25 @@ def check(result: dict, kind: str, what: str) -> None:
     assert_tensors_close(result["params"], expected.params[-1], f"{what} final param", PARAM_TOL)
 
 
-TWO_RANKS = [("gpt2", Layout(dp=2)), ("gpt2", Layout(tp=2)), ("llama", Layout(dp=2, zero=1)), ("llama", Layout(tp=2))]
-FOUR_RANKS = [("gpt2", Layout(dp=2, tp=2)), ("llama", Layout(dp=2, tp=2, zero=1))]
+def merge_stages(results: list[dict]) -> dict:
+    """Pipeline parallel: the whole model's result from its stages' (union by name; replicas agree exactly)."""
+    whole = {"logits": next(r["logits"] for r in results if r["logits"] is not None), "losses": results[0]["losses"]}
+    for field in ("grads", "params"):
+        whole[field] = {}
+        for result in results:
+            for name, tensor in result[field].items():
+                assert name not in whole[field] or torch.equal(whole[field][name], tensor), f"replicas differ: {name}"
+                whole[field][name] = tensor
+    return whole
+
+
+TWO_RANKS = [("gpt2", Layout(dp=2)), ("gpt2", Layout(tp=2)), ("llama", Layout(dp=2, zero=1)), ("llama", Layout(tp=2)),
+             ("gpt2", Layout(pp=2, microbatches=4, schedule="1f1b")),  # tied wte / lm_head across the stages
+             ("llama", Layout(pp=2, microbatches=4, schedule="1f1b"))]
+FOUR_RANKS = [("gpt2", Layout(dp=2, tp=2)), ("llama", Layout(dp=2, tp=2, zero=1)),
+              ("gpt2", Layout(pp=2, dp=2, microbatches=2, schedule="zero-bubble", zero=1)),  # the copy's grad in W
+              ("llama", Layout(pp=2, dp=2, microbatches=2, schedule="1f1b")),
+              ("llama", Layout(pp=2, tp=2, microbatches=2, schedule="gpipe"))]
 
 
 @pytest.mark.distributed
@@ -141,11 +169,16 @@ FOUR_RANKS = [("gpt2", Layout(dp=2, tp=2)), ("llama", Layout(dp=2, tp=2, zero=1)
 def test_hf_models_match_single_device(world, cases):
     per_rank = run_distributed(run_cases, world, cases)
     for index, (kind, layout) in enumerate(cases):
-        what = f"{kind} dp={layout.dp} tp={layout.tp} zero={layout.zero}"
+        what = f"{kind} dp={layout.dp} tp={layout.tp} pp={layout.pp} {layout.schedule} zero={layout.zero}"
         results = [rank_results[index] for rank_results in per_rank]
         for rank, result in enumerate(results):
-            check(result, kind, f"{what} rank {rank}")
+            if layout.pp == 1:
+                check(result, kind, f"{what} rank {rank}")
             assert result["losses"] == results[0]["losses"], f"{what}: rank {rank} reports a different loss"
+        if layout.pp > 1:  # every parameter on exactly the stages that own it; GPT-2's lm_head copy is no parameter
+            whole = merge_stages(results)
+            assert sorted(whole["params"]) == sorted(reference(kind).params[-1]), f"{what}: parameters by name"
+            check(whole, kind, what)
         check_split(results, kind, layout.tp if layout.tp > 1 else 1, what)
 
 
@@ -155,10 +188,11 @@ SPLIT = {"gpt2": ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "
 
 
 def check_split(results: list[dict], kind: str, tp: int, what: str) -> None:
-    """Each rank holds 1/tp of every split parameter, all of the replicated ones, and the right ones are split."""
+    """Each rank holds 1/tp of every split parameter, all of the replicated ones, and the right ones are split
+    (with pp: of its own stage's parameters)."""
     full = reference(kind).params[-1]
-    expected = {name for name in full if name.endswith(SPLIT[kind])} if tp > 1 else set()
     for result in results:
+        expected = {name for name in result["local_numel"] if name.endswith(SPLIT[kind])} if tp > 1 else set()
         assert result["sharded"] == expected, f"{what}: split {sorted(result['sharded'] ^ expected)} unexpectedly"
         for name, numel in result["local_numel"].items():
             share = full[name].numel() // tp if name in expected else full[name].numel()
@@ -205,9 +239,18 @@ def test_sequence_parallel_is_refused_for_hf_models():
         plan_tensor_parallel(make_model("gpt2"), Layout(tp=2, sequence_parallel=True).resolve(2))
 
 
-def test_pipeline_parallel_hf_models_are_refused_before_any_collective():
-    with pytest.raises(LayoutError, match=r"pipeline parallelism \(pp=2\) of Hugging Face.*Fix: use pp=1"):
-        plait.parallelize(make_model("llama"), Layout(pp=2, microbatches=2), optimizer=optimizer)
+def test_pipeline_refusals_name_the_fix():
+    tied_with_tp = (r"transformer.wte.weight = lm_head.weight tie the first and the last pipeline stage.*tp=2.*"
+                    r"Fix:.*tie_word_embeddings=False")
+    with pytest.raises(LayoutError, match=tied_with_tp):
+        plan_pipeline(make_model("gpt2"), Layout(pp=2, tp=2, microbatches=2).resolve(4))
+    with pytest.raises(LayoutError, match=r"schedule=\"pipedream\".*Fix:.*tie_word_embeddings=False"):
+        plan_pipeline(make_model("gpt2"), Layout(pp=2, microbatches=2, schedule="pipedream").resolve(2))
+    assert plan_pipeline(make_model("gpt2", tie_word_embeddings=False), Layout(pp=2, tp=2, microbatches=2).resolve(4))
+    bert = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64))
+    with pytest.raises(LayoutError, match=r"BertForMaskedLM \(model_type='bert'\) is not supported.*Fix:"):
+        plan_pipeline(bert, Layout(pp=2, microbatches=2).resolve(2))
 
 
 def test_plait_imports_and_plans_without_transformers():

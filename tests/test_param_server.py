@@ -155,6 +155,35 @@ def test_checkpoint_is_atomic_and_a_restarted_server_resumes(tmp_path):
     assert restarted.version == 3
 
 
+def test_a_restarted_bsp_server_waits_for_the_workers_live_at_its_checkpoint(tmp_path):
+    settings = ServerSettings(consistency=Consistency("bsp"), checkpoint_dir=str(tmp_path), checkpoint_every=1,
+                              min_workers=2, dead_after_s=0.5)
+    server = ShardServer(TASK.build_model(), settings)
+    for wid in ("a", "b", "gone"):
+        server.join(wid, wid, server.spec)
+    server.leave("gone")
+    pushes = [threading.Thread(target=server.push, args=(wid, 0, 0, _push_grads(server, 1.0), 10)) for wid in "ab"]
+    for thread in pushes:
+        thread.start()
+    for thread in pushes:
+        thread.join(timeout=10)
+    assert server.version == 1  # round 0 closed and was checkpointed with a and b live, "gone" gone
+    restarted = ShardServer(TASK.build_model(), settings)
+    assert restarted.version == 1 and restarted.live_count() == 2  # a and b presumed alive, "gone" is not
+    restarted.join("a", "a", restarted.spec)  # a reconnects first
+    first = threading.Thread(target=restarted.push, args=("a", 1, 1, _push_grads(restarted, 1.0), 10))
+    first.start()
+    time.sleep(0.2)
+    assert restarted.version == 1, "the round must wait for b, live at the checkpoint, not close on a alone"
+    restarted.sweep()  # b's heartbeat has been silent for less than dead_after_s: still waited for
+    assert restarted.version == 1
+    time.sleep(0.5)
+    restarted.beat("a")  # a's heartbeat thread keeps it alive while it waits in the round
+    restarted.sweep()  # b stayed silent past dead_after_s: declared dead, and the round closes without it
+    first.join(timeout=10)
+    assert restarted.version == 2 and restarted.workers["a"].last_seq == 1 and not restarted.workers["b"].alive
+
+
 # ----------------------------------------------------------------- multi-process runs
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
@@ -254,9 +283,12 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_training_completes(tmp
         cluster.restart_server(1)
         finished = cluster.wait_workers()
         reports = cluster.stop()
-    assert sorted(finished) == [0, 1, 2] and all(out["acked"] <= config.steps for out in finished.values())
     survivor, restarted = reports
+    # every step of every worker was applied by both shards: a push the restarted shard refused as stale (computed
+    # on a version it no longer has) was recomputed and pushed again, so the shards' BSP rounds stayed in step
+    assert sorted(finished) == [0, 1, 2] and all(out["acked"] == config.steps for out in finished.values())
     assert survivor["resumed_from"] is None and survivor["version"] == config.steps
+    assert survivor["applied_by_worker"] == {f"worker{i}": config.steps for i in range(3)}
     # resumed at its last checkpoint (a multiple of 4, at least 8), then kept training
     assert restarted["resumed_from"] % 4 == 0 and restarted["resumed_from"] >= 8
     assert restarted["version"] > restarted["resumed_from"]

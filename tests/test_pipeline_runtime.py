@@ -1,9 +1,13 @@
 """Pipeline runtime: parity with single-device training (loss, gradients and parameters every step) for every
-schedule at pp=2 and pp=4, interleaved chunks, m < p, pp x dp (DDP and ZeRO-1), an nn.Sequential model;
-split backward (I + W == B, without re-running the input path); forward-only evaluation; 1F1B holding fewer
-activations than GPipe; bad input rejected before anything runs."""
+schedule at pp=2 and pp=4, interleaved chunks, m < p, pp x dp (DDP and ZeRO-1), pp x tp, an nn.Sequential model,
+int64 and bool tensors crossing stages; split backward (I + W == B, without re-running the input path);
+forward-only evaluation; a measured run's gathered timeline, trace and picture; 1F1B holding fewer activations
+than GPipe; bad input rejected before anything runs."""
 
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,12 +17,15 @@ import plait
 from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.data import AdditionTask, ShardedBatches
-from plait.errors import ScheduleError
+from plait.errors import ConfigError, ScheduleError
 from plait.models import GPT, GPTConfig
 from plait.parallel.pipeline import Schedule
 from plait.parallel.pipeline.apply import plan_pipeline
 from plait.parallel.pipeline.split import split_model
 from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded
+from plait.run_config import RunConfig
+from plait.train import build
 from reference import TOLERANCES, Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 STEPS = 5
@@ -45,12 +52,21 @@ def train_pipeline(layout: Layout, optimizer: str, clip: float | None) -> Trajec
     model, task = make_gpt()
     engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=clip)
     out = Trajectory()
-    engine.before_optimizer_step.append(lambda e: out.grads.append(snapshot_grads(e.model)))
+    engine.before_optimizer_step.append(lambda e: out.grads.append(whole_grads(e)))
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     for _step, batch in zip(range(STEPS), loader):
         out.losses.append(engine.train_step(batch).loss)
-        out.params.append(snapshot_params(engine.model))
+        out.params.append(snapshot_params(engine.model) if layout.tp == 1 else gather_parameters(engine.model,
+                                                                                                   engine.comm))
     return out
+
+
+def whole_grads(engine: plait.Engine) -> dict[str, torch.Tensor]:
+    """This rank's gradients by name; with tp > 1 the slices of split parameters gathered over tp."""
+    if engine.mesh.size("tp") == 1:
+        return snapshot_grads(engine.model)
+    return {name: (gather_slice(p.grad, p, engine.comm) if is_tp_sharded(p) else p.grad).detach().clone()
+            for name, p in engine.model.named_parameters() if p.grad is not None}
 
 
 def reference(optimizer: str, clip: float | None) -> Trajectory:
@@ -91,13 +107,18 @@ CONFIGS = {
         (dict(pp=4, microbatches=4, schedule="zero-bubble"), "adamw", 0.05),
         (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), "adamw", 0.05),
         (dict(pp=2, dp=2, microbatches=2, schedule="interleaved", virtual_stages=2, zero=1), "adamw", None),
+        (dict(pp=2, dp=2, microbatches=2, schedule="gpipe"), "sgd", 0.05),
+        (dict(pp=2, dp=2, microbatches=4, schedule="zero-bubble", zero=1), "adamw", 0.05),
+        (dict(pp=2, tp=2, microbatches=2, schedule="gpipe"), "adamw", None),
+        (dict(pp=2, tp=2, microbatches=4, schedule="zero-bubble"), "adamw", 0.05),
     ],
 }
-"""(layout, optimizer, clip) per world size: every schedule, clipping (global norm over pp), m < p, pp x dp."""
+"""(layout, optimizer, clip) per world size: every schedule, clipping (global norm over pp), m < p, pp x dp and
+pp x tp (every schedule but naive at pp=2 with dp=2; GPipe and zero-bubble with tp=2)."""
 
 
 def _train_all(world: int) -> list[Trajectory]:
-    return [train_pipeline(Layout(**{"dp": 1, **layout}), opt, clip) for layout, opt, clip in CONFIGS[world]]
+    return [train_pipeline(Layout(**{"dp": 1, "tp": 1, **layout}), opt, clip) for layout, opt, clip in CONFIGS[world]]
 
 
 @pytest.mark.distributed
@@ -152,7 +173,7 @@ def regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(STEPS)]
 
 
-def _train_mlp() -> dict:
+def _train_mlp(trace: str, png: str) -> dict:
     engine = plait.parallelize(make_mlp(), Layout(pp=2, dp=1, microbatches=4, schedule="1f1b"),
                                optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, pipeline_cuts=[5])
     out = Trajectory()
@@ -160,18 +181,20 @@ def _train_mlp() -> dict:
     for batch in regression_batches():
         out.losses.append(engine.train_step(batch).loss)
         out.params.append(snapshot_params(engine.model))
+    timeline = engine.save_pipeline_trace(trace, png=png)  # the last step, measured on both ranks
     evaluation = engine.evaluate(regression_batches()[:2])
     try:
         engine.train_step((torch.randn(6, 6), torch.randn(6, 3)))
         bad_batch = None
     except LayoutError as error:
         bad_batch = str(error)
-    return {"trajectory": out, "eval": evaluation.loss, "bad_batch": bad_batch}
+    return {"trajectory": out, "eval": evaluation.loss, "bad_batch": bad_batch, "timeline": timeline}
 
 
 @pytest.mark.distributed
-def test_sequential_model_with_cuts_evaluate_and_bad_batch():
-    results = run_distributed(_train_mlp, 2)
+def test_sequential_model_with_cuts_evaluate_and_bad_batch(tmp_path):
+    results = run_distributed(_train_mlp, 2, str(tmp_path / "trace.json"), str(tmp_path / "trace.png"))
+    check_measured_timeline(results, tmp_path)
     assert sorted(results[1]["trajectory"].params[0]) == ["6.bias", "6.weight"], "cuts=[5]: stage 1 is children 5, 6"
     expected = train_reference(make_mlp(), regression_batches(), OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss)
     assert_trajectories_match(merge([r["trajectory"] for r in results]), expected)  # fp32 micro-batch reordering
@@ -182,6 +205,96 @@ def test_sequential_model_with_cuts_evaluate_and_bad_batch():
     for result in results:  # the whole batch in one pass (no micro-batches): same sums as the reference
         assert result["eval"] == pytest.approx(float(sum(losses) / 2), rel=1e-6)
         assert "does not split into microbatches=4" in result["bad_batch"] and "Fix" in result["bad_batch"]
+
+
+def check_measured_timeline(results: list[dict], tmp_path) -> None:  # noqa: ANN001
+    """The gathered timeline is the same on both ranks; each rank ran its schedule's compute actions in order,
+    without overlap; a stage-1 forward starts after stage 0's forward of that micro-batch ended (one clock);
+    the trace on disk has those spans for every rank and the measured bubble; the PNG exists."""
+    timeline = results[0]["timeline"]
+    assert [[(s.action, s.start) for s in spans] for spans in results[1]["timeline"].timelines] == \
+        [[(s.action, s.start) for s in spans] for spans in timeline.timelines]
+    schedule = timeline.schedule
+    ends = {}
+    for rank, spans in enumerate(timeline.timelines):
+        assert [s.action for s in spans] == [a for a in schedule.actions[rank] if not a.is_comm]
+        assert all(0 <= a.start <= a.end <= b.start for a, b in zip(spans, spans[1:])), f"rank {rank} overlaps"
+        ends.update({(s.action.stage, s.action.kind, s.action.microbatch): s.end for s in spans})
+    for span in timeline.timelines[1]:
+        if span.action.kind == "F":
+            assert span.start >= ends[(0, "F", span.action.microbatch)], f"{span.action} before its input existed"
+    busy = sum(timeline.busy)
+    assert 0 < timeline.bubble_fraction < 1
+    assert timeline.bubble_fraction == pytest.approx(1 - busy / (2 * timeline.makespan))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted({e["tid"] for e in spans}) == [0, 1] and len(spans) == 2 * 2 * 4  # F and B of 4 micro-batches
+    assert trace["otherData"]["bubble_fraction"] == pytest.approx(timeline.bubble_fraction)
+    assert (tmp_path / "trace.png").stat().st_size > 1000
+
+
+def test_pipeline_timeline_needs_pp_and_a_step():
+    engine = plait.parallelize(make_mlp(), Layout(dp=1), optimizer=OPTIMIZERS["sgd"], loss_fn=nn.functional.mse_loss)
+    with pytest.raises(LayoutError, match="pp=1. Fix: train with Layout"):
+        engine.pipeline_timeline()
+    config = RunConfig.from_dict({"train": {"pipeline_trace": "run/pipeline.json"}})
+    with pytest.raises(ConfigError, match="needs pipeline parallelism.*Fix: set layout.pp > 1"):
+        build(config, SimpleNamespace(world_size=1))
+
+
+# ----------------------------------------------------------------- integer and bool tensors between stages
+class Bucketize(nn.Module):
+    """Parameter-free: each input value's bucket index (int64), the next stage's embedding ids."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bucketize(x, torch.linspace(-1.5, 1.5, 7))
+
+
+class Positive(nn.Module):
+    """Parameter-free: a bool mask."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x > 0
+
+
+class AsFloat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def make_discrete(dtype: str) -> nn.Sequential:
+    """Stage 0 (children 0-1, cuts=[2]) sends int64 bucket ids or a bool mask; stage 1 trains on them. Stage 0's
+    linear layer gets no gradient (nothing differentiable crosses), here as on one device."""
+    torch.manual_seed(5)
+    if dtype == "int64":
+        return nn.Sequential(nn.Linear(6, 6), Bucketize(), nn.Embedding(8, 4), nn.Flatten(), nn.Linear(4 * 6, 3))
+    return nn.Sequential(nn.Linear(6, 6), Positive(), AsFloat(), nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _train_discrete() -> dict[tuple[str, str], Trajectory]:
+    out = {}
+    for schedule, dtype in [(schedule, dtype) for schedule in ("1f1b", "zero-bubble") for dtype in ("int64", "bool")]:
+        engine = plait.parallelize(make_discrete(dtype), Layout(pp=2, dp=1, microbatches=4, schedule=schedule),
+                                   optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, pipeline_cuts=[2],
+                                   find_unused_parameters=True)
+        trajectory = out[schedule, dtype] = Trajectory()
+        engine.before_optimizer_step.append(lambda e, t=trajectory: t.grads.append(snapshot_grads(e.model)))
+        for batch in regression_batches():
+            trajectory.losses.append(engine.train_step(batch).loss)
+            trajectory.params.append(snapshot_params(engine.model))
+        trajectory.metas = engine.pipeline._shapes(regression_batches()[0][0][:2])  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.distributed
+def test_integer_and_bool_tensors_between_stages():
+    per_rank = run_distributed(_train_discrete, 2)
+    for schedule, dtype in per_rank[0]:
+        assert per_rank[1][schedule, dtype].metas[0].dtype == getattr(torch, dtype), "stage 0 must send that dtype"
+        expected = train_reference(make_discrete(dtype), regression_batches(), OPTIMIZERS["adamw"],
+                                   loss_fn=nn.functional.mse_loss)
+        # fp32 micro-batch reordering (tests/reference.py)
+        assert_trajectories_match(merge([r[schedule, dtype] for r in per_rank]), expected)
 
 
 # ----------------------------------------------------------------- memory: 1F1B vs GPipe
@@ -276,6 +389,8 @@ def test_weight_used_twice_falls_back_to_an_exact_second_pass():
 # ----------------------------------------------------------------- bad input (no processes)
 def test_bad_pipeline_layouts_are_rejected_before_any_collective():
     model, _ = make_gpt()
+    with pytest.raises(LayoutError, match=r"stage 0 \(stage 0: units\[0:1\]\) holds no trainable parameters.*Fix"):
+        plan_pipeline(nn.Sequential(Bucketize(), nn.Embedding(8, 4)), Layout(pp=2, microbatches=2).resolve(2))
     with pytest.raises(LayoutError, match=r"16 stages, but the model has only 8 blocks.*Fix"):
         plan_pipeline(model, Layout(pp=8, dp=1, microbatches=8, schedule="interleaved", virtual_stages=2).resolve(8))
     with pytest.raises(LayoutError, match=r"zero=2 with pp=2.*Fix: use zero=1"):

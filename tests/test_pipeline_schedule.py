@@ -100,6 +100,19 @@ def test_in_flight_activations_gpipe_m_vs_1f1b_at_most_p():
     assert simulate(interleaved(p, m, 2)).peak_activations[0] == 2 * (p - 1) + p + 1
 
 
+def test_overhead_delays_each_compute_action_unless_it_waits_anyway():
+    # GPipe p=2 m=2, F=1 B=2, overhead 0.25 (worked by hand): rank 0 runs F0 0.25-1.25, F1 1.5-2.5; rank 1 F0
+    # 1.25-2.25 (waited for its input: overhead hidden), F1 2.5-3.5, B0 3.75-5.75, B1 6-8; rank 0 B0 5.75-7.75
+    # (waited), B1 8-10. Busy time is unchanged: the overhead is idle time.
+    result = simulate(gpipe(2, 2), {"F": 1, "B": 2, "overhead": 0.25})
+    starts = [[span.start for span in spans] for spans in result.timelines]
+    assert starts == [[0.25, 1.5, 5.75, 8.0], [1.25, 2.5, 3.75, 6.0]] and result.makespan == 10.0
+    assert result.busy == [6.0, 6.0] and result.bubble_fraction == pytest.approx(8 / 20)
+    assert simulate(lower(gpipe(2, 2)), {"F": 1, "B": 2, "overhead": 0.25}).makespan == 10.0
+    with pytest.raises(ScheduleError, match="overhead=-1 must be >= 0"):
+        simulate(gpipe(2, 2), {"overhead": -1})
+
+
 def test_p2p_latency_adds_one_hop_per_stage_boundary_each_way():
     p, m, c = 4, 6, 0.25
     result = simulate(gpipe(p, m), {"F": 1, "B": 2, "p2p": c})

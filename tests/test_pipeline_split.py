@@ -100,8 +100,16 @@ def test_models_that_cannot_be_cut():
             self.head = nn.Linear(4, 8, bias=False)
             self.head.weight = self.embed.weight
 
-    with pytest.raises(LayoutError, match="shared by pipeline stages 0 and 1.*Fix"):
-        plan_split(Tied(), 2)
+    # tied embeddings (first and last stage): the last stage holds a copy, as a buffer, not a parameter
+    assert plan_split(Tied(), 2).tied == (("embed.weight", "head.weight"),)
+    first, last = split_model(Tied(), 2)
+    assert "head.weight" not in dict(last.named_parameters()) and "head.weight" in dict(last.named_buffers())
+    assert torch.equal(last.head.weight, first.embed.weight) and last.head.weight is not first.embed.weight
+    tied_middle = Tied()  # shared by the first stage and a middle one: refused
+    tied_middle.layers.append(nn.Linear(4, 4))
+    tied_middle.layers[1].weight = tied_middle.layers[0].weight
+    with pytest.raises(LayoutError, match="shared by pipeline stages 0 and 1.*only the first and the last.*Fix"):
+        plan_split(tied_middle, 3)
 
     class DirectParameter(nn.Module):
         def __init__(self) -> None:

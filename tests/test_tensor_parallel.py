@@ -1,8 +1,9 @@
 """Megatron 1D tensor parallelism: each parallel layer against its single-device layer (forward, input and
-weight gradients) at tp=2 and tp=4; the GPT against single-device training over 5 AdamW steps with clipping
-(tp=2, tp=4, dp=2 x tp=2, dp=2 x tp=2 x ZeRO-1, pp=2 x tp=2, GQA/RoPE/SwiGLU, a loss that needs whole
-logits), including evaluation with an accuracy metric;
-per-rank parameter memory; plans; bad input. Sequence parallelism and bytes per layer: test_sequence_parallel.py."""
+weight gradients) at tp=2 and tp=4; the GPT against single-device training: the logits before training (the
+forward output, whole in evaluation), then 5 AdamW steps with clipping (tp=2, tp=4, dp=2 x tp=2, dp=2 x tp=2 x
+ZeRO-1, pp=2 x tp=2, GQA/RoPE/SwiGLU, a loss that needs whole logits), including evaluation with an accuracy
+metric; per-rank parameter memory; plans; bad input. Sequence parallelism and bytes per layer:
+test_sequence_parallel.py. 2D / 2.5D / 3D: test_tensor_parallel_nd.py."""
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ CASES = {
     "dp2_tp2": (4, Layout(dp=2, tp=2), "gpt2", None),
     "dp2_tp2_zero1": (4, Layout(dp=2, tp=2, zero=1), "llama_gqa", None),
     "pp2_tp2": (4, Layout(pp=2, tp=2, microbatches=2), "gpt2", None),
+    # vocabulary 13 padded to 16: rank 3 holds row 12 and 3 zero rows whose logits are -inf
+    "tp4_padded_vocab": (4, Layout(tp=4, tp_pad_vocab=True), "gpt2_vocab13", None),
 }
 
 
@@ -158,6 +161,9 @@ def test_built_in_plan_is_chosen_by_class_and_matches_every_block():
         (dict(n_head=4, n_kv_head=1), Layout(tp=2), None, "does not divide the 1 key/value heads"),
         (dict(d_ff=30), Layout(tp=4), None, "does not divide the out_features of blocks.0.mlp.up (30)"),
         (dict(vocab_size=13), Layout(tp=2), None, "does not divide the vocabulary (num_embeddings) of tok_embed (13)"),
+        (dict(vocab_size=13), Layout(tp=2), None, "or pad the vocabulary with Layout(tp_pad_vocab=True)"),
+        (dict(vocab_size=13, d_ff=30), Layout(tp=4, tp_pad_vocab=True), None,  # only the vocabulary is padded
+         "does not divide the out_features of blocks.0.mlp.up (30)"),
         ({}, Layout(tp=2), {"blocks.*.mlp.upp": "colwise"}, "'blocks.*.mlp.upp' names no module of GPT"),
         ({}, Layout(tp=2), {"lm_head": "diagonal"}, "unknown style 'diagonal'"),
         ({}, Layout(tp=2), {"blocks.*.norm1": "colwise"}, "blocks.0.norm1 is a LayerNorm, but style 'colwise'"),

@@ -1,8 +1,16 @@
-"""2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against the single-device nn.Linear / MLP: forward,
-input and weight gradients, a few SGD and AdamW steps of the MLP, wire bytes per layer against the formulas,
-per-rank parameter memory, and bad input (pure). One spawn per mode: 2D on 4 ranks, 2.5D and 3D on 8."""
+"""2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism against single-device training.
+
+Per mode, in one spawn (2D on 4 ranks, 2.5D and 3D on 8): each grid Linear against nn.Linear (forward, input and
+weight gradients, wire bytes per layer against the papers' formulas), GridNorm against LayerNorm and RMSNorm,
+5 SGD and 5 AdamW steps of the MLP, the wire bytes of one GPT block against the sum of its layers' formulas, and
+plait's GPT through ``parallelize(model, Layout(tp=..., tp_mode=...))`` (GPT-2 style: LayerNorm, learned
+positions, GELU; Llama style: RMSNorm, RoPE, GQA, SwiGLU) over 5 AdamW steps with clipping: the logits before
+training, the loss at every step, every parameter's gradient at step 1 and every parameter after 5 steps, the
+evaluation, and the parameter elements each rank holds. Bad input (pure): grids, sizes, heads, plans, layouts."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -12,6 +20,8 @@ from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.comm import Comm
 from plait.mesh import Mesh
+from plait.models import GPT, GPTConfig
+from plait.models.layers import Block, RMSNorm
 from plait.parallel.tensor import (
     MLP2D,
     MLP3D,
@@ -23,12 +33,16 @@ from plait.parallel.tensor import (
     plan_tensor_parallel,
     scatter_activation,
 )
-from plait.parallel.tensor.grid import TP_COL, TP_DEP, local_block, whole
-from tp_helpers import LAYER_TOL, PARAM_TOL
+from plait.parallel.tensor.grid import ACTIVATION_PLACEMENT, TP_COL, TP_DEP, local_block, whole
+from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
+from plait.parallel.tensor.grid_plan import apply_grid_plan, gpt_grid_plan, resolve_grid_plan
+from tp_helpers import GLOBAL_BATCH, LAYER_TOL, MODELS, PARAM_TOL, STEPS, assert_matches_reference, reference_run
+from tp_helpers import train_tp
 
 M, IN, OUT = 8, 8, 16
 """Tiny sizes that every grid divides: batch M by q*d (2.5D) and q^2 (3D), the bias OUT by q^3 (3D)."""
-STEPS = 3
+GPT_KINDS = ("gpt2", "llama_gqa")
+"""tp_helpers' tiny GPTs (d_model 16, 4 heads, vocab 12, T 8, batch 8): every size divides every grid here."""
 
 MODES = {
     "2d": dict(world=4, layout=dict(tp=4, tp_mode="2d"), q=2, d=1, linears=[("Linear2D", {})], mlp=MLP2D),
@@ -49,6 +63,52 @@ def theory_wire_bytes(mode: str, q: int, d: int, m: int = M, k: int = IN, n: int
     if mode == "2.5d":
         return 4 * (2 * ring * (m * k / (d * q) + k * n / q + n / q) + 2 * (d - 1) / d * (k * n + n) / q**2)
     return 4 * 2 * ring * ((m * k + k * n + m * n) / q**2 + n / q**2 + n / q)
+
+
+def block_theory_bytes(mode: str, q: int, depth: int, m: int, config: GPTConfig) -> float:
+    """Ring wire bytes one rank sends for one transformer block (pre-norm attention + MLP, no biases), forward +
+    backward (fp32), summed from the per-layer terms of the module docstrings: per grid linear K -> N an input
+    gather (once per group entered together: q/k/v, gate/up), a weight gather (+ 2.5D's depth all-reduce of dW)
+    and, in 3D, the output reduce-scatter; per norm its statistics (all-reduced over the q feature ranks, forward
+    and backward) and its weight's all-gather over the batch axes (a reduce-scatter backward)."""
+    ring, d, f = (q - 1) / q, config.d_model, config.ffn_dim
+    kv = config.kv_heads * config.head_dim
+    if mode == "3d":
+        rows = m / q**2
+        gather = lambda k: 2 * ring * m * k / q**2  # noqa: E731 - input [M/q^2, K/q] gathered over the batch
+        weight = lambda k, n: 2 * ring * k * n / q**2  # noqa: E731 - W[N/q, K/q] gathered over tp_row
+        out = lambda n: 2 * ring * m * n / q**2  # noqa: E731 - partial products reduce-scattered over the batch
+        norm_weight = 2 * ring * (d / q**2 + d / q)  # gathered over tp_col, then tp_row
+    else:
+        rows = m / (q * depth)
+        gather = lambda k: 2 * ring * rows * k  # noqa: E731 - input [M/(dq), K/q] gathered over tp_col
+        weight = lambda k, n: 2 * ring * k * n / q + 2 * (depth - 1) / depth * k * n / q**2  # noqa: E731
+        out = lambda n: 0.0  # noqa: E731 - SUMMA's output needs no communication
+        norm_weight = 2 * ring * d / (q * depth) + 2 * (depth - 1) / depth * d / q  # over tp_row, then tp_dep
+    stats = 2 if config.norm == "layernorm" else 1  # mean and variance, or the mean square
+    norm = stats * 2 * 2 * ring * rows + norm_weight
+    attention = gather(d) + sum(weight(d, n) + out(n) for n in (d, kv, kv)) + gather(d) + weight(d, d) + out(d)
+    ups = 2 if config.mlp == "swiglu" else 1
+    mlp = gather(d) + ups * (weight(d, f) + out(f)) + gather(f) + weight(f, d) + out(d)
+    return 4 * (2 * norm + attention + mlp)
+
+
+def _block_bytes(comm: Comm, mode: str, spec: dict) -> list[float]:
+    """Measured / theory wire bytes of one GPT block, forward + backward, under the built-in grid plan's styles."""
+    ratios = []
+    for kind in GPT_KINDS:
+        config = GPTConfig(**MODELS[kind], vocab_size=12, seq_len=8)
+        torch.manual_seed(0)
+        block = Block(config)
+        plan = {k.removeprefix("blocks.*."): v for k, v in gpt_grid_plan(GPT(config)).items() if "blocks" in k}
+        apply_grid_plan(resolve_grid_plan(block, plan, comm.mesh.layout), block, comm, gather_logits=False)
+        x = scatter_activation(torch.randn(GLOBAL_BATCH, config.seq_len, config.d_model), comm).requires_grad_()
+        before = comm.stats.snapshot()
+        block(x).square().sum().backward()
+        measured = comm.stats.since(before).total_wire_bytes
+        tokens = GLOBAL_BATCH * config.seq_len
+        ratios.append(measured / block_theory_bytes(mode, spec["q"], spec["d"], tokens, config))
+    return ratios
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: dict = LAYER_TOL) -> None:
@@ -82,6 +142,29 @@ def _layer_checks(comm: Comm, spec: dict, mode: str) -> list[float]:
     return ratios
 
 
+def _norm_checks(comm: Comm, mode: str) -> None:
+    """GridNorm against nn.LayerNorm (with bias) and RMSNorm on activations in the mode's placement: output, dX,
+    and the whole weight / bias gradients."""
+    for norm in (nn.LayerNorm(OUT), RMSNorm(OUT)):
+        torch.manual_seed(2)
+        with torch.no_grad():  # not the init values, so that the affine terms matter
+            for param in norm.parameters():
+                param.normal_()
+        x = torch.randn(M, OUT, requires_grad=True)
+        upstream = torch.randn(M, OUT)
+        (norm(x) * upstream).sum().backward()
+        grid = GridNorm.from_norm(norm, comm)
+        placement = ACTIVATION_PLACEMENT[mode]
+        x_local = local_block(x, comm, placement).requires_grad_()
+        y_local = grid(x_local)
+        (y_local * local_block(upstream, comm, placement)).sum().backward()
+        what = f"{mode} {type(norm).__name__}"
+        _close(whole(y_local, comm, placement), norm(x).detach(), f"{what} output")
+        _close(whole(x_local.grad, comm, placement), x.grad, f"{what} input grad")
+        for name, param in grid.named_parameters():
+            _close(whole(param.grad, comm, param.tp_grid_placement), getattr(norm, name).grad, f"{what} {name} grad")
+
+
 def _mlp_training(comm: Comm, spec: dict, mode: str, make_optimizer) -> int:
     """A few optimizer steps of the MLP (entered and left through the differentiable scatter / gather) against the
     single-device MLP with the same optimizer; returns the parameter elements this rank holds."""
@@ -106,7 +189,7 @@ def _mlp_training(comm: Comm, spec: dict, mode: str, make_optimizer) -> int:
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), f"{mode} step {step} loss"
     for (label, layer), ref in ((("up", mlp.up), reference[0]), (("down", mlp.down), reference[2])):
         params = layer.whole_parameters()
-        # fp32 after 3 steps: AdamW's g / sqrt(v) can magnify a gradient's last-ulp difference near zero, bounded
+        # fp32 after 5 steps: AdamW's g / sqrt(v) can magnify a gradient's last-ulp difference near zero, bounded
         # by lr per step (PARAM_TOL, as for 1D)
         _close(params["weight"], ref.weight.detach(), f"{mode} {label} weight after {STEPS} steps", PARAM_TOL)
         _close(params["bias"], ref.bias.detach(), f"{mode} {label} bias after {STEPS} steps", PARAM_TOL)
@@ -117,24 +200,56 @@ def _run_mode(mode: str) -> dict:
     spec = MODES[mode]
     comm = Comm(Mesh.build(Layout(**spec["layout"])))
     ratios = _layer_checks(comm, spec, mode)
+    _norm_checks(comm, mode)
     held = {}
     for opt_name, make in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
                            ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))):
         held[opt_name] = _mlp_training(comm, spec, mode, make)
-    return {"ratios": ratios, "held": held["adamw"]}
+    block_ratios = _block_bytes(comm, mode, spec)
+    gpt = {kind: train_tp(Layout(**spec["layout"]), kind) for kind in GPT_KINDS}  # through parallelize
+    return {"ratios": ratios, "held": held["adamw"], "block_ratios": block_ratios, "gpt": gpt}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", list(MODES))
-def test_nd_layers_and_mlp_match_single_device(mode):
+def test_nd_layers_mlp_and_gpt_match_single_device(mode):
     spec = MODES[mode]
-    results = run_distributed(_run_mode, spec["world"], mode)
+    results = run_distributed(_run_mode, spec["world"], mode, timeout=300.0)
     full = 2 * (IN * OUT) + OUT + IN  # the MLP's parameters
     share = spec["layout"]["tp"] // (spec["d"] if mode == "2.5d" else 1)  # 2.5D keeps d copies
     for rank, result in enumerate(results):
         # bytes per layer (forward + backward) equal the papers' per-rank formulas exactly (ring model)
         assert result["ratios"] == pytest.approx([1.0] * len(spec["linears"]), abs=1e-12), f"rank {rank}"
         assert result["held"] * share == full, f"{mode} rank {rank}: holds {result['held']} of {full} elements"
+        # a whole GPT block (norms, attention, MLP), forward + backward: the sum of its layers' formulas, exactly
+        assert result["block_ratios"] == pytest.approx([1.0] * len(GPT_KINDS), abs=1e-12), f"rank {rank}"
+    for kind in GPT_KINDS:
+        expected = reference_run(kind)
+        for rank, result in enumerate(results):
+            gpt = result["gpt"][kind]
+            assert_matches_reference(gpt, expected, f"{mode} {kind} rank {rank}")
+            assert gpt["losses"] == results[0]["gpt"][kind]["losses"], f"{mode} {kind}: rank {rank}'s loss differs"
+            _check_grid_memory(gpt, expected.params[-1], spec, f"{mode} {kind} rank {rank}")
+
+
+@pytest.mark.distributed
+def test_dp2_x_2d_with_zero1_matches_single_device():
+    """Grid tensor parallelism inside data parallelism: dp=2 x 2D (q=2) with ZeRO-1 over dp, 8 ranks."""
+    expected = reference_run("llama_gqa")
+    results = run_distributed(train_tp, 8, Layout(dp=2, tp=4, tp_mode="2d", zero=1), "llama_gqa", timeout=300.0)
+    for rank, result in enumerate(results):
+        assert_matches_reference(result, expected, f"dp2 x 2d zero1 rank {rank}")
+
+
+def _check_grid_memory(result: dict, full: dict[str, torch.Tensor], spec: dict, what: str) -> None:
+    """Every parameter is a grid block: 1/tp of it per rank, except 2.5D's linear weights, which Tesseract keeps
+    in every depth layer (d/tp); nothing is replicated over the whole tp group."""
+    tp, depth = spec["layout"]["tp"], spec["d"] if "tp_depth" in spec["layout"] else 1
+    assert result["sharded"] == set(full), f"{what}: parameters not split: {set(full) - result['sharded']}"
+    for name, numel in result["local_numel"].items():
+        linear = any(part in name for part in (".attn.", ".mlp.", "lm_head"))
+        copies = depth if linear else 1
+        assert numel * tp == full[name].numel() * copies, f"{what} {name}: holds {numel} of {full[name].numel()}"
 
 
 # ----------------------------------------------------------------- pure: layouts, mesh, bad input
@@ -154,6 +269,7 @@ def _comm(**layout) -> Comm:
         (dict(tp=4, tp_mode="2d", tp_depth=2), "Fix: set tp_mode='2.5d'"),
         (dict(tp=4, tp_mode="4d"), "tp_mode='4d' is unknown"),
         (dict(tp=4, tp_mode="2d", sequence_parallel=True), "sequence_parallel=True is Megatron 1D"),
+        (dict(tp=4, tp_mode="2d", tp_pad_vocab=True), "tp_pad_vocab=True pads Megatron 1D's.*Fix: set tp_pad_vocab=False"),
     ],
 )
 def test_bad_nd_layouts(layout, needle):
@@ -176,11 +292,58 @@ def test_dims_not_divisible_by_the_grid():
         scatter_activation(torch.zeros(3, 8), _comm(tp=8, tp_mode="2.5d", tp_depth=2))
 
 
-def test_layer_needs_its_mode_and_parallelize_says_where_nd_lives():
+def test_layer_needs_its_mode():
     with pytest.raises(LayoutError, match="needs a mesh with tp_mode in '3d'.*Fix: build the Mesh"):
         Linear3D(nn.Linear(8, 8), _comm(tp=4, tp_mode="2d"))
-    with pytest.raises(LayoutError, match="exists as modules.*Linear2D / MLP2D.*Linear3D / MLP3D"):
+
+
+def _gpt(**fields) -> GPT:
+    defaults = dict(vocab_size=12, seq_len=8, n_layer=1, n_head=4, d_model=16, bias=False)
+    return GPT(GPTConfig(**{**defaults, **fields}))
+
+
+@pytest.mark.parametrize(
+    "model, layout, plan, needle",
+    [
+        (dict(n_head=4, n_kv_head=1), dict(tp=4, tp_mode="2d"), None,
+         "splits the heads over tp_col=2 ranks, but blocks.0.attn has 1 key/value heads"),
+        (dict(n_head=2, d_model=16), dict(tp=9, tp_mode="2d"), None, "does not split over the grid"),
+        (dict(vocab_size=13), dict(tp=4, tp_mode="2d"), None,
+         r"lm_head.weight of shape \(13, 16\) does not split over the grid \(dim 0: size 13 does not split into 2"),
+        (dict(d_model=4, n_head=2), dict(tp=8, tp_mode="3d"), None,  # norms and embeddings: 1/tp of d_model each
+         r"tok_embed.weight of shape \(12, 4\) .*dim 1: size 4 does not split into 8 blocks "
+         r"\(tp_dep=2 x tp_row=2 x tp_col=2\)"),
+        ({}, dict(tp=4, tp_mode="2d"), {"blocks.*.attn.q": "grid_in"},
+         "parameter tok_embed.weight belongs to tok_embed, which the tp plan does not make a grid layer"),
+        ({}, dict(tp=4, tp_mode="2d"), {"blocks.*.norm1": "grid_in"},
+         "blocks.0.norm1 is a LayerNorm, but style 'grid_in'"),
+        ({}, dict(tp=4, tp_mode="2d"), {"lm_head": "colwise_vocab"}, "unknown style 'colwise_vocab'"),
+        ({}, dict(tp=4, tp_mode="2d", pp=2), None, "tp_mode='2d' with pp=2 is not supported"),
+        ({}, dict(tp=4, tp_mode="2d", cp=2), None, "tp_mode='2d' with cp=2 is not supported"),
+        ({}, dict(tp=4, tp_mode="2d", zero=3), None, "zero=3 with tp=4 is not supported"),
+    ],
+)
+def test_bad_grid_plans_raise_layout_errors_naming_the_fix(model, layout, plan, needle):
+    layout = Layout(**layout)
+    with pytest.raises(LayoutError) as info:
+        plan_tensor_parallel(_gpt(**model), layout.resolve(layout.tp * layout.pp * layout.cp), plan)
+    assert re.search(needle, str(info.value)) and "Fix:" in str(info.value), str(info.value)
+
+
+def test_a_model_without_a_grid_plan_asks_for_one():
+    with pytest.raises(LayoutError, match="tp_mode='2d' has no built-in plan for Sequential.*tp_plan="):
         plan_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), Layout(tp=4, tp_mode="2d").resolve(4))
+    plan = {"0": "grid_in", "2": "grid_out"}  # any model takes a grid plan covering its parameters
+    resolved = plan_tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)),
+                                    Layout(tp=4, tp_mode="2d").resolve(4), plan)
+    assert resolved.styles == plan
+
+
+def test_a_batch_that_does_not_split_over_the_grid():
+    embedding = GridEmbedding(nn.Embedding(12, 16), _comm(tp=8, tp_mode="3d"), "tok_embed")
+    with pytest.raises(LayoutError, match=r"tok_embed: tp_mode='3d' splits the batch over tp_row=2 x tp_col=2 = 4 "
+                                          r"blocks, but this micro-batch has 6 rows. Fix: .* multiple of 4"):
+        embedding(torch.zeros(6, 8, dtype=torch.long))
 
 
 def test_local_blocks_tile_the_whole_tensor():

@@ -1,5 +1,6 @@
 """ZeRO-1/2 with and without CPU/NVMe offload: parity with single-device training (loss, gradients,
-parameters; dp=1 bitwise, dp=2 and dp=4 within tolerances), the memory each rank holds, bytes per step against
+parameters; dp=1 bitwise, dp=2 and dp=4 within tolerances; with micro-batches, clipping and
+``Layout(recompute=...)``), the memory each rank holds, bytes per step against
 2(N-1)/N x P x 4, checkpoints, offload placement, bad input.
 
 The distributed runs are few and long: one gloo job per world size runs every configuration in turn (a job
@@ -8,6 +9,7 @@ costs seconds to start, a configuration tens of milliseconds to train), and the 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -21,34 +23,42 @@ from harness import run_distributed
 from plait import Layout
 from plait.data import ShardedBatches
 from plait.parallel.zero.offload import is_file_backed
+from plait.parallel.zero.optimizers import ELEMENTWISE
 from reference import Trajectory, assert_trajectories_match, train_reference
 from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model
 
 BUCKET_MB = 0.004  # ~1000 fp32 elements: the tiny GPT (6736 parameters) makes 8 ZeRO-2 buckets
-CONFIGS = [  # (stage, offload, optimizer, microbatches, clip)
-    (stage, "none", opt, mb, clip)
+CONFIGS = [  # (stage, offload, optimizer, microbatches, clip, recompute)
+    (stage, "none", opt, mb, clip, "none")
     for stage in (1, 2) for opt in ("adamw", "sgd") for mb in (1, 2) for clip in (None, 0.05)
 ] + [
-    (stage, offload, opt, mb, clip)
+    (stage, offload, opt, mb, clip, "none")
     for stage in (1, 2) for offload in ("cpu", "nvme") for opt, mb, clip in (("adamw", 2, 0.05), ("sgd", 1, None))
-]
-"""dp=2 runs all of these: every combination without offload, and each offload with two of them."""
+] + [(1, "none", "adamw", 2, 0.05, "full"), (2, "none", "sgd", 1, None, (1,)), (2, "cpu", "adamw", 2, 0.05, "full")]
+"""dp=2 runs all of these: every combination without offload, each offload with two of them, and activation
+recomputation through the Layout (every block, or block 1 only) under each stage."""
 DP4_CONFIGS = [
-    (1, "none", "adamw", 2, 0.05), (1, "none", "sgd", 1, None), (2, "none", "adamw", 1, None),
-    (2, "none", "sgd", 2, 0.05), (1, "cpu", "adamw", 2, 0.05), (2, "cpu", "sgd", 1, None),
-    (1, "nvme", "sgd", 1, None), (2, "nvme", "adamw", 2, 0.05),
+    (1, "none", "adamw", 2, 0.05, "none"), (1, "none", "sgd", 1, None, "none"), (2, "none", "adamw", 1, None, "none"),
+    (2, "none", "sgd", 2, 0.05, "none"), (1, "cpu", "adamw", 2, 0.05, "none"), (2, "cpu", "sgd", 1, None, "none"),
+    (1, "nvme", "sgd", 1, None, "none"), (2, "nvme", "adamw", 2, 0.05, "none"),
+    (1, "none", "sgd", 2, None, "full"), (2, "none", "adamw", 2, 0.05, "full"),
 ]
-"""dp=4 (4 processes on a small machine) runs each stage, offload, optimizer, accumulation and clipping at
-least once, in 8 runs instead of 24."""
+"""dp=4 (4 processes on a small machine) runs each stage, offload, optimizer, accumulation, clipping and
+recomputation at least once, in 10 runs instead of 48."""
 
 
-def layout_of(world: int, stage: int, offload: str = "none", microbatches: int = 1) -> Layout:
-    return Layout(dp=world, zero=stage, offload=offload, microbatches=microbatches, bucket_mb=BUCKET_MB)
+def layout_of(world: int, stage: int, offload: str = "none", microbatches: int = 1,
+              recompute: str | tuple[int, ...] = "none") -> Layout:
+    return Layout(dp=world, zero=stage, offload=offload, microbatches=microbatches, bucket_mb=BUCKET_MB,
+                  recompute=recompute)
 
 
-def train(layout: Layout, optimizer: str, clip: float | None) -> Trajectory:
-    """Train the tiny GPT for STEPS steps; gradients are the reduced (and clipped) ones, gathered whole."""
+def train(layout: Layout, optimizer: str, clip: float | None, forwards: list[int] | None = None) -> Trajectory:
+    """Train the tiny GPT for STEPS steps; gradients are the reduced (and clipped) ones, gathered whole. Each
+    forward of block 1's MLP (recomputation runs it again in backward) appends to ``forwards``."""
     model, task = make_model()
+    if forwards is not None:
+        model.blocks["1"].mlp.register_forward_pre_hook(lambda *_: forwards.append(1))
     engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=clip)
     out = Trajectory()
     engine.before_optimizer_step.append(lambda e: out.grads.append(e.strategy.full_gradients()))
@@ -209,12 +219,15 @@ def _error(call) -> str:
 def _suite(world: int, root: str, dp2_checkpoint: str | None = None) -> dict:
     os.environ["PLAIT_OFFLOAD_DIR"] = os.path.join(root, "offload")
     rank = torch.distributed.get_rank()
-    out: dict = {"parity": {}}
-    for stage, offload, opt, mb, clip in CONFIGS if world == 2 else DP4_CONFIGS:
-        trajectory = train(layout_of(world, stage, offload, mb), opt, clip)
+    out: dict = {"parity": {}, "mlp_forwards": {}}
+    for config in CONFIGS if world == 2 else DP4_CONFIGS:
+        stage, offload, opt, mb, clip, recompute = config
+        forwards: list[int] = []
+        trajectory = train(layout_of(world, stage, offload, mb, recompute), opt, clip, forwards)
         if rank:  # the other ranks: only what must equal rank 0's exactly
             trajectory = (trajectory.losses, trajectory.params[-1])
-        out["parity"][(stage, offload, opt, mb, clip)] = trajectory
+        out["parity"][config] = trajectory
+        out["mlp_forwards"][config] = len(forwards)
     out["odd"] = _odd_sizes(world)
     out["mixed"] = {stage: _mixed_dtypes(world, stage) for stage in (1, 2)}
     out["memory"] = {(s, o): _memory(world, s, o) for s in (1, 2) for o in ("none", "cpu", "nvme")}
@@ -284,13 +297,16 @@ def test_world_size_one_is_bitwise_single_device(stage, offload, monkeypatch, tm
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, config", [(2, c) for c in CONFIGS] + [(4, c) for c in DP4_CONFIGS],
-    ids=lambda v: "zero{}-{}-{}-mb{}-clip{}".format(*v) if isinstance(v, tuple) else f"dp{v}",
+    ids=lambda v: "zero{}-{}-{}-mb{}-clip{}-recompute-{}".format(*v[:5], v[5] if isinstance(v[5], str) else "block1")
+    if isinstance(v, tuple) else f"dp{v}",
 )
 def test_matches_single_device(world, config, references, request):
     results = request.getfixturevalue(f"dp{world}")
-    stage, offload, opt, mb, clip = config
+    stage, offload, opt, mb, clip, recompute = config
     expected = references[(opt, clip)]
     assert_trajectories_match(results[0]["parity"][config], expected)
+    # the recomputation happened: block 1 (chosen by "full" and by (1,)) ran forward again in each backward
+    assert results[0]["mlp_forwards"][config] == STEPS * mb * (1 if recompute == "none" else 2)
     for rank, result in enumerate(results[1:], start=1):
         losses, params = result["parity"][config]
         assert losses == results[0]["parity"][config].losses, f"rank {rank} reports a different loss"
@@ -395,6 +411,58 @@ def test_bad_input_is_refused():
         plait.parallelize(model, Layout(zero=2), optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="not a torch.optim.Optimizer"):
         plait.parallelize(model, Layout(zero=1), optimizer=lambda params: list(params))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizers_that_cannot_run_are_refused(stage):
+    """LBFGS needs a closure (refused at every stage); under ZeRO, torch.optim's optimizers that are not
+    elementwise (Adafactor, SparseAdam; Muon refuses 1-D shards itself) are refused when parallelize builds them."""
+    with pytest.raises(TypeError, match=r"LBFGS.step\(closure\) needs a closure.*Fix: use an optimizer whose closure"):
+        plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: torch.optim.LBFGS(params))
+    if stage == 0:
+        return  # DDP steps whole parameters: the optimizers below are fine there
+    refused = {"Adafactor": torch.optim.Adafactor, "SparseAdam": torch.optim.SparseAdam, "Muon": torch.optim.Muon}
+    for name, optimizer in refused.items():
+        pattern = (f"zero={stage} cannot run torch.optim.{name}.*Fix: use zero=0" if name != "Muon" else
+                   f"factory failed on this rank's zero={stage} master shards.*only supports 2D.*Fix: use zero=0")
+        with pytest.raises(plait.LayoutError, match=pattern):
+            plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params, o=optimizer: o(params))
+
+    class MyAdafactor(torch.optim.Adafactor):  # a subclass is still factored
+        pass
+
+    with pytest.raises(plait.LayoutError, match="cannot run torch.optim.Adafactor"):
+        plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: MyAdafactor(params))
+
+
+def test_adafactor_on_a_flat_shard_is_another_algorithm():
+    """Why the rule exists: Adafactor on a matrix differs from Adafactor on the same values flattened (factored
+    second moment, per-tensor RMS), while an elementwise optimizer (RAdam here) gives the same floats."""
+    torch.manual_seed(0)
+    values, grad = torch.randn(6, 4), torch.randn(6, 4)
+    for optimizer, same in ((torch.optim.Adafactor, False), (torch.optim.RAdam, True)):
+        matrix, flat = nn.Parameter(values.clone()), nn.Parameter(values.reshape(-1).clone())
+        matrix.grad, flat.grad = grad.clone(), grad.reshape(-1).clone()
+        optimizer([matrix], lr=0.1).step()
+        optimizer([flat], lr=0.1).step()
+        assert torch.equal(matrix.detach().reshape(-1), flat.detach()) is same, optimizer.__name__
+
+
+@pytest.mark.parametrize("optimizer", ELEMENTWISE, ids=lambda c: c.__name__)
+def test_every_elementwise_optimizer_runs_zero_exactly(optimizer):
+    """Each optimizer the rule lets through takes the single-device steps under ZeRO-2 and ZeRO-3 at world size 1
+    (one flat shard per bucket / unit), to the bit."""
+    factory = functools.partial(optimizer, lr=0.01)
+    model, task = make_model()
+    loader = ShardedBatches(task, GLOBAL_BATCH)
+    want = train_reference(model, [loader.global_batch_at(step) for step in range(3)], factory)
+    for stage in (2, 3):
+        engine = plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=factory)
+        actual = Trajectory()
+        for step in range(3):
+            actual.losses.append(engine.train_step(loader.batch_at(step)).loss)
+            actual.params.append(engine.strategy.full_parameters())
+        assert_trajectories_match(actual, want, exact=True)
 
 
 def test_zero2_second_backward_without_finish_is_refused():

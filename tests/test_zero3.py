@@ -1,7 +1,11 @@
 """ZeRO-3 (FullyShardedStrategy): parity with single-device training (dp=2 and dp=4, micro-batches, clipping, AdamW
-and SGD, evaluate, activation recomputation), bytes per step against 3(N-1)/N x P x 4, parameters held between
-steps = P/N and during forward <= two blocks + root, prefetch overlap, checkpoint round trip, bad input; offload
-of the masters and optimizer states to host memory or files (parity, placement, checkpoint)."""
+and SGD, evaluate, activation recomputation through the Layout and inside a hand-checkpointed model), bytes per
+step against 3(N-1)/N x P x 4, parameters held between steps = P/N and during forward <= two blocks + root,
+prefetch overlap, checkpoint round trip, bad input; offload of the masters and optimizer states to host memory or
+files (parity at dp=2 and dp=4, placement, checkpoint).
+
+The training runs share one gloo job per world size (``zero3_dp2``, ``zero3_dp4``): a job costs seconds to
+start, a configuration a fraction of one to train."""
 
 import dataclasses
 import functools
@@ -33,8 +37,13 @@ from reference import (
 from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference
 
 fp32 = torch.float32
-CONFIGS = [(2, 1, "adamw", None), (2, 2, "sgd", 0.05), (4, 1, "adamw", 0.05), (4, 2, "sgd", None)]
-"""(world = dp, microbatches, optimizer, max_grad_norm)."""
+CONFIGS = [
+    (2, 1, "adamw", None, "none"), (2, 2, "sgd", 0.05, "none"), (4, 1, "adamw", 0.05, "none"), (4, 2, "sgd", None, "none"),
+    (2, 2, "adamw", 0.05, "full"), (4, 2, "sgd", 0.05, (1,)),
+]
+"""(world = dp, microbatches, optimizer, max_grad_norm, Layout.recompute)."""
+OFFLOADS = [(2, "cpu"), (2, "nvme"), (4, "cpu")]
+"""(world, offload) of the offloaded runs."""
 GRAD_STEPS = (2, 4)
 """Steps whose gradients are gathered and compared (the others' traffic is compared with theory)."""
 
@@ -65,9 +74,12 @@ def deep_model(layers: int) -> tuple[GPT, AdditionTask]:
     return GPT(dataclasses.replace(model.config, n_layer=layers)), task
 
 
-def _train(world: int, microbatches: int, optimizer: str, clip: float | None, layers: int = 2) -> dict:
+def _train(world: int, microbatches: int, optimizer: str, clip: float | None, layers: int = 2,
+           recompute: str | tuple[int, ...] = "none") -> dict:
     model, task = make_model() if layers == 2 else deep_model(layers)
-    layout = Layout(dp=world, zero=3, microbatches=microbatches)
+    mlp_forwards: list[int] = []  # recomputation runs block 1's MLP again in each backward
+    model.blocks["1"].mlp.register_forward_pre_hook(lambda *_: mlp_forwards.append(1))
+    layout = Layout(dp=world, zero=3, microbatches=microbatches, recompute=recompute)
     engine = plait.parallelize(model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=clip)
     strategy = engine.strategy
     shard_bytes = sum(p.numel() * p.element_size() for p in strategy.params)
@@ -109,14 +121,40 @@ def _train(world: int, microbatches: int, optimizer: str, clip: float | None, la
     return {
         "trajectory": out, "grads": grads, "wire": wire, "held": held, "shard_bytes": shard_bytes, "trace": trace,
         "forward_held": forward_held, "backward_held": backward_held, "eval_loss": engine.evaluate([evaluation]).loss,
-        "held_after_eval": storage_bytes(model) + shard_bytes,
+        "held_after_eval": storage_bytes(model) + shard_bytes, "mlp_forwards": len(mlp_forwards),
     }
 
 
-@functools.lru_cache(maxsize=None)
-def results(world: int, microbatches: int, optimizer: str, clip: float | None, layers: int = 2) -> list[dict]:
-    """One distributed run per configuration, shared by the tests below."""
-    return run_distributed(_train, world, world, microbatches, optimizer, clip, layers)
+def _suite(root: str, world: int) -> dict:
+    """Every training run of this module at one world size (one gloo job): the CONFIGS, at dp=2 the deeper
+    model and the hand-checkpointed one too, and the offloaded runs."""
+    out: dict = {"root": root}
+    for config_world, microbatches, optimizer, clip, recompute in CONFIGS:
+        if config_world == world:
+            out[(microbatches, optimizer, clip, 2, recompute)] = _train(world, microbatches, optimizer, clip, 2, recompute)
+    if world == 2:
+        out[(1, "adamw", None, 4, "none")] = _train(world, 1, "adamw", None, layers=4)
+        out["checkpointed"] = _train_recomputed(world)
+    for offload_world, offload in OFFLOADS:
+        if offload_world == world:
+            out[offload] = _train_offloaded(os.path.join(root, offload), world, offload)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero3_dp2(tmp_path_factory) -> list[dict]:
+    return run_distributed(_suite, 2, str(tmp_path_factory.mktemp("zero3-dp2")), 2)
+
+
+@pytest.fixture(scope="module")
+def zero3_dp4(tmp_path_factory) -> list[dict]:
+    return run_distributed(_suite, 4, str(tmp_path_factory.mktemp("zero3-dp4")), 4)
+
+
+def results(request: pytest.FixtureRequest, world: int, microbatches: int, optimizer: str, clip: float | None,
+            layers: int = 2, recompute: str | tuple[int, ...] = "none") -> list[dict]:
+    """Every rank's result of one configuration, from the world size's shared job."""
+    return [suite[(microbatches, optimizer, clip, layers, recompute)] for suite in request.getfixturevalue(f"zero3_dp{world}")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,10 +170,18 @@ def reference_eval_loss(final: dict[str, torch.Tensor]) -> float:
         return float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()))
 
 
+def config_id(value: object) -> str:
+    return "block1" if value == (1,) else str(value)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, microbatches, optimizer, clip", CONFIGS)
-def test_zero3_matches_single_device(world, microbatches, optimizer, clip):
-    runs, reference_run = results(world, microbatches, optimizer, clip), expected(optimizer, clip)
+@pytest.mark.parametrize("world, microbatches, optimizer, clip, recompute", CONFIGS, ids=config_id)
+def test_zero3_matches_single_device(world, microbatches, optimizer, clip, recompute, request):
+    runs = results(request, world, microbatches, optimizer, clip, recompute=recompute)
+    reference_run = expected(optimizer, clip)
+    # the recomputation happened: block 1 (chosen by "full" and by (1,)) ran forward again in each backward (the
+    # "+ 1": evaluate's forward)
+    assert runs[0]["mlp_forwards"] == STEPS * microbatches * (1 if recompute == "none" else 2) + 1
     for rank, run in enumerate(runs):
         assert_trajectories_match(run["trajectory"], reference_run)
         for step, grads in run["grads"].items():
@@ -146,16 +192,17 @@ def test_zero3_matches_single_device(world, microbatches, optimizer, clip):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, microbatches, optimizer, clip", CONFIGS)
-def test_bytes_per_step_equal_the_zero3_theory(world, microbatches, optimizer, clip):
+@pytest.mark.parametrize("world, microbatches, optimizer, clip, recompute", CONFIGS, ids=config_id)
+def test_bytes_per_step_equal_the_zero3_theory(world, microbatches, optimizer, clip, recompute, request):
     """Per micro-batch: all-gather in forward and again in backward ((N-1)/N x P each); once per step: the
     reduce-scatter of the gradients ((N-1)/N x P). With m = 1 this is the paper's 3(N-1)/N x P x 4 bytes.
-    Plus the Engine's 4-byte loss average and, when clipping, the 8-byte norm all-reduce (2(N-1)/N each)."""
+    Plus the Engine's 4-byte loss average and, when clipping, the 8-byte norm all-reduce (2(N-1)/N each).
+    Recomputation adds nothing: a block recomputes inside its backward, while the backward's gather holds it."""
     model, _ = make_model()
     p_padded = sum(padded(numel, world) for numel in unit_numels(model).values())
     ring = (world - 1) / world
     theory = (2 * microbatches + 1) * ring * p_padded * 4 + 2 * ring * 4 + (2 * ring * 8 if clip else 0)
-    for rank, run in enumerate(results(world, microbatches, optimizer, clip)):
+    for rank, run in enumerate(results(request, world, microbatches, optimizer, clip, recompute=recompute)):
         for step, (wire, detail) in run["wire"].items():
             assert wire == pytest.approx(theory, rel=1e-12), (
                 f"rank {rank} step {step}: measured {wire:.0f} B, theory {theory:.0f} B "
@@ -165,12 +212,12 @@ def test_bytes_per_step_equal_the_zero3_theory(world, microbatches, optimizer, c
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_parameters_held_between_steps_are_one_nth(world):
+def test_parameters_held_between_steps_are_one_nth(world, request):
     """Between steps (and after evaluate) a rank holds only its shards: sum over units of ceil(P_u / N) x 4 bytes,
     padding included; the model's own parameters hold no storage."""
     sizes = unit_numels(make_model()[0])
     at_rest = sum(math.ceil(numel / world) * 4 for numel in sizes.values())
-    for run in results(world, 1, "adamw", None if world == 2 else 0.05):
+    for run in results(request, world, 1, "adamw", None if world == 2 else 0.05):
         assert run["shard_bytes"] == at_rest
         for measured, reported in run["held"]:
             assert measured == reported == at_rest, f"held {measured} B between steps, theory P/N = {at_rest} B"
@@ -178,7 +225,7 @@ def test_parameters_held_between_steps_are_one_nth(world):
 
 
 @pytest.mark.distributed
-def test_peak_parameters_held_are_the_root_and_two_blocks():
+def test_peak_parameters_held_are_the_root_and_two_blocks(request):
     """While block i computes, only the root, block i and the prefetched block i+1 (i-1 in backward) are whole."""
     world = 2
     sizes = unit_numels(deep_model(4)[0])
@@ -186,7 +233,7 @@ def test_peak_parameters_held_are_the_root_and_two_blocks():
     block = max(padded(numel, world) for unit, numel in sizes.items() if unit != "root") * 4
     bound = at_rest + padded(sizes["root"], world) * 4 + 2 * block
     assert bound < at_rest + sum(padded(numel, world) for numel in sizes.values()) * 4  # less than everything
-    for run in results(world, 1, "adamw", None, layers=4):
+    for run in results(request, world, 1, "adamw", None, layers=4):
         forward = [reported for reported, _ in run["forward_held"]]
         assert all(model_view <= reported for reported, model_view in run["forward_held"])
         assert max(forward) == bound, f"forward peak {max(forward)} B, root + 2 blocks + shards = {bound} B"
@@ -195,8 +242,8 @@ def test_peak_parameters_held_are_the_root_and_two_blocks():
 
 
 @pytest.mark.distributed
-def test_prefetch_overlaps_the_previous_units_compute():
-    trace = results(2, 1, "adamw", None)[0]["trace"]
+def test_prefetch_overlaps_the_previous_units_compute(request):
+    trace = results(request, 2, 1, "adamw", None)[0]["trace"]
     at = {event: index for index, event in enumerate(trace)}
     # forward: block 1's all-gather is issued once block 0 is whole, before block 0 computes (between its
     # forward_start and forward_end marks), and waited for only when block 1 starts
@@ -237,12 +284,13 @@ def _train_recomputed(world: int) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_activation_recomputation_inside_units():
+def test_activation_recomputation_inside_units(zero3_dp2):
+    """A model that checkpoints its blocks itself: the unit's hooks run again inside backward."""
     model, task = make_model()
     loader = ShardedBatches(task, GLOBAL_BATCH)
     want = train_reference(model, [loader.global_batch_at(s) for s in range(3)], OPTIMIZERS["adamw"])
-    for run in run_distributed(_train_recomputed, 2, 2):
-        assert_trajectories_match(run, want)
+    for suite in zero3_dp2:
+        assert_trajectories_match(suite["checkpointed"], want)
 
 
 def _save_train_reload(root: str, world: int):
@@ -356,13 +404,14 @@ def _train_offloaded(root: str, world: int, offload: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_zero3_offload_matches_single_device(offload, tmp_path):
+@pytest.mark.parametrize("world, offload", OFFLOADS)
+def test_zero3_offload_matches_single_device(world, offload, request):
     """Masters, their gradients and the optimizer states in host memory (or files); the step on the CPU; the
     stepped masters copied back into the parameter shards: the same trajectory as one device, within the fp32
-    tolerances of dp=2 (reduction order), with micro-batches and clipping."""
+    tolerances of data parallelism (reduction order), with micro-batches and clipping."""
     reference_run = expected("adamw", 0.05)
-    for rank, run in enumerate(run_distributed(_train_offloaded, 2, str(tmp_path), 2, offload)):
+    for rank, suite in enumerate(request.getfixturevalue(f"zero3_dp{world}")):
+        run = suite[offload]
         assert_trajectories_match(run["trajectory"], reference_run)
         for step, grads in run["grads"].items():
             assert_tensors_close(grads, reference_run.grads[step], f"rank {rank} step {step} grad", GRAD_TOLERANCES[fp32])
@@ -373,7 +422,8 @@ def test_zero3_offload_matches_single_device(offload, tmp_path):
             assert run["split"] == {"device": run["shard_bytes"], "host": offloaded + run["step_bytes"], "files": 0}
         else:
             assert run["split"] == {"device": run["shard_bytes"], "host": run["step_bytes"], "files": offloaded}
-    assert list(tmp_path.iterdir()) == [], "close() removes the offload folders"
+    folder = os.path.join(request.getfixturevalue(f"zero3_dp{world}")[0]["root"], offload)
+    assert not os.path.exists(folder) or os.listdir(folder) == [], "close() removes the offload folders"
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

@@ -12,6 +12,7 @@ from plait.comm import Comm
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
 from plait.parallel.tensor import gather_parameters
+from plait.parallel.tensor.layers import gather_slice, is_tp_sharded
 from reference import assert_tensors_close, train_reference
 
 STEPS = 5
@@ -30,13 +31,15 @@ MODELS = {
     "gpt2": dict(n_layer=2, n_head=4, d_model=16, bias=False),
     "llama_gqa": dict(n_layer=2, n_head=4, n_kv_head=2, d_model=16, position="rope", norm="rmsnorm", mlp="swiglu",
                       bias=False, d_ff=32),
+    # a vocabulary of 13 (the task uses ids 0-11) that no tp > 1 divides: for Layout(tp_pad_vocab=True)
+    "gpt2_vocab13": dict(n_layer=2, n_head=4, d_model=16, bias=False, vocab_size=13),
 }
 
 
 def make_model(kind: str = "gpt2", n_layer: int | None = None) -> tuple[GPT, AdditionTask]:
     task = AdditionTask(digits=2, seed=1)  # vocab 12, seq_len 8, targets with ignore_index on the prompt
     torch.manual_seed(1234)
-    fields = dict(MODELS[kind], vocab_size=task.vocab_size, seq_len=task.seq_len)
+    fields = {"vocab_size": task.vocab_size, "seq_len": task.seq_len, **MODELS[kind]}
     if n_layer is not None:
         fields["n_layer"] = n_layer
     return GPT(GPTConfig(**fields)), task
@@ -50,8 +53,8 @@ def gather_grads(engine: plait.Engine, comm: Comm) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in engine.model.named_parameters():
         grad = local[name].detach().contiguous()
-        if getattr(param, "tp_sharded", False):
-            grad = comm.all_gather(grad, "tp", dim=param.tp_shard_dim)
+        if is_tp_sharded(param):  # a 1D slice or a 2D / 2.5D / 3D grid block
+            grad = gather_slice(grad, param, comm)
         out[name] = grad.cpu().clone()
     return out
 
@@ -61,29 +64,47 @@ def custom_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, targets) * 1.0
 
 
+def initial_logits(engine: plait.Engine, inputs: torch.Tensor) -> torch.Tensor | None:
+    """The forward output before training, in evaluation mode (where the LM head gathers whole logits); None on
+    a pipeline rank (its stages end elsewhere)."""
+    if engine.pipeline is not None:
+        return None
+    engine.model.eval()
+    with torch.no_grad():
+        logits = engine.model(inputs)
+    engine.model.train()
+    return logits.detach().cpu().clone()
+
+
 def train_tp(layout: Layout, kind: str = "gpt2", clip: float | None = CLIP, loss_fn=None) -> dict:
-    """5 steps with plait: losses, gradients at step 1 and final parameters (whole, by name), the parameter
-    elements each rank holds, and an evaluation (loss, accuracy) on this rank's share of one more batch."""
+    """5 steps with plait: the logits before training, losses, gradients at step 1 and final parameters (whole,
+    by name), the parameter elements each rank holds, and an evaluation (loss, accuracy) on this rank's share of
+    one more batch."""
     model, task = make_model(kind)
     kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
     engine = plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=clip, **kwargs)
     grads: list[dict[str, torch.Tensor]] = []
     engine.before_optimizer_step.append(lambda e: grads.append(gather_grads(e, e.comm)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+    logits = initial_logits(engine, loader.batch_at(0)[0])
     losses = [engine.train_step(loader.batch_at(step)).loss for step in range(STEPS)]
     params = {k: v.cpu() for k, v in gather_parameters(engine.model, engine.comm).items()}
     local = {name: p.numel() for name, p in engine.model.named_parameters()}
     sharded = {name for name, p in engine.model.named_parameters() if getattr(p, "tp_sharded", False)}
     evaluation = engine.evaluate([loader.batch_at(STEPS)], metric=task.accuracy_counts)
-    return {"losses": losses, "grads": grads[0], "params": params, "local_numel": local, "sharded": sharded,
+    return {"logits": logits, "dp_rank": engine.mesh.index("dp"), "losses": losses, "grads": grads[0],
+            "params": params, "local_numel": local, "sharded": sharded,
             "eval": (evaluation.loss, evaluation.correct, evaluation.total)}
 
 
 def reference_run(kind: str = "gpt2", clip: float | None = CLIP, loss_fn=torch.nn.functional.cross_entropy):
-    """The single-device trajectory, plus ``evaluation``: (loss, correct, total) of its final weights on the
-    global batch that ``train_tp`` evaluates."""
+    """The single-device trajectory, plus ``logits``: the output before training on the first global batch, and
+    ``evaluation``: (loss, correct, total) of its final weights on the global batch that ``train_tp`` evaluates."""
     model, task = make_model(kind)
     loader = ShardedBatches(task, GLOBAL_BATCH)
+    with torch.no_grad():
+        initial = model.eval()(loader.global_batch_at(0)[0])
+    model.train()
     trajectory = train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], optimizer, loss_fn, clip)
     model.load_state_dict(trajectory.params[-1])
     inputs, targets = loader.global_batch_at(STEPS)
@@ -92,6 +113,7 @@ def reference_run(kind: str = "gpt2", clip: float | None = CLIP, loss_fn=torch.n
     correct, total = task.accuracy_counts(logits, targets)
     loss = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     trajectory.evaluation = (loss, correct, total)
+    trajectory.logits = initial
     return trajectory
 
 
@@ -111,8 +133,13 @@ PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def assert_matches_reference(result: dict, expected, what: str) -> None:
-    """Losses, step-1 gradients, final parameters and the evaluation equal the reference (a pipeline rank is
-    compared on the parameters of its stages)."""
+    """Logits before training (this dp rank's rows; not on a pipeline rank), losses, step-1 gradients, final
+    parameters and the evaluation equal the reference (a pipeline rank is compared on the parameters of its
+    stages)."""
+    if result["logits"] is not None:  # the forward output: sums in another order, as a layer's (LAYER_TOL)
+        rows = result["logits"].shape[0]
+        expected_logits = expected.logits[result["dp_rank"] * rows : (result["dp_rank"] + 1) * rows]
+        assert_tensors_close({"logits": result["logits"]}, {"logits": expected_logits}, f"{what} initial", LAYER_TOL)
     names = result["params"].keys()
     expected_grads = {k: v for k, v in expected.grads[0].items() if k in names}
     expected_params = {k: v for k, v in expected.params[-1].items() if k in names}

@@ -21,6 +21,7 @@ from plait.comm.collectives import Pending
 from plait.config import Layout
 from plait.logging import get_logger
 from plait.parallel.buckets import Bucket, build_buckets, check_reducible
+from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory
 
 logger = get_logger(__name__)
@@ -160,7 +161,8 @@ class DistributedDataParallel(DataParallelStrategy):
         if bucket.flags is not None:
             for slot, param in enumerate(bucket.params):
                 bucket.flags[slot] = 0 if param.grad is None else 1
-        self._pending[b] = self.comm.all_reduce(bucket.buffer, self.axis, op="avg", async_op=True)
+        buffer = cast_for_reduction(bucket.buffer, self.reduce_dtype)  # a bf16/fp16 copy with reduce_dtype="compute"
+        self._pending[b] = self.comm.all_reduce(buffer, self.axis, op="avg", async_op=True)
         self._next += 1
 
     def finish_backward(self) -> None:
@@ -190,9 +192,11 @@ class DistributedDataParallel(DataParallelStrategy):
                 else:
                     self._adopt(bucket, slot)
             self._launch(b)
-        for pending in self._pending:
+        for bucket, pending in zip(self.buckets, self._pending):
             assert pending is not None
-            pending.wait()
+            reduced = pending.wait()
+            if reduced is not bucket.buffer:  # reduced in the compute dtype: back into the fp32 gradient views
+                bucket.buffer.copy_(reduced)
         if self.find_unused_parameters:
             for bucket in self.buckets:
                 assert bucket.flags is not None

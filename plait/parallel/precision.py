@@ -5,6 +5,10 @@ other eligible ops in the low precision. fp16 has a narrow exponent range (min n
 gradients underflow: the loss is multiplied by a scale S before backward and the gradients divided by S
 after (Micikevicius et al. 2018). Dynamic scaling: if any rank finds inf/NaN the step is skipped and S halves;
 after ``growth_interval`` clean steps S doubles. bf16 has fp32's exponent range and needs no scaling.
+
+Gradients are reduced over data parallelism in fp32 by default; ``Layout(reduce_dtype="compute")`` reduces
+them in the compute dtype instead (``gradient_reduce_dtype``, ``cast_for_reduction``): half the bytes of DDP's
+all-reduce and ZeRO's reduce-scatter, the reduced values cast back to fp32 before clipping and the step.
 """
 
 from __future__ import annotations
@@ -15,9 +19,26 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from plait.config import Layout
     from plait.parallel.strategy import DataParallelStrategy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def gradient_reduce_dtype(layout: Layout) -> torch.dtype | None:
+    """The dtype to reduce gradients in when it is not their own: the compute dtype under
+    ``Layout(reduce_dtype="compute")`` with bf16/fp16 precision, else None (reduce the fp32 gradients as they are).
+    Reducing in bf16/fp16 halves the bytes sent; each gradient and each partial sum is rounded to the compute
+    dtype (relative error 2^-8 / 2^-11 per rounding), and fp16 sums of loss-scaled gradients may overflow, which
+    the loss scaler then treats as any other overflow (the step is skipped)."""
+    dtype = DTYPES[layout.precision]
+    return dtype if layout.reduce_dtype == "compute" and dtype != torch.float32 else None
+
+
+def cast_for_reduction(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``flat`` (fp32 gradients) as ``dtype`` for a reduction, or ``flat`` itself (no ``dtype``, or gradients of
+    another dtype, e.g. fp64 parameters, which stay as they are)."""
+    return flat.to(dtype) if dtype is not None and flat.dtype == torch.float32 else flat
 
 
 class DynamicLossScaler:

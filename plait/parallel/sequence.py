@@ -45,11 +45,8 @@ def check_sequence_parallel(layout: Layout) -> None:
             f"sequence_parallel=True with pp={layout.pp} is not implemented: stages after the first would see "
             f"sequence chunks without their global positions. Fix: use sequence_parallel=False with pp > 1."
         )
-    if layout.cp > 1:
-        raise LayoutError(
-            f"sequence_parallel=True with cp={layout.cp} is not implemented (the sequence would be split twice). "
-            f"Fix: use context parallelism (cp) or sequence parallelism, not both."
-        )
+    # with cp > 1 the sequence is split twice: cp cuts it first (each rank keeps T/cp tokens at their global
+    # positions), SP cuts those T/cp further over tp; the cp hook checks that T/cp splits (docs/context_parallel.md)
 
 
 def is_sequence_partial(param: Tensor) -> bool:

@@ -17,6 +17,7 @@ gradients after the last backward.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from plait.comm import Comm
 from plait.config import Layout
+from plait.parallel.precision import cast_for_reduction, gradient_reduce_dtype
 from plait.parallel.sequence import sum_over_tp
 
 GRAD_AXIS = "dp_cp"
@@ -40,16 +42,31 @@ FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+def check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
+    """The Engine calls ``optimizer.step()`` with no argument: refuse an optimizer whose ``step`` requires a
+    closure (torch.optim.LBFGS re-evaluates the loss several times per step) instead of failing at the first
+    step with torch's "missing 1 required positional argument: 'closure'"."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step(closure) needs a closure that re-evaluates the loss, but plait's Engine "
+            f"runs forward and backward itself and calls optimizer.step() without one. Fix: use an optimizer whose "
+            f"closure is optional (SGD, Adam, AdamW, ...)."
+        )
+
+
 def build_optimizer(factory: OptimizerFactory | torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """Call the factory on ``params`` (or accept an optimizer already built on exactly those parameters)."""
     if isinstance(factory, torch.optim.Optimizer):
         owned = {id(p) for p in params}
         if not all(id(p) in owned for group in factory.param_groups for p in group["params"]):
             raise ValueError("the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ...")
+        check_steps_without_closure(factory)
         return factory
     optimizer = factory(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    check_steps_without_closure(optimizer)
     return optimizer
 
 
@@ -73,6 +90,8 @@ class DataParallelStrategy:
         self.axis = axis
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(optimizer, self.params)
+        self.reduce_dtype = gradient_reduce_dtype(self.layout)
+        """The dtype gradients are reduced in when not their own (``Layout.reduce_dtype="compute"``), else None."""
         self._sync = True
 
     # ----------------------------------------------------------------- backward
@@ -97,7 +116,7 @@ class DataParallelStrategy:
             by_dtype.setdefault(param.grad.dtype, []).append(param)
         for params in by_dtype.values():
             grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = cast_for_reduction(torch.cat([g.reshape(-1) for g in grads]), self.reduce_dtype)
             self.comm.all_reduce(flat, self.axis, op="avg")
             offset = 0
             for grad in grads:
@@ -128,15 +147,16 @@ class DataParallelStrategy:
         """This rank's owned gradients in groups ``(grads, weight)``: the global squared norm is the sum over
         ranks of weight x ||grads||^2. Weight 1 without tensor parallelism; with tp > 1 gradients of parameters
         replicated over tp (not ``tp_sharded``: norms, row-parallel biases) get the weight 1/tp, so that the sum
-        over the tp ranks counts them once, and tp slices weight 1."""
+        over the tp ranks counts them once, and tp slices weight 1 (1/``param.tp_replicas`` for a slice that several
+        tp ranks hold, as 2.5D tensor parallelism's weights replicated over its depth)."""
         tp = self.comm.size("tp")
         if tp == 1:
             return [(self.owned_grads(), 1.0)]
-        sharded: list[torch.Tensor] = []
-        replicated: list[torch.Tensor] = []
+        groups: dict[int, list[torch.Tensor]] = {1: [], tp: []}
         for param, grad in self.param_grads():
-            (sharded if getattr(param, "tp_sharded", False) else replicated).append(grad)
-        return [(sharded, 1.0), (replicated, 1.0 / tp)]
+            copies = getattr(param, "tp_replicas", 1) if getattr(param, "tp_sharded", False) else tp
+            groups.setdefault(copies, []).append(grad)
+        return [(grads, 1.0 / copies) for copies, grads in groups.items()]
 
     def reduce_sequence_parallel_grads(self) -> None:
         """Megatron sequence parallelism: gradients of tp-replicated parameters that saw only this rank's

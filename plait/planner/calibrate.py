@@ -1,10 +1,17 @@
 """``plait calibrate``: measure this machine in seconds, so the cost model can predict it ("this-machine").
 
-- compute: the best matmul FLOP/s over a few square sizes (2 n^3 FLOPs per n x n product);
+- compute: the best single-thread matmul FLOP/s over a few square sizes (2 n^3 FLOPs per n x n product; ranks
+  run one intra-op thread each), and how many such matmuls the machine sustains at once: the ``nproc`` ranks
+  multiply for the same half second, and their summed rate / one rank's alone is ``compute_units`` (the
+  processors the ranks really get, counting what other programs take);
 - memory: copy bandwidth of a 64 MiB tensor (bytes read + written per second);
+- overhead: the fixed cost of one transformer block's forward + backward whatever its size (Python, dispatcher,
+  autograd): the slope over the layer count of a tiny plait GPT's training-step time (``block_overhead``);
 - communication: for each collective of ``plait.comm.Comm`` (all_reduce, all_gather, reduce_scatter,
   all_to_all, broadcast, send_recv), the median time over a few repeats at several payload sizes in ``nproc``
-  local gloo processes, fitted by least squares to the alpha-beta model t = alpha + beta x bytes (Hockney 1994).
+  local gloo processes, fitted by least squares to the alpha-beta model t = alpha + beta x bytes (Hockney 1994);
+  the fits hold for groups of ``nproc`` ranks (``Hardware.measured_ranks``; other sizes are scaled by the ring
+  formulas in ``costs.collective_time``), so calibrate with the rank count you will run.
 
 The result is written as JSON (``hardware.calibration_path()``): ``get_hardware("this-machine")`` reads it. With
 the fits, predicted step times of layouts run on this machine can be compared with measured ones.
@@ -41,15 +48,55 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, fl
 
 
 def measure_matmul_flops(sizes: tuple[int, ...] = (256, 512, 1024), repeats: int = 3) -> float:
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
+    """The best single-thread FLOP/s of an n x n matmul over ``sizes``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for n in sizes:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            a @ b  # warm-up
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = max(best, 2 * n**3 / (time.perf_counter() - start))
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_block_overhead(layers: tuple[int, ...] = (1, 5), repeats: int = 15) -> float:
+    """Seconds one block adds to a forward + backward when its tensors are tiny (width 8, 4 tokens): the
+    least-squares slope of the median step time of a plait GPT over ``layers`` blocks, on one thread."""
+    from plait.models import GPT, GPTConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        medians = []
+        for n in layers:
+            model = GPT(GPTConfig(vocab_size=8, seq_len=4, n_layer=n, n_head=1, d_model=8))
+            tokens = torch.zeros(1, 4, dtype=torch.long)
+            samples = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                model(tokens).sum().backward()
+                samples.append(time.perf_counter() - start)
+            medians.append(statistics.median(samples[1:]))
+        return max(0.0, float(np.polyfit(np.asarray(layers, dtype=float), np.asarray(medians), 1)[0]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sustained_matmul_flops(seconds: float = 0.5, n: int = 512) -> float:
+    """FLOP/s of back-to-back n x n matmuls for ``seconds`` on this thread (what a busy rank sustains)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return count * 2 * n**3 / (time.perf_counter() - start)
 
 
 def measure_memory_bandwidth(mib: int = 64, repeats: int = 3) -> float:
@@ -99,8 +146,10 @@ def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: An
                     samples.append(time.perf_counter() - start)
                 payload = x.numel() * 4 if op != "all_gather" else size * world * 4
                 timings[op].append((payload, statistics.median(samples[1:])))
+        comm.barrier("dp")
+        together = comm.all_reduce(torch.tensor([sustained_matmul_flops()], dtype=torch.float64), "dp")
         if rank == 0:
-            results.put(timings)
+            results.put((timings, float(together[0])))
         comm.barrier("dp")
     finally:
         dist.destroy_process_group()
@@ -114,6 +163,10 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
 
     started = time.perf_counter()
     flops, bandwidth = measure_matmul_flops(), measure_memory_bandwidth()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    alone, overhead = sustained_matmul_flops(), measure_block_overhead()
+    torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +175,7 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
         for proc in procs:
             proc.start()
         try:
-            timings = results.get(timeout=120)
+            timings, together = results.get(timeout=120)
         finally:
             for proc in procs:
                 proc.join(timeout=30)
@@ -135,7 +188,8 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc,
         memory_bandwidth=bandwidth, intra_node_bandwidth=link, inter_node_bandwidth=link,
         devices_per_node=nproc, intra_node_latency=fits["send_recv"][0], inter_node_latency=fits["send_recv"][0],
-        measured=fits, source=f"plait calibrate, {nproc} gloo processes, {time.strftime('%Y-%m-%d %H:%M')}",
+        block_overhead=overhead, measured=fits, measured_ranks=nproc, compute_units=min(float(nproc), max(1.0, together / alone)),
+        source=f"plait calibrate, {nproc} gloo processes, {time.strftime('%Y-%m-%d %H:%M')}",
     )
     data = {"hardware": hardware.to_dict(), "timings": {op: rows for op, rows in timings.items()},
             "seconds": time.perf_counter() - started}
@@ -148,4 +202,6 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
     return data
 
 
-__all__ = ["SIZES", "calibrate", "fit_alpha_beta", "measure_matmul_flops", "measure_memory_bandwidth"]
+__all__ = ["SIZES", "calibrate", "fit_alpha_beta", "measure_block_overhead", "measure_matmul_flops",
+           "measure_memory_bandwidth",
+           "sustained_matmul_flops"]

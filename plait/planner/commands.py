@@ -35,7 +35,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
     parser.add_argument("--global-batch", type=int, help="samples per step (default: one per dp rank)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--implementation", default="plait", help="plait or megatron-2021")
+    parser.add_argument("--implementation", default="plait",
+                        help="plait, megatron-2021, or plait-cpu (CPU ranks in fp32, with --gpu this-machine)")
 
 
 def parse_layout(text: str) -> Any:

@@ -9,7 +9,8 @@ FLOPs exclude it, hardware FLOPs include it).
 
 Compute time is a roofline sum (Williams et al. 2009): matmul FLOPs / (peak x compute efficiency) plus the
 bytes that memory-bound operators (norms, residual adds, dropout, activation functions, softmax) move through
-HBM / (bandwidth x memory efficiency). Those bytes follow the operators Korthikanti et al. 2022 (sec. 4.1)
+HBM / (bandwidth x memory efficiency), plus a fixed per-block cost where the hardware has one
+(``Hardware.block_overhead``, CPU ranks: a third forward, two thirds backward). Those bytes follow the operators Korthikanti et al. 2022 (sec. 4.1)
 count for activation memory: per token ~15 h replicated across tp (norms, residual adds, dropouts), (2|3) f
 split across tp (activation), and, without fused flash attention, 4.5 a s elements of softmax and its dropout.
 
@@ -19,7 +20,9 @@ all-reduce 2 log2(N) alpha + 2 S / beta (the smaller is taken), all-gather and r
 (N-1)/N S / beta, all-to-all (N-1) alpha + (N-1)/N S / beta, broadcast log2(N) alpha + S / beta, p2p alpha +
 S / beta. beta is the intra-node link when the group fits in one node (ranks are ordered pp, dp, cp, tp with tp
 innermost, so an axis of stride st and size n stays in a node iff st x n <= devices per node), else the
-device's network share. A calibrated machine replaces the link model by its measured per-collective fit.
+device's network share. A calibrated machine replaces the link model by its measured per-collective fit,
+taken at ``measured_ranks`` ranks and carried to n ranks by the same formulas' factors (alpha x steps(n) /
+steps(n0), beta x fraction(n) / fraction(n0)).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class Implementation:
     Attributes:
         name: preset name.
         overlap_dp: data-parallel gradient reduction overlaps the last micro-batch's backward (bucketed, as plait's
-            DDP and ZeRO do); False: it runs after backward (Megatron-LM 2021's local DDP).
+            DDP and ZeRO do) and ZeRO-3 prefetches its gathers behind compute; False: they run exposed
+            (Megatron-LM 2021's local DDP; CPU ranks, whose collectives take the processors compute needs).
         overlap_cp: ring attention hides its K/V exchange behind the attention compute (Liu et al. 2023).
         flash_attention: attention scores are never stored (Dao et al. 2022): no s^2 memory or traffic.
         scatter_gather: pipeline sends b s h / tp per boundary instead of b s h (Narayanan et al. 2021, sec. 4.1).
@@ -78,6 +82,11 @@ class Implementation:
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "plait": Implementation(),
     "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False),
+    # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
+    # reduces and copies on the same processors the ranks compute on, so nothing overlaps
+    "plait-cpu": Implementation(name="plait-cpu", overlap_dp=False, overlap_cp=False, grad_bytes=4,
+                                state_accounting="plait", compute_efficiency=1.0, memory_efficiency=1.0,
+                                comm_efficiency=1.0, reserved_bytes=0.0),
 }
 
 
@@ -113,7 +122,8 @@ def collective_time(hw: Hardware, op: str, nbytes: float, n: int, inter_node: bo
         return 0.0
     if op in hw.measured and not inter_node:
         alpha, beta = hw.measured[op]
-        return alpha + beta * nbytes
+        (steps, fraction), (steps0, fraction0) = _ring_factors(op, n), _ring_factors(op, hw.measured_ranks)
+        return alpha * steps / steps0 + beta * nbytes * fraction / fraction0
     alpha = hw.inter_node_latency if inter_node else hw.intra_node_latency
     bandwidth = (hw.inter_node_bandwidth if inter_node else hw.intra_node_bandwidth) * comm_efficiency
     frac = (n - 1) / n
@@ -128,6 +138,18 @@ def collective_time(hw: Hardware, op: str, nbytes: float, n: int, inter_node: bo
     if op == "send_recv":
         return alpha + nbytes / bandwidth
     raise ValueError(f"unknown collective {op!r}")
+
+
+def _ring_factors(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bandwidth fraction of the payload) of ``op`` on ``n`` ranks by the ring formulas above."""
+    n = max(n, 2)
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return n - 1, (n - 1) / n
+    if op == "broadcast":
+        return math.log2(n), 1.0
+    return 1.0, 1.0  # send_recv: one message between two ranks
 
 
 # ---------------------------------------------------------------------- one block
@@ -174,7 +196,7 @@ def block_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layo
     flops = block_flops(spec, micro_batch, s_local, seq) / t
     peak = hw.flops(layout.precision) * impl.compute_efficiency
     traffic = block_traffic(spec, micro_batch, s_local, t, layout.sequence_parallel, e, impl.flash_attention)
-    fwd = flops / peak + traffic / (hw.memory_bandwidth * impl.memory_efficiency)
+    fwd = flops / peak + traffic / (hw.memory_bandwidth * impl.memory_efficiency) + hw.block_overhead / 3
     # tensor parallel (Shoeybi et al. 2019): 2 all-reduces forward, 2 backward, of b (s/cp) h; with sequence
     # parallelism each becomes an all-gather + reduce-scatter of the same total volume (Korthikanti et al. 2022)
     message = micro_batch * s_local * spec.hidden * e

@@ -56,6 +56,13 @@ class Hardware:
         nvme_bandwidth: NVMe read/write bandwidth per device (an assumption: one PCIe 4 drive per GPU).
         measured: per collective, a fitted ``(alpha_s, beta_s_per_byte)`` of its payload (``plait calibrate``);
             when present it replaces the link model for that collective inside a node.
+        measured_ranks: the group size the ``measured`` fits were taken at; other group sizes scale them by the
+            ring formulas' latency and bandwidth factors (``costs.collective_time``).
+        block_overhead: seconds a transformer block's forward + backward costs whatever its size (CPU: Python,
+            dispatcher, autograd; measured by ``plait calibrate``), paid per block and micro-batch; 0 on GPUs
+            (kernel launches run ahead of the device).
+        compute_units: processors that all ranks share (``plait calibrate``: how many single-thread matmuls run
+            at once at full speed on this machine); 0 means every rank has its own device (GPUs).
         source: where the figures come from.
     """
 
@@ -73,6 +80,9 @@ class Hardware:
     host_memory_bandwidth: float = 50 * GB
     nvme_bandwidth: float = 6 * GB
     measured: dict[str, tuple[float, float]] = field(default_factory=dict)
+    measured_ranks: int = 2
+    block_overhead: float = 0.0
+    compute_units: float = 0.0
     source: str = ""
 
     def flops(self, precision: str) -> float:

@@ -2,7 +2,8 @@
 ``LayerProfile`` (any model, measured block by block with ``profile_layers``).
 
 A model may be given by name (``NAMED``: GPT-2 sizes, GPT-3 175B, Llama 1/2/3), by a Hugging Face
-``config.json`` path (read as JSON; transformers is not needed), by a ``GPTConfig``, or by a plait ``GPT``.
+``config.json`` path (read as JSON; transformers is not needed), by a transformers model or its config (read
+through ``config.to_dict()``, the same keys), by a ``GPTConfig``, or by a plait ``GPT``.
 
 Parameter count of one block (Narayanan et al. 2021, sec. 5.1, generalised to grouped-query attention and
 gated MLPs): attention h (h + 2 k d) + h h (k kv heads of width d = h / a), MLP (2 or 3) h f, norms 2 h; plus
@@ -145,13 +146,19 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ConfigError(f"cannot read model config {path}: {error}. Fix: give a Hugging Face config.json.") from error
+    return spec_from_hf_dict(data, str(path), path.parent.name or path.stem)
+
+
+def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str) -> ModelSpec:
+    """A ``ModelSpec`` from the keys of a Hugging Face config (``config.json`` or ``PretrainedConfig.to_dict()``);
+    ``where`` names the source in errors."""
 
     def first(*keys: str, default: Any = None) -> Any:
         for key in keys:
             if data.get(key) is not None:
                 return data[key]
         if default is None:
-            raise ConfigError(f"{path} has none of {', '.join(keys)}. Fix: give a decoder-only model's config.json.")
+            raise ConfigError(f"{where} has none of {', '.join(keys)}. Fix: give a decoder-only model's config.")
         return default
 
     hidden = int(first("hidden_size", "n_embd", "d_model"))
@@ -160,7 +167,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         "llama", "mistral", "qwen2", "gemma")
     gpt2 = kind == "gpt2"
     return ModelSpec(
-        name=str(data.get("_name_or_path") or path.parent.name or path.stem),
+        name=str(data.get("_name_or_path") or default_name),
         layers=int(first("num_hidden_layers", "n_layer")),
         hidden=hidden,
         heads=int(first("num_attention_heads", "n_head")),
@@ -176,9 +183,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
 
 
 def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerProfile]:
-    """A ``ModelSpec`` (or a list of ``LayerProfile``) from a name, a config.json path, a GPTConfig, a GPT, a
-    ModelSpec or a profile list; ``seq`` overrides the context length of a spec."""
+    """A ``ModelSpec`` (or a list of ``LayerProfile``) from a name, a config.json path, a transformers model or
+    config, a GPTConfig, a GPT, a ModelSpec or a profile list; ``seq`` overrides the context length of a spec."""
     from plait.models import GPT, GPTConfig
+    from plait.models.hf import is_hf_model
 
     if isinstance(model, ModelSpec):
         return model.with_seq(seq)
@@ -186,6 +194,10 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
         return model
     if isinstance(model, GPT):
         model = model.config
+    if is_hf_model(model):  # a transformers model or its PretrainedConfig: the same keys as its config.json
+        config = model if hasattr(model, "to_dict") and not isinstance(model, nn.Module) else model.config
+        return spec_from_hf_dict(config.to_dict(), f"{type(config).__name__} of {type(model).__name__}",
+                                 str(getattr(config, "model_type", "") or type(model).__name__)).with_seq(seq)
     if isinstance(model, GPTConfig):
         return ModelSpec("gpt", model.n_layer, model.d_model, model.n_head, model.ffn_dim, model.vocab_size,
                          model.seq_len, kv_heads=model.kv_heads, gated=model.mlp == "swiglu",
@@ -197,9 +209,10 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
         if str(model).endswith(".json") or Path(model).is_file():
             return from_hf_config(model).with_seq(seq)
         raise ConfigError(f"unknown model {model!r}. Fix: use one of {', '.join(NAMED)}, a Hugging Face "
-                          f"config.json path, a GPTConfig or a plait GPT.")
+                          f"config.json path, a GPTConfig, a plait GPT or a transformers model.")
     raise ConfigError(f"cannot plan for a {type(model).__name__}. Fix: pass a model name, a config.json path, a "
-                      f"GPTConfig, a GPT, a ModelSpec, or profile_layers(blocks, example).")
+                      f"GPTConfig, a GPT, a transformers model or config, a ModelSpec, or "
+                      f"profile_layers(blocks, example).")
 
 
 def profile_layers(blocks: list[nn.Module], example: torch.Tensor) -> list[LayerProfile]:
@@ -225,4 +238,5 @@ def profile_layers(blocks: list[nn.Module], example: torch.Tensor) -> list[Layer
     return profiles
 
 
-__all__ = ["LayerProfile", "ModelSpec", "NAMED", "from_hf_config", "profile_layers", "resolve_model"]
+__all__ = ["LayerProfile", "ModelSpec", "NAMED", "from_hf_config", "profile_layers", "resolve_model",
+           "spec_from_hf_dict"]

@@ -5,6 +5,10 @@ A step is a pipeline of m micro-batches of b samples over pp stages (pp = 1: pla
     step = makespan(schedule simulated on per-stage F, B and p2p times) + exposed data-parallel reduction
            + optimizer step (+ offload traffic)
 
+and, where the ranks share fewer processors than there are ranks (CPU ranks, ``Hardware.compute_units``), at
+least world / processors x (a rank's compute + optimizer step) + its collectives: the work-conserving bound of
+processor sharing (idle ranks give their processor to others).
+
 F and B of a stage sum its blocks' ``costs.block_time`` (compute, tensor/context parallel collectives, ZeRO-3's
 parameter gathers where compute cannot hide them) and the embedding / output layer on the first / last stage.
 Layers are cut into pp x v chunks by ``inter_op.balanced_stages``. The makespan comes from
@@ -35,7 +39,8 @@ from plait.planner.inter_op import balanced_stages
 from plait.planner.memory import MemoryBreakdown, stage_memory
 from plait.planner.models import ModelSpec, resolve_model
 
-TIME_PARTS = ("compute", "tp_comm", "cp_comm", "zero3_comm", "pp_bubble", "dp_comm", "optimizer", "offload")
+TIME_PARTS = ("compute", "tp_comm", "cp_comm", "zero3_comm", "pp_bubble", "dp_comm", "optimizer", "offload",
+              "shared_processors")
 
 
 @dataclass
@@ -108,6 +113,9 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
     if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
         raise LayoutError(f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
                           f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'.")
+    if layout.zero >= 2 and layout.pp > 1:  # plait.parallel.pipeline.apply.plan_pipeline refuses it too
+        raise LayoutError(f"zero={layout.zero} with pp={layout.pp}: plait's pipeline accumulates every micro-batch's "
+                          f"gradients unsharded before one reduction. Fix: use zero=0 or 1 with pp > 1.")
     if layout.zero and layout.dp * layout.cp == 1:
         raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
     return layout.check_batch(global_batch)
@@ -124,6 +132,16 @@ def _pipeline(schedule: str, p: int, m: int, v: int, forward: tuple[float, ...],
     per_mb = max(sum(forward[s] + backward[s] for s in range(r, p * v, p)) for r in range(p))
     extra = (m - sim_m) * per_mb
     return result.makespan + extra, max(result.busy) + extra, max(result.peak_activations)
+
+
+@lru_cache(maxsize=4096)
+def _stages(layers: int, chunks: int, first_extra: float, last_extra: float) -> list[tuple[int, int]]:
+    """``balanced_stages`` of equal blocks (cost 1) whose first and last carry the embedding and the head (costs
+    in block units, rounded by the caller so that the search's many layouts share one partition)."""
+    costs = [1.0] * layers
+    costs[0] += first_extra
+    costs[-1] += last_extra
+    return balanced_stages(costs, chunks)
 
 
 def pipeline_closed_form(schedule: str, p: int, m: int, v: int, forward: float, backward: float,
@@ -175,10 +193,8 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
     blk = block_time(spec, hw, impl, layout, b, s)
     head_f, head_b, head_flops, embed_f = head_time(spec, hw, impl, layout, b, s)
     block_cost = blk.forward + blk.backward + blk.recompute + blk.forward_comm + blk.backward_comm + blk.recompute_comm
-    costs = [block_cost] * spec.layers
-    costs[0] += embed_f
-    costs[-1] += head_f + head_b
-    chunks = balanced_stages(costs, p * v)
+    unit_cost = block_cost or 1.0
+    chunks = _stages(spec.layers, p * v, round(embed_f / unit_cost, 4), round((head_f + head_b) / unit_cost, 4))
 
     fwd, bwd, compute, tp_cp = [], [], [], []
     for start, end in chunks:
@@ -207,9 +223,10 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
                                   impl.comm_efficiency)
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
-        zero3 = max(0.0, gather - rank_f) + max(0.0, gather + scatter - rank_b)
-        fwd = [f * (1 + max(0.0, gather - rank_f) / rank_f) for f in fwd]
-        bwd = [x * (1 + max(0.0, gather + scatter - rank_b) / rank_b) for x in bwd]
+        hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
+        zero3 = max(0.0, gather - hide_f) + max(0.0, gather + scatter - hide_b)
+        fwd = [f * (1 + max(0.0, gather - hide_f) / rank_f) for f in fwd]
+        bwd = [x * (1 + max(0.0, gather + scatter - hide_b) / rank_b) for x in bwd]
 
     message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
     p2p = collective_time(hw, "send_recv", message, 2, spans_nodes(layout, "pp", hw.devices_per_node),
@@ -255,9 +272,17 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
         "cp_comm": max(0.0, m * rank_blocks * (blk.forward_comm + blk.backward_comm + blk.recompute_comm)
                        - (tp_time if t > 1 else 0.0)),
         "zero3_comm": m * zero3, "pp_bubble": max(0.0, makespan - busy), "dp_comm": dp_time,
-        "optimizer": optimizer, "offload": offload,
+        "optimizer": optimizer, "offload": offload, "shared_processors": 0.0,
     }
     time["compute"] = max(0.0, makespan - time["pp_bubble"] - time["tp_comm"] - time["cp_comm"] - time["zero3_comm"])
+    # ranks sharing ``compute_units`` processors (CPU ranks from ``plait calibrate``): a rank's idle time (bubble)
+    # frees a processor for another, so a step lasts at least all ranks' compute spread over the processors, plus
+    # the collectives (their calibrated times already include the sharing: measured with that many ranks)
+    if hw.compute_units and layout.world_size > hw.compute_units:
+        comm = time["tp_comm"] + time["cp_comm"] + time["zero3_comm"] + dp_time
+        shared = layout.world_size / hw.compute_units * (time["compute"] + optimizer) + comm
+        time["shared_processors"] = max(0.0, shared - step)
+        step += time["shared_processors"]
 
     per_sample_layers = block_flops(spec, 1, s, s)
     model_flops = global_batch * 3 * (spec.layers * per_sample_layers + logits_flops(spec, 1, s))

@@ -71,7 +71,55 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, from its prime factorisation (sympy: trial division up to
+    sqrt(n) and better), so a large prime device count costs milliseconds, not a loop over n."""
+    from sympy import divisors
+
+    return [int(d) for d in divisors(n)]
+
+
+def _shapes(spec: ModelSpec, hw: Hardware, world_size: int, batch: int | None,
+            max_cp: int) -> list[tuple[int, int, int, int]]:
+    """Every (tp, cp, pp, dp) with tp x cp x pp x dp = ``world_size`` that the search may use: tp a power of two
+    within a node dividing the heads (and the kv heads, or divided by them), cp a power of two dividing the
+    sequence with >= 512 tokens per rank, pp up to the layer count, and dp dividing ``batch`` (None: any dp)."""
+    shapes = []
+    for tp, cp in _tp_cp(spec, hw, max_cp):
+        if world_size % (tp * cp) == 0:
+            rest = world_size // (tp * cp)
+            for pp in _divisors(rest):
+                if pp <= spec.layers and (batch is None or batch % (rest // pp) == 0):
+                    shapes.append((tp, cp, pp, rest // pp))
+    return shapes
+
+
+def _tp_cp(spec: ModelSpec, hw: Hardware, max_cp: int) -> list[tuple[int, int]]:
+    """The (tp, cp) pairs ``_shapes`` allows for this model on this hardware, whatever the device count."""
+    return [(tp, cp) for tp in _powers_of_two(hw.devices_per_node) if spec.heads % tp == 0 and
+            (spec.kv % tp == 0 or tp % spec.kv == 0) for cp in _powers_of_two(max_cp)
+            if spec.seq % cp == 0 and (cp == 1 or spec.seq // cp >= 512)]
+
+
+def _no_shape_error(spec: ModelSpec, hw: Hardware, world_size: int, batch: int, max_cp: int) -> ConfigError:
+    """Why no (tp, cp, pp, dp) splits ``world_size`` devices for a global batch of ``batch``, and the nearest
+    global batches and device counts that do split."""
+    dps = sorted({dp for *_, dp in _shapes(spec, hw, world_size, None, max_cp)})
+    batches = sorted({b for dp in dps for b in (batch // dp * dp, -(-batch // dp) * dp) if b > 0},
+                     key=lambda b: (abs(b - batch), b))[:3]
+    counts: set[int] = set()
+    for dp in _divisors(batch):  # world = tp x cp x pp x dp with dp dividing the batch
+        for tp, cp in _tp_cp(spec, hw, max_cp):
+            counts.update(tp * cp * pp * dp for pp in range(1, spec.layers + 1))
+    below = max((c for c in counts if c < world_size), default=None)
+    above = min((c for c in counts if c > world_size), default=None)
+    near = " or ".join(str(c) for c in (below, above) if c is not None)
+    batch_fix = (f"a global batch that dp splits: {' or '.join(map(str, batches))} (dp can be "
+                 f"{', '.join(map(str, dps[:6]))}{'...' if len(dps) > 6 else ''} on {world_size} devices)"
+                 if batches else "another device count")
+    return ConfigError(
+        f"no layout of {world_size} devices splits a global batch of {batch} for {spec.name}: dp must divide the "
+        f"batch, tp ({hw.devices_per_node} per node at most) and cp are powers of two, and pp <= {spec.layers} "
+        f"layers. Fix: use {batch_fix}, or {near} devices with global batch {batch}.")
 
 
 def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | None = None,
@@ -93,53 +141,44 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
     found: list[Prediction] = []
     evaluated = pruned = 0
     least_states = float("inf")
-    for tp in _powers_of_two(min(hw.devices_per_node, world_size)):
-        if spec.heads % tp or (spec.kv % tp and tp % spec.kv):
-            continue
-        for cp in _powers_of_two(min(max_cp, world_size // tp)):
-            if spec.seq % cp or (cp > 1 and spec.seq // cp < 512):
-                continue
-            rest = world_size // (tp * cp)
-            if rest * tp * cp != world_size:
-                continue
-            for pp in _divisors(rest):
-                dp = rest // pp
-                if pp > spec.layers or batch % dp:
-                    continue
-                per_dp = batch // dp
-                stage_psi = (spec.parameters / pp + spec.embedding_parameters) / tp
-                for mbs in [b for b in _powers_of_two(min(max_micro_batch, per_dp)) if per_dp % b == 0]:
-                    m = per_dp // mbs
-                    for schedule, v in _schedules(pp, m, spec.layers, schedules):
-                        for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, microbatches=m, schedule=schedule,
-                                          virtual_stages=v, precision=precision, sequence_parallel=tp > 1)
-                            params, grads, states, host = model_state_bytes(stage_psi, base, impl)
-                            floor = params + grads + states - (states if zero else 0.0)  # with offload
-                            least_states = min(least_states, floor + impl.reserved_bytes)
-                            if floor + impl.reserved_bytes > hw.memory_bytes:
-                                pruned += 1
-                                continue
-                            for option in ({}, {"recompute": "full"}, {"offload": "cpu"},
-                                           {"recompute": "full", "offload": "cpu"}):
-                                if "offload" in option and not zero:
-                                    continue
-                                layout = Layout(**{**base.to_dict(), **option})
-                                try:
-                                    prediction = predict(spec, layout, hw, batch, implementation=impl, exact=False)
-                                except LayoutError:
-                                    pruned += 1
-                                    break
-                                evaluated += 1
-                                if prediction.fits:
-                                    found.append(prediction)
-                                    break
+    shapes = _shapes(spec, hw, world_size, batch, max_cp)
+    if not shapes:
+        raise _no_shape_error(spec, hw, world_size, batch, max_cp)
+    for tp, cp, pp, dp in shapes:
+        per_dp = batch // dp
+        stage_psi = (spec.parameters / pp + spec.embedding_parameters) / tp
+        for mbs in [b for b in _powers_of_two(min(max_micro_batch, per_dp)) if per_dp % b == 0]:
+            m = per_dp // mbs
+            for schedule, v in _schedules(pp, m, spec.layers, schedules):
+                for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, microbatches=m, schedule=schedule,
+                                  virtual_stages=v, precision=precision, sequence_parallel=tp > 1)
+                    params, grads, states, host = model_state_bytes(stage_psi, base, impl)
+                    floor = params + grads + states - (states if zero else 0.0)  # with offload
+                    least_states = min(least_states, floor + impl.reserved_bytes)
+                    if floor + impl.reserved_bytes > hw.memory_bytes:
+                        pruned += 1
+                        continue
+                    for option in ({}, {"recompute": "full"}, {"offload": "cpu"},
+                                   {"recompute": "full", "offload": "cpu"}):
+                        if "offload" in option and not zero:
+                            continue
+                        layout = Layout(**{**base.to_dict(), **option})
+                        try:
+                            prediction = predict(spec, layout, hw, batch, implementation=impl, exact=False)
+                        except LayoutError:
+                            pruned += 1
+                            break
+                        evaluated += 1
+                        if prediction.fits:
+                            found.append(prediction)
+                            break
     if not found:
         raise ConfigError(
             f"{spec.name} ({spec.parameters / 1e9:.1f}B parameters) fits no layout of {world_size} x {hw.name} "
             f"({fmt_bytes(hw.memory_bytes)} each) at global batch {batch}, seq {spec.seq}: the smallest model-state "
             f"footprint any layout reaches is {fmt_bytes(least_states)} per device before activations. Fix: use "
-            f"more devices (roughly {max(2, int(least_states / hw.memory_bytes * world_size) + 1)}+), a GPU with "
+            f"more devices ({_more_devices(least_states, hw.memory_bytes, world_size)}), a GPU with "
             f"more memory, a shorter --seq or a smaller --global-batch.")
     best_of: dict[tuple[Any, ...], Prediction] = {}
     for candidate in found:  # one entry per structure: its fastest (then smallest) ZeRO / recompute / offload
@@ -156,6 +195,13 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
     logger.info("planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s", spec.name, world_size, hw.name,
                 evaluated, pruned, result.seconds)
     return result
+
+
+def _more_devices(least_states: float, memory: float, world_size: int) -> str:
+    """Roughly how many devices would hold the model states, scaling the smallest footprint seen by device count."""
+    if least_states == float("inf"):
+        return "a count that gives the search a layout to time"
+    return f"roughly {max(2, int(least_states / memory * world_size) + 1)}+"
 
 
 def _schedules(pp: int, m: int, layers: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:

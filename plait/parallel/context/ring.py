@@ -139,18 +139,27 @@ class RingAttention(nn.Module):
         self.comm, self.sharding, self.kv_group, self.causal, self.axis = comm, sharding, kv_group, causal, axis
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, H, T/cp, D]; k, v repeated to the H query heads (as plait's Attention hands them over)."""
         group = self.kv_group
         if q.shape[1] % group or k.shape[1] != q.shape[1]:
             raise ValueError(
                 f"RingAttention expects k/v repeated to the {q.shape[1]} query heads in groups of {group}, got "
                 f"{k.shape[1]} key heads"
             )
+        return self.attend(q, k[:, ::group], v[:, ::group])
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """q [B, H, T/cp, D] over the distinct key/value heads k, v [B, KV, T/cp, D] (KV divides H), scores
+        scaled by ``scale`` (default 1/sqrt(D)); returns [B, H, T/cp, D], laid out [B, T/cp, H, D] in memory."""
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
         if q.shape[2] % 2 and self.causal:
             raise ValueError(f"zigzag ring attention needs an even local length (two chunks), got {q.shape[2]}")
-        keys, values = k[:, ::group].contiguous(), v[:, ::group].contiguous()
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _RingAttentionFunction.apply(
-            q.contiguous(), keys, values, self.comm, self.axis, self.sharding, group, self.causal, scale
+            q.contiguous(), k.contiguous(), v.contiguous(), self.comm, self.axis, self.sharding, heads // kv_heads,
+            self.causal, scale,
         )
 
     def extra_repr(self) -> str:

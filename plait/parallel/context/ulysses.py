@@ -52,17 +52,24 @@ class UlyssesAttention(nn.Module):
         return gathered.transpose(1, 2)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        group, cp = self.kv_group, self.sharding.size
-        kv_heads = k.shape[HEAD_DIM] // group
-        if q.shape[HEAD_DIM] % cp or kv_heads % cp:
+        """q [B, H, T/cp, D]; k, v repeated to the H query heads (as plait's Attention hands them over)."""
+        group = self.kv_group
+        return self.attend(q, k[:, ::group], v[:, ::group])
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """q [B, H, T/cp, D] over the distinct key/value heads k, v [B, KV, T/cp, D], scores scaled by ``scale``
+        (default 1/sqrt(D)); returns [B, H, T/cp, D], laid out [B, T/cp, H, D] in memory."""
+        cp, heads, kv_heads = self.sharding.size, q.shape[HEAD_DIM], k.shape[HEAD_DIM]
+        if heads % cp or kv_heads % cp:
             raise ValueError(
-                f"Ulysses splits heads over cp={cp}, but this layer has {q.shape[HEAD_DIM]} query and {kv_heads} "
+                f"Ulysses splits heads over cp={cp}, but this layer has {heads} query and {kv_heads} "
                 f"key/value heads"
             )
+        group = heads // kv_heads
         q_heads = self._to_heads(q)
-        k_heads = repeat_kv(self._to_heads(k[:, ::group]), group)
-        v_heads = repeat_kv(self._to_heads(v[:, ::group]), group)
-        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=self.causal)
+        k_heads = repeat_kv(self._to_heads(k), group)
+        v_heads = repeat_kv(self._to_heads(v), group)
+        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=self.causal, scale=scale)
         return self._to_sequence(out)
 
     def extra_repr(self) -> str:

@@ -94,7 +94,8 @@ class ShardServer:
 
     # ---- membership -------------------------------------------------------------------------------------------
     def join(self, wid: str, name: str, spec: tuple[ParamSpec, ...]) -> dict[str, Any]:
-        """Admit a worker (its model must match the servers'); a new one starts at the slowest live clock."""
+        """Admit a worker (its model must match the servers'); a new one starts at the slowest live clock (a live
+        one, e.g. restored from a checkpoint, keeps its record)."""
         problem = spec_mismatch(self.spec, tuple(spec))
         if problem:
             raise ConfigError(f"worker {name!r} has a different model from the servers': {problem}. Fix: build the "
@@ -106,6 +107,8 @@ class ShardServer:
                 self.workers[wid] = WorkerRecord(name, self._slowest_clock(), time.monotonic())
                 if record is not None:  # rejoining after being declared dead: keep its seq so retries still dedup
                     self.workers[wid].last_seq, self.workers[wid].applied = record.last_seq, record.applied
+            else:
+                record.last_seen = time.monotonic()
             self.cond.notify_all()
             return {"names": list(self.params), "version": self.version, "clock": self.workers[wid].clock}
 
@@ -236,7 +239,7 @@ class ShardServer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {"version": self.version, "params": {n: p.detach().clone() for n, p in self.params.items()},
                  "optimizer": self.optimizer.state_dict(), "pushes_applied": self.pushes_applied,
-                 "last_seq": {wid: (r.name, r.last_seq, r.applied) for wid, r in self.workers.items()},
+                 "last_seq": {wid: (r.name, r.last_seq, r.applied, r.alive) for wid, r in self.workers.items()},
                  "staleness": dict(self.staleness.counts)}
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -245,18 +248,20 @@ class ShardServer:
     def _resume(self) -> None:
         if not self.settings.checkpoint_dir or not os.path.exists(self.checkpoint_path()):
             return
-        state = torch.load(self.checkpoint_path(), weights_only=False)  # written by this server, not user input
+        state = torch.load(self.checkpoint_path(), weights_only=True)  # tensors and plain containers: no code runs
         with torch.no_grad():
             for name, value in state["params"].items():
                 self.params[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.pushes_applied = state["version"], state["pushes_applied"]
         self.staleness.counts.update(state["staleness"])
-        for wid, (name, last_seq, applied) in state["last_seq"].items():
-            self.workers[wid] = WorkerRecord(name, 0, time.monotonic(), alive=False, last_seq=last_seq,
+        # The checkpoint's live workers are presumed alive (a server restart is no worker's death): a BSP round waits
+        # for each of them until it reconnects or its heartbeat stays silent for dead_after_s (`sweep`). Restoring
+        # them as dead would let a round close on the first worker to reconnect alone, one round ahead of the
+        # others on this shard only. They also count for BSP's start barrier (joined).
+        for wid, (name, last_seq, applied, alive) in state["last_seq"].items():
+            self.workers[wid] = WorkerRecord(name, 0, time.monotonic(), alive=alive, last_seq=last_seq,
                                              applied=applied)
-        # the workers in the checkpoint had joined: they count for BSP's start barrier when they rejoin (without
-        # this, a restarted server would wait for min_workers *new* workers and never close a round)
         self.joined, self.resumed_from = len(self.workers), self.version
         log.warning("server %d resumed from %s at version %d", self.settings.index, self.checkpoint_path(),
                     self.version)

@@ -6,10 +6,9 @@ server) is re-sent with the same seq after reconnecting; the server applies it a
 its own connections tells the servers this worker is alive while it computes.
 
 Pulls and pushes go to every server at once (a thread per server), as a real parameter server's client does: the
-step's latency is the slowest server's, not their sum, and under BSP a worker has submitted its gradient to every
-shard's round before it waits on any of them. Sequential pushes could deadlock once two shards' rounds fall out of
-step (after a server restarts from an older checkpoint): worker A waiting in shard 1's round for B, while B, whose
-shard-1 push was dropped as stale, waits in shard 0's next round for A.
+step's latency is the slowest server's, not their sum. A step adds exactly one gradient to every shard: a server
+that refuses a push (under BSP: a restarted server whose round went back to its checkpoint's version, or a worker
+it declared dead) gets it again, recomputed after pulling that shard anew, so every shard's rounds stay in step.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ class PSWorker:
         self.acked = 0
         self._stop = threading.Event()
         self._io = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-io")
-        self._each(self._join)
+        self._each(self._join, list(range(len(self.addresses))))
         self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -71,37 +70,52 @@ class PSWorker:
                 self._join(index)
         raise AssertionError("unreachable")
 
-    def _each(self, fn: Callable[[int], Any]) -> list[Any]:
-        """`fn(index)` for every server at once; the results in server order (the first error is raised)."""
-        return list(self._io.map(fn, range(len(self.addresses))))
+    def _each(self, fn: Callable[[int], Any], shards: list[int]) -> list[Any]:
+        """`fn(index)` for every server in `shards` at once; the results in that order (the first error is raised)."""
+        return list(self._io.map(fn, shards))
 
-    def pull(self) -> list[int]:
-        """Copy every server's shard into the local model; returns the shard versions."""
-        for index, reply in enumerate(self._each(lambda index: self._call(index, "pull"))):
+    def pull(self, shards: list[int] | None = None) -> list[int]:
+        """Copy the shards of `shards` (default: every server) into the local model; returns all shard versions."""
+        shards = list(range(len(self.addresses))) if shards is None else shards
+        for index, reply in zip(shards, self._each(lambda index: self._call(index, "pull"), shards)):
             self.versions[index] = reply["version"]
             with torch.no_grad():
                 for name, value in reply["params"].items():
                     self.params[name].copy_(value)
         return list(self.versions)
 
-    def push(self, seq: int) -> bool:
-        """Send each server its shard of the local gradients (tagged with the pulled versions); True iff every
-        server applied it (a BSP push computed on an old version, or by a worker declared dead, is dropped)."""
-        shards = [{name: _grad(self.params[name]) for name in names} for names in self.shard_names]
+    def push(self, seq: int, shards: list[int] | None = None) -> list[int]:
+        """Send each server of `shards` (default: all) its shard of the local gradients, tagged with the pulled
+        version; returns the servers that did not apply it (under BSP: computed on a version that server's round
+        no longer has, e.g. after it restarted from a checkpoint, or sent by a worker it declared dead)."""
+        shards = list(range(len(self.addresses))) if shards is None else shards
+        grads = {index: {name: _grad(self.params[name]) for name in self.shard_names[index]} for index in shards}
         replies = self._each(lambda index: self._call(index, "push", seq=seq, version=self.versions[index],
-                                                      grads=shards[index]))
-        applied = all(reply["applied"] for reply in replies)
-        if applied:
-            self.acked += 1
-        return applied
+                                                      grads=grads[index]), shards)
+        return [index for index, reply in zip(shards, replies) if not reply["applied"]]
 
     def step(self, seq: int, loss_of: Callable[[nn.Module], Tensor]) -> tuple[float, bool]:
-        """pull -> loss -> backward -> push; returns (loss, applied)."""
-        self.pull()
-        self.model.zero_grad(set_to_none=True)
-        loss = loss_of(self.model)
-        loss.backward()
-        return float(loss.detach()), self.push(seq)
+        """pull -> loss -> backward -> push; returns (loss, applied by every server).
+
+        A step adds exactly one gradient to every shard's round: a server that refuses the push gets it again,
+        recomputed on the same batch after pulling that shard anew (up to `retries` times). Skipping it instead
+        would leave this worker one round behind on that shard but not on the others, and two such offsets make
+        a cross-shard cycle under BSP (waiting in shard 1's round for a worker that waits in shard 0's for us)."""
+        shards: list[int] | None = None
+        first_loss = None
+        for attempt in range(self.retries + 1):
+            self.pull(shards)
+            self.model.zero_grad(set_to_none=True)
+            loss = loss_of(self.model)
+            loss.backward()
+            first_loss = float(loss.detach()) if first_loss is None else first_loss
+            shards = self.push(seq, shards)
+            if not shards:
+                self.acked += 1
+                return first_loss, True
+            log.warning("%s: step %d was not applied by servers %s (attempt %d); pulling and pushing again",
+                        self.name, seq, shards, attempt + 1)
+        return first_loss, False
 
     def _beat(self) -> None:
         beats: list[Connection | None] = [None] * len(self.addresses)

@@ -8,7 +8,8 @@
 
 Running a pipeline (``split.py`` cuts the model, ``stage.py`` runs one chunk, ``runtime.py`` executes the lowered
 schedule with batched p2p) is set up by ``plait.parallelize`` for ``Layout(pp > 1)``. Where to cut the model:
-``auto_partition(gpt_layers(model), tokens, p)`` (``partition.py``, ``profile.py``). See docs/pipeline.md.
+``auto_partition(gpt_layers(model), tokens, p)`` (``partition.py``, ``profile.py``). A real run's timeline, for the
+same pictures: ``engine.pipeline_timeline()`` (``measured.py``). See docs/pipeline.md.
 """
 
 from plait.parallel.pipeline.draw import draw_schedule
@@ -35,6 +36,7 @@ from plait.parallel.pipeline.simulate import Costs, SimResult, Span, as_costs, s
 from plait.parallel.pipeline.split import SplitPlan, find_units, local_model, plan_split, split_model
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.pipeline.runtime import PipelineRunner, TensorMeta, check_schedule
+from plait.parallel.pipeline.measured import gather_timeline, save_timeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, replica_batch, round_robin
 from plait.parallel.pipeline.profile import LayerChain, LayerProfile, gpt_layers, measure_stages, profile_layers
 from plait.parallel.pipeline.partition import Partition, auto_partition, partition
@@ -65,6 +67,7 @@ __all__ = [
     "check_schedule",
     "draw_schedule",
     "find_units",
+    "gather_timeline",
     "gpipe",
     "gpt_layers",
     "interleaved",
@@ -79,6 +82,7 @@ __all__ = [
     "profile_layers",
     "replica_batch",
     "round_robin",
+    "save_timeline",
     "simulate",
     "split_model",
     "zero_bubble",

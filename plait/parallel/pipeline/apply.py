@@ -57,7 +57,23 @@ def plan_pipeline(model: nn.Module, layout: Layout, cuts: list[int] | None = Non
             f"Fix: build the schedule for the layout's numbers, or change the layout."
         )
     simulate(schedule)  # ScheduleError (malformed, wrongly ordered, deadlocking) before any process runs it
-    return PipelinePlan(schedule, plan_split(model, schedule.num_stages, cuts))
+    split = plan_split(model, schedule.num_stages, cuts)
+    for stage in range(split.num_stages):
+        if not any(p.requires_grad for path in split.paths_of([stage]) for p in model.get_submodule(path).parameters()):
+            raise LayoutError(
+                f"pipeline stage {stage} ({split.describe().split('; ')[stage]}) holds no trainable parameters, so "
+                f"its rank would have nothing to optimize. Fix: choose pipeline_cuts that give every stage "
+                f"parameters (e.g. move a parameter-free first layer into the next stage), or use fewer stages."
+            )
+    if split.tied and (layout.tp > 1 or layout.schedule == "pipedream"):
+        what = f"tp={layout.tp}" if layout.tp > 1 else 'schedule="pipedream"'
+        raise LayoutError(
+            f"{', '.join(first + ' = ' + last for first, last in split.tied)} tie the first and the last pipeline "
+            f"stage, which is not supported with {what}. Fix: untie them (for Hugging Face models build them with "
+            f"config.tie_word_embeddings=False; otherwise give the LM head its own weight), or use "
+            f"{'tp=1' if layout.tp > 1 else 'a synchronous schedule such as 1f1b'}."
+        )
+    return PipelinePlan(schedule, split)
 
 
 def place_pipeline(model: nn.Module, plan: PipelinePlan, pp_index: int) -> tuple[nn.Module, list[PipelineStage]]:
@@ -65,6 +81,9 @@ def place_pipeline(model: nn.Module, plan: PipelinePlan, pp_index: int) -> tuple
     stage_ids = plan.schedule.stages_on(pp_index)
     local, views = local_model(model, plan.split, stage_ids)
     stages = [PipelineStage(view, s, plan.schedule.num_stages) for s, view in zip(stage_ids, views)]
+    for stage in stages:
+        if stage.is_first or stage.is_last:
+            stage.tied = plan.split.tied
     return local, stages
 
 

@@ -1,5 +1,5 @@
-"""Draw a simulated schedule as in the GPipe paper's figure: one row per rank, time to the right, a box per
-forward / backward / weight-gradient pass labelled with its micro-batch, idle time left grey."""
+"""Draw a simulated (or measured) schedule as in the GPipe paper's figure: one row per rank, time to the right, a
+box per forward / backward / weight-gradient pass labelled with its micro-batch, idle time left grey."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ def _shade(color: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
 
 
-def draw_schedule(result: SimResult, path: str | Path, title: str | None = None) -> Path:
-    """Save a PNG of ``result``'s timelines to ``path``; the title ends with the bubble fraction."""
+def draw_schedule(result: SimResult, path: str | Path, title: str | None = None, unit: str = "cost units") -> Path:
+    """Save a PNG of ``result``'s timelines to ``path``; the title ends with the bubble fraction. ``unit`` names
+    the time axis (a measured run, ``measured.gather_timeline``, is in ms)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,16 +50,16 @@ def draw_schedule(result: SimResult, path: str | Path, title: str | None = None)
     ax.set_yticks(range(schedule.p), [f"rank {r}" for r in range(schedule.p)])
     ax.set_ylim(schedule.p - 0.5, -0.5)
     ax.set_xlim(0, makespan)
-    ax.set_xlabel(f"time (cost units); makespan {makespan:g}")
+    ax.set_xlabel(f"time ({unit}); makespan {makespan:.4g}")
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds]
     handles.append(Patch(color=IDLE, label="idle"))
     if schedule.v > 1:
         handles.append(Patch(color=_shade(COLORS["F"], 0.45), label="later model chunks: lighter"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if schedule.p > 2 else -0.45),
-              ncol=len(handles), fontsize=8, frameon=False)
+    legend_in = 0.3  # inches kept below the axes for the legend
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     heading = title or f"{schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v})"
     ax.set_title(f"{heading}: bubble {result.bubble_fraction:.1%}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)

@@ -124,6 +124,7 @@ class PipelineRunner:
         """The last step's compute actions as (action, start, end) in ``time.perf_counter`` seconds."""
         self.step_start = 0.0
         self.step_end = 0.0
+        self.tied = self._tied_copies()
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -197,6 +198,51 @@ class PipelineRunner:
             logger.debug("pipeline shape pass for input %s: %s", key, self._metas[key])
         return self._metas[key]
 
+    # ----------------------------------------------------------------- tied weights
+    def _tied_copies(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, attribute) of each tied parameter on the first stage (the owner) or of its copy, a buffer, on
+        the last stage (``split.tie_copy``); the copies are made trainable leaves here, after the move to the
+        device. Empty on the other ranks and without tied weights."""
+        ends = [self.stages[s] for s in (0, self.num_stages - 1) if s in self.stages]
+        if len(ends) != 1:  # a middle rank, or both ends here (nothing is copied then)
+            return []
+        stage = ends[0]
+        found = []
+        for first_name, last_name in stage.tied:
+            path, _, attr = (first_name if stage.is_first else last_name).rpartition(".")
+            module = stage.module.get_submodule(path)
+            if stage.is_last:
+                getattr(module, attr).requires_grad_(True)
+            found.append((module, attr))
+        return found
+
+    def _sync_tied_weights(self) -> None:
+        """Before a step or an evaluation: the last stage's copies take the first stage's values."""
+        if not self.tied:
+            return
+        tensors = [getattr(module, attr).detach() for module, attr in self.tied]
+        if 0 in self.stages:
+            self.comm.send_recv(sends=[(t, self._peer(self.num_stages - 1)) for t in tensors], axis=AXIS)
+        else:
+            self.comm.send_recv(recvs=[(t, self._peer(0)) for t in tensors], axis=AXIS)
+
+    def _sync_tied_grads(self) -> None:
+        """After the step's backward passes: the copies' gradients are added to the owners' (and cleared), so
+        the owner's gradient is the sum over both uses, as on one device."""
+        if not self.tied:
+            return
+        tensors = [getattr(module, attr) for module, attr in self.tied]
+        if 0 in self.stages:
+            received = [torch.zeros_like(t) for t in tensors]
+            self.comm.send_recv(recvs=[(g, self._peer(self.num_stages - 1)) for g in received], axis=AXIS)
+            for param, grad in zip(tensors, received):
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+        else:
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+            self.comm.send_recv(sends=[(g, self._peer(0)) for g in grads], axis=AXIS)
+            for t in tensors:
+                t.grad = None
+
     # ----------------------------------------------------------------- training
     def train_step(self, micro: Sequence[Micro]) -> torch.Tensor:
         """Forward and backward of every micro-batch as the schedule says; returns the mean loss (every rank).
@@ -204,6 +250,7 @@ class PipelineRunner:
         m = len(micro)
         if m != self.schedule.m:
             raise ScheduleError(f"the schedule runs m={self.schedule.m} micro-batches, but {m} were given.")
+        self._sync_tied_weights()
         metas = self._shapes(micro[0][0])
         loss_sum = torch.zeros((), device=self.device)
         inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]] = {}
@@ -232,6 +279,7 @@ class PipelineRunner:
             for pending, _tensors in sends:
                 pending.wait()
         self.step_end = time.perf_counter()
+        self._sync_tied_grads()
         if inbox or outbox:  # pragma: no cover - check_schedule guarantees every transfer is matched
             raise ScheduleError(f"pipeline step ended with unmatched transfers: {sorted(inbox) + sorted(outbox)}")
         mean = loss_sum / m
@@ -337,6 +385,7 @@ class PipelineRunner:
     def forward(self, inputs: torch.Tensor, training: bool = False) -> torch.Tensor | None:
         """Forward-only pass of the whole batch through the stages (no grad; eval mode unless ``training``);
         returns the last stage's output on the rank holding it, None elsewhere."""
+        self._sync_tied_weights()
         with self._mode(training):
             output, _ = self._chain(inputs, with_data=True)
         return output

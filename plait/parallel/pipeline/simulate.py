@@ -42,6 +42,10 @@ class Costs:
     I: Cost | None = None  # noqa: E741 - the action's name
     W: Cost | None = None
     p2p: float = 0.0
+    overhead: float = 0.0
+    """Time a rank spends before each compute action that is neither the action nor waiting for its input (a
+    runtime's bookkeeping: posting sends and receives, Python between actions). Not busy time; hidden when
+    the rank waits for an input anyway: the action starts at max(previous end + overhead, inputs ready)."""
 
     def of(self, action: Action) -> float:
         """How long ``action`` keeps its rank busy (send/recv: 0; their transfer time is ``p2p``)."""
@@ -144,6 +148,8 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
     for a in pos:
         if costs.of(a) < 0:
             raise ScheduleError(f"cost of {a} is {costs.of(a)}; costs must be >= 0.")
+    if costs.p2p < 0 or costs.overhead < 0:
+        raise ScheduleError(f"p2p={costs.p2p} and overhead={costs.overhead} must be >= 0.")
     peer = {a: schedule.peer(a) for a in pos if a.is_comm}
     if lowered:
         _check_pairs_in_order(schedule, pos, peer)
@@ -172,7 +178,8 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
         for r in range(p):
             while ptr[r] < len(acts[r]) and waits_for(r) is None:
                 a = acts[r][ptr[r]]
-                start[a] = max([free[r]] + [ready_at(d, r) for d in deps[a]])
+                before = 0.0 if a.is_comm else costs.overhead
+                start[a] = max([free[r] + before] + [ready_at(d, r) for d in deps[a]])
                 free[r] = ready[a] = start[a] + costs.of(a)
                 ptr[r] += 1
                 progress = True

@@ -23,11 +23,14 @@ source's modules (several stage views of one rank's local model share its parame
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
 
 from plait.errors import LayoutError
+from plait.models.hf import is_hf_model
+from plait.models.hf_stages import check_pipeline_support, make_stage_forward
 from plait.parallel.recompute import BLOCK_CONTAINER_NAMES
 
 
@@ -45,6 +48,9 @@ class SplitPlan:
     """Module paths (with parameters) that go with stage 0 (registered before the container)."""
     last_parts: tuple[str, ...] = ()
     """Module paths (with parameters) that go with the last stage (registered after the container)."""
+    tied: tuple[tuple[str, str], ...] = ()
+    """Parameters shared by the first and the last stage (tied embeddings), as (name on stage 0, name on the
+    last stage): the last stage holds a copy as a buffer (see ``tie_copy``)."""
 
     @property
     def num_stages(self) -> int:
@@ -144,8 +150,10 @@ def plan_split(model: nn.Module, num_stages: int, cuts: list[int] | tuple[int, .
             )
     first, last = _outer_parts(model, container) if kind == "blocks" else ([], [])
     plan = SplitPlan(kind, container, tuple(units), tuple(bounds), tuple(first), tuple(last))
-    _check_untied(model, plan)
-    return plan
+    tied = _tied_pairs(model, plan)
+    if is_hf_model(model):
+        check_pipeline_support(model)
+    return dataclasses.replace(plan, tied=tied) if tied else plan
 
 
 def _remove(root: nn.Module, path: str, container: str) -> None:
@@ -180,22 +188,47 @@ def build_stage(model: nn.Module, plan: SplitPlan, stages: list[int] | tuple[int
     part = copy.deepcopy(model, memo)
     for path in drop:
         _remove(part, path, plan.container)
+    if plan.num_stages - 1 in stages and 0 not in stages:
+        for _, name in plan.tied:
+            tie_copy(part, name)
+    if is_hf_model(part):
+        make_stage_forward(part)
     return part
 
 
-def _check_untied(model: nn.Module, plan: SplitPlan) -> None:
-    """Refuse a parameter held by two stages (tied weights, e.g. an LM head sharing the embedding's weight)."""
-    owner: dict[int, int] = {}
+def tie_copy(stage: nn.Module, name: str) -> None:
+    """Turn the last stage's copy of a tied parameter into a buffer (same name): the first stage owns the
+    parameter (the optimizer, the dp reduction and the gradient norm see it once); the pipeline runtime gives
+    the copy the owner's values before each step and adds the copy's gradient to the owner's after it."""
+    path, _, attr = name.rpartition(".")
+    owner = stage.get_submodule(path)
+    if attr in owner._parameters:
+        param = owner._parameters.pop(attr)
+        owner.register_buffer(attr, param.detach().clone())
+
+
+def _tied_pairs(model: nn.Module, plan: SplitPlan) -> tuple[tuple[str, str], ...]:
+    """Parameters held by two stages: allowed between the first and the last stage (tied embeddings, Megatron's
+    way: a copy on the last stage), refused otherwise."""
+    owner: dict[int, tuple[int, str]] = {}
+    tied: list[tuple[str, str]] = []
+    last = plan.num_stages - 1
     for stage in range(plan.num_stages):
         for path in sorted(plan.paths_of([stage])):
             for name, param in model.get_submodule(path).named_parameters():
-                first = owner.setdefault(id(param), stage)
-                if first != stage:
+                first, first_name = owner.setdefault(id(param), (stage, f"{path}.{name}"))
+                if first == stage:
+                    continue
+                if (first, stage) != (0, last):
                     raise LayoutError(
                         f"parameter {path}.{name} is shared by pipeline stages {first} and {stage} (tied weights "
-                        f"across stages). Fix: untie them (e.g. give the LM head its own weight), choose cuts that "
-                        f"keep both users in one stage, or use pp=1."
+                        f"across stages; only the first and the last stage may share one, like tied embeddings). "
+                        f"Fix: untie them (e.g. give the LM head its own weight, for Hugging Face models "
+                        f"config.tie_word_embeddings=False), choose cuts that keep both users in one stage, or use "
+                        f"pp=1."
                     )
+                tied.append((first_name, f"{path}.{name}"))
+    return tuple(tied)
 
 
 def split_model(model: nn.Module, num_stages: int, cuts: list[int] | tuple[int, ...] | None = None) -> list[nn.Module]:
@@ -213,4 +246,4 @@ def local_model(model: nn.Module, plan: SplitPlan, stages: list[int]) -> tuple[n
     return local, [build_stage(local, plan, stage, share=True) for stage in stages]
 
 
-__all__ = ["SplitPlan", "build_stage", "find_units", "local_model", "plan_split", "split_model"]
+__all__ = ["SplitPlan", "build_stage", "tie_copy", "find_units", "local_model", "plan_split", "split_model"]

@@ -51,10 +51,18 @@ class PipelineStage:
         self.module = module
         self.index = index
         self.num_stages = num_stages
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.tied: tuple[tuple[str, str], ...] = ()
+        """Tied parameters (name on stage 0, name on the last stage) when this is the first or the last stage."""
         self._held: dict[int, _Held] = {}
         self.held_bytes = 0
         self.peak_bytes = 0
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """What the stage trains: its parameters and the buffers that require grad (the last stage's copy of a
+        tied parameter, ``split.tie_copy``), looked up now (moving a module to a device replaces its buffers)."""
+        return [*(p for p in self.module.parameters() if p.requires_grad),
+                *(b for b in self.module.buffers() if b.requires_grad)]
 
     @property
     def is_first(self) -> bool:
@@ -74,7 +82,8 @@ class PipelineStage:
             raise ScheduleError(f"stage {self.index}: {self.index}F{microbatch} ran twice without its backward.")
         if not self.is_first and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
-        with SavedActivations(exclude=self.params) as saved:  # the input, then what autograd keeps
+        params = self.params
+        with SavedActivations(exclude=params) as saved:  # the input, then what autograd keeps
             saved.add(inputs)
             output = self.module(inputs)
         if not isinstance(output, torch.Tensor):
@@ -131,8 +140,8 @@ class PipelineStage:
             for roots, grads, params in held.deferred:
                 if roots:
                     torch.autograd.backward(roots, grads, retain_graph=True, inputs=params)
-        elif output is not None and output.requires_grad and self.params:
-            torch.autograd.backward(output, held.grad_output, inputs=self.params)
+        elif output is not None and output.requires_grad and (params := self.params):
+            torch.autograd.backward(output, held.grad_output, inputs=params)
         self._release(microbatch, held, None)
 
     # ----------------------------------------------------------------- bookkeeping

@@ -1,9 +1,12 @@
 """Tensor parallelism: Megatron 1D layers (``layers``), vocab-parallel cross-entropy (``loss``), plans as data
 (``plan``) and what ``parallelize`` does with them (``apply``); 2D SUMMA (``linear2d``), 2.5D Tesseract
-(``linear2p5d``) and 3D (``linear3d``) layers on the tp sub-axes of ``grid`` (modules, not yet a plan)."""
+(``linear2p5d``) and 3D (``linear3d``) layers on the tp sub-axes of ``grid``, grid norms and embeddings
+(``grid_layers``) and grid plans for whole models (``grid_plan``)."""
 
 from plait.parallel.tensor.apply import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.grid import GridLinear, GridMLP, gather_activation, scatter_activation
+from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
+from plait.parallel.tensor.grid_plan import GRID_PLANS, GRID_STYLES, gpt_grid_plan
 from plait.parallel.tensor.linear2d import MLP2D, Linear2D
 from plait.parallel.tensor.linear2p5d import MLP2p5D, Linear2p5D
 from plait.parallel.tensor.linear3d import MLP3D, Linear3D
@@ -14,15 +17,21 @@ from plait.parallel.tensor.layers import (
     gather_parameters,
     is_tp_sharded,
 )
-from plait.parallel.tensor.loss import VocabParallelLoss, vocab_parallel_cross_entropy
+from plait.parallel.tensor.loss import GridVocabLoss, VocabParallelLoss, vocab_parallel_cross_entropy
 from plait.parallel.tensor.plan import PLANS, STYLES, apply_plan, default_plan, register_plan, resolve_plan
 
 __all__ = [
     "MLP2D",
     "MLP2p5D",
     "MLP3D",
+    "GRID_PLANS",
+    "GRID_STYLES",
+    "GridEmbedding",
     "GridLinear",
     "GridMLP",
+    "GridNorm",
+    "GridVocabLoss",
+    "gpt_grid_plan",
     "Linear2D",
     "Linear2p5D",
     "Linear3D",

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm, all_gather, copy_to, gather_from, reduce_from, reduce_scatter
 from plait.errors import LayoutError
+from plait.parallel.tensor.grid import whole
 
 AXIS = "tp"
 SEQUENCE_DIM = 1
@@ -64,10 +65,22 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tp_sharded", False))
 
 
-def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1) -> nn.Parameter:
+def padded_size(size: int, parts: int) -> int:
+    """``size`` rounded up to a multiple of ``parts`` (the padded vocabulary of ``Layout(tp_pad_vocab=True)``)."""
+    return -(-size // parts) * parts
+
+
+def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1,
+           pad: bool = False) -> nn.Parameter:
     """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter; with
-    ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated."""
+    ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated. ``pad``:
+    first pad ``dim`` with zeros to a multiple of t (``param.tp_full_size`` keeps the real size)."""
     parts = comm.size(axis)
+    full = tensor.shape[dim]
+    if pad and full % parts:
+        shape = list(tensor.shape)
+        shape[dim] = padded_size(full, parts) - full
+        tensor = torch.cat([tensor.detach(), tensor.new_zeros(shape)], dim=dim).requires_grad_(tensor.requires_grad)
     if tensor.shape[dim] % (parts * fused_parts):
         raise LayoutError(
             f"{what}: size {tensor.shape[dim]} of dim {dim} ({fused_parts} fused block(s)) does not split over "
@@ -80,6 +93,8 @@ def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_par
     param = mark_sharded(nn.Parameter(chunk, requires_grad=tensor.requires_grad), dim)
     if fused_parts > 1:
         param.tp_fused_parts = fused_parts  # type: ignore[attr-defined]
+    if tensor.shape[dim] != full:
+        param.tp_full_size = full  # type: ignore[attr-defined]
     return param
 
 
@@ -103,7 +118,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
-                 gather_output: bool | str = False, input_mode: str = "copy", transposed: bool = False) -> None:
+                 gather_output: bool | str = False, input_mode: str = "copy", transposed: bool = False,
+                 out_features: int | None = None) -> None:
         super().__init__()
         if gather_output not in (True, False, "eval"):
             raise ValueError(f"gather_output={gather_output!r}: use True, False or 'eval'")
@@ -115,16 +131,21 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.input_mode = input_mode
         self.transposed = transposed
+        local = weight.shape[1 if transposed else 0]
+        self.out_features = out_features if out_features is not None else local * comm.size(axis)
+        """The real output width; less than the padded local x tp under ``pad`` (a padded vocabulary)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Module, comm: Comm, axis: str = AXIS, gather_output: bool | str = False,
                     input_mode: str = "copy", name: str = "linear", transposed: bool = False,
-                    fused_parts: int = 1) -> ColumnParallelLinear:
-        """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out])."""
+                    fused_parts: int = 1, pad: bool = False) -> ColumnParallelLinear:
+        """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out]). ``pad``:
+        out_features padded with zero rows to a multiple of tp; their outputs are -inf (no probability under a
+        softmax, zero gradient) and the gathered output is cut back to out_features."""
         dim = 1 if transposed else 0
-        weight = _slice(linear.weight, dim, comm, axis, f"{name} (column parallel, out_features)", fused_parts)
-        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias", fused_parts)
-        return cls(weight, bias, comm, axis, gather_output, input_mode, transposed)
+        weight = _slice(linear.weight, dim, comm, axis, f"{name} (column parallel, out_features)", fused_parts, pad)
+        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias", fused_parts, pad)
+        return cls(weight, bias, comm, axis, gather_output, input_mode, transposed, linear.weight.shape[dim])
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_mode == "copy":
@@ -132,8 +153,12 @@ class ColumnParallelLinear(nn.Module):
         elif self.input_mode == "sequence":
             x = gather_sequence(x, self.comm, self.axis)
         y = _matmul(x, self.weight, self.bias, self.transposed)
+        start = self.comm.mesh.index(self.axis) * y.shape[-1]
+        if start + y.shape[-1] > self.out_features:  # padded columns on this rank: out of every softmax
+            padded = torch.arange(start, start + y.shape[-1], device=y.device) >= self.out_features
+            y = y.masked_fill(padded, float("-inf"))
         gather = self.gather_output is True or (self.gather_output == "eval" and not self.training)
-        return gather_from(y, self.comm, self.axis, dim=-1) if gather else y
+        return gather_from(y, self.comm, self.axis, dim=-1)[..., : self.out_features] if gather else y
 
     def extra_repr(self) -> str:
         out_local, in_features = self.weight.shape[::-1] if self.transposed else self.weight.shape
@@ -194,13 +219,14 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
-                       name: str = "embedding") -> VocabParallelEmbedding:
+                       name: str = "embedding", pad: bool = False) -> VocabParallelEmbedding:
+        """``pad``: the table padded with zero rows to a multiple of tp (no id reaches them)."""
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise LayoutError(
                 f"{name}: a vocab-parallel embedding supports neither max_norm, scale_grad_by_freq nor sparse=True. "
                 f"Fix: build the embedding without them, or leave {name} out of the tensor-parallel plan."
             )
-        weight = _slice(embedding.weight, 0, comm, axis, f"{name} (vocab parallel, num_embeddings)")
+        weight = _slice(embedding.weight, 0, comm, axis, f"{name} (vocab parallel, num_embeddings)", pad=pad)
         start = comm.mesh.index(axis) * weight.shape[0]
         padding = embedding.padding_idx
         local_padding = padding - start if padding is not None and start <= padding < start + weight.shape[0] else None
@@ -223,20 +249,26 @@ class VocabParallelEmbedding(nn.Module):
 def gather_slice(tensor: Tensor, param: Tensor, comm: Comm, axis: str = AXIS) -> Tensor:
     """The whole tensor of which ``tensor`` (``param`` itself, or its gradient) is this rank's tp slice: an
     all-gather along ``param.tp_shard_dim``; a fused parameter's blocks are put back in order (the gather gives
-    [q_0 k_0 v_0 | q_1 k_1 v_1], the model's layout is [q_0 q_1 | k_0 k_1 | v_0 v_1])."""
+    [q_0 k_0 v_0 | q_1 k_1 v_1], the model's layout is [q_0 q_1 | k_0 k_1 | v_0 v_1]). A 2D / 2.5D / 3D grid
+    block (``param.tp_grid_placement``) is all-gathered over the tp sub-axes instead."""
+    if hasattr(param, "tp_grid_placement"):
+        return whole(tensor, comm, param.tp_grid_placement)
     dim = param.tp_shard_dim  # type: ignore[attr-defined]
     gathered = comm.all_gather(tensor.detach().contiguous(), axis, dim=dim)
     fused = getattr(param, "tp_fused_parts", 1)
     if fused > 1:
         per_rank = [piece.chunk(fused, dim=dim) for piece in gathered.chunk(comm.size(axis), dim=dim)]
         gathered = torch.cat([blocks[part] for part in range(fused) for blocks in per_rank], dim=dim)
+    if hasattr(param, "tp_full_size"):  # a padded vocabulary: the model's rows only
+        gathered = gathered.narrow(dim, 0, param.tp_full_size)
     return gathered.clone()
 
 
 @torch.no_grad()
 def gather_parameters(model: nn.Module, comm: Comm, axis: str = AXIS) -> dict[str, Tensor]:
-    """Every parameter of ``model`` whole, by name: tp slices all-gathered along their ``tp_shard_dim`` (the
-    same call on every tp rank, in name order); replicated parameters copied. For checks and export."""
+    """Every parameter of ``model`` whole, by name: tp slices all-gathered along their ``tp_shard_dim`` (grid
+    blocks over the tp sub-axes; the same call on every tp rank, in name order); replicated parameters copied.
+    For checks and export."""
     out: dict[str, Tensor] = {}
     for name, param in model.named_parameters():
         out[name] = gather_slice(param, param, comm, axis) if is_tp_sharded(param) else param.detach().clone()
@@ -252,5 +284,6 @@ __all__ = [
     "gather_slice",
     "is_tp_sharded",
     "mark_sharded",
+    "padded_size",
     "scatter_sequence",
 ]

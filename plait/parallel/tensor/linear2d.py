@@ -27,10 +27,11 @@ from plait.parallel.tensor.grid import ACTIVATION_PLACEMENT, TP_COL, TP_ROW, Gri
 
 
 def summa_linear(x: Tensor, weight: Tensor, bias: Tensor | None, comm: Comm,
-                 replicated_over: str | None = None) -> Tensor:
+                 replicated_over: str | None = None, entered: bool = False) -> Tensor:
     """Y_ij = X_i* A_*j (+ b_j) from this rank's blocks; ``replicated_over``: an axis over which the weights are
-    copies whose gradients must be summed (2.5D's depth)."""
-    x_row = all_gather(x, comm, TP_COL, dim=-1)  # X_i*: this row's whole input features
+    copies whose gradients must be summed (2.5D's depth); ``entered``: ``x`` is already X_i* (gathered once by a
+    parent module for several layers)."""
+    x_row = x if entered else all_gather(x, comm, TP_COL, dim=-1)  # X_i*: this row's whole input features
     if replicated_over is not None:
         weight = copy_to(weight, comm, replicated_over)  # identity forward, all-reduce of dW backward
     w_col = all_gather(weight, comm, TP_ROW, dim=1)  # W[out_j, :] = A_*j^T
@@ -42,6 +43,17 @@ def summa_linear(x: Tensor, weight: Tensor, bias: Tensor | None, comm: Comm,
     return y
 
 
+def summa_placements(mode: str = "2d") -> dict[str, Placement]:
+    """Where a SUMMA layer's weight W [out, in], bias, input and output live (2D; 2.5D: the same in every depth
+    layer, the activations' batch cut over depth too)."""
+    return {
+        "weight": [(0, (TP_COL,)), (1, (TP_ROW,))],  # W[out_j, in_i] = A_ij^T
+        "bias": [(0, (TP_COL, TP_ROW))],
+        "input": ACTIVATION_PLACEMENT[mode],
+        "output": ACTIVATION_PLACEMENT[mode],
+    }
+
+
 class Linear2D(GridLinear):
     """nn.Linear as SUMMA on the q x q (tp_row x tp_col) grid: input, weight and output in q x q blocks."""
 
@@ -49,19 +61,19 @@ class Linear2D(GridLinear):
     NAME = "2D SUMMA"
 
     def weight_placement(self) -> Placement:
-        return [(0, (TP_COL,)), (1, (TP_ROW,))]  # W[out_j, in_i] = A_ij^T
+        return summa_placements(self.MODES[0])["weight"]
 
     def bias_placement(self) -> Placement:
-        return [(0, (TP_COL, TP_ROW))]
+        return summa_placements(self.MODES[0])["bias"]
 
     def input_placement(self) -> Placement:
-        return ACTIVATION_PLACEMENT["2d"]
+        return summa_placements(self.MODES[0])["input"]
 
     def output_placement(self) -> Placement:
-        return ACTIVATION_PLACEMENT["2d"]
+        return summa_placements(self.MODES[0])["output"]
 
-    def forward(self, x: Tensor) -> Tensor:
-        return summa_linear(x, self.weight, self.bias, self.comm)
+    def multiply(self, x: Tensor) -> Tensor:
+        return summa_linear(x, self.weight, self.bias, self.comm, entered=self.entered)
 
 
 class MLP2D(GridMLP):
@@ -72,4 +84,4 @@ class MLP2D(GridMLP):
         return cls(Linear2D.from_linear(up, comm, "up"), Linear2D.from_linear(down, comm, "down"), activation)
 
 
-__all__ = ["Linear2D", "MLP2D", "summa_linear"]
+__all__ = ["Linear2D", "MLP2D", "summa_linear", "summa_placements"]

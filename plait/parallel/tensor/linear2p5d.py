@@ -15,30 +15,19 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.parallel.tensor.grid import ACTIVATION_PLACEMENT, TP_COL, TP_DEP, TP_ROW, GridLinear, GridMLP, Placement
-from plait.parallel.tensor.linear2d import summa_linear
+from plait.parallel.tensor.grid import TP_DEP, GridMLP
+from plait.parallel.tensor.linear2d import Linear2D, summa_linear
 
 
-class Linear2p5D(GridLinear):
-    """nn.Linear as Tesseract: the batch split over depth, a SUMMA per depth layer, weights replicated over depth."""
+class Linear2p5D(Linear2D):
+    """nn.Linear as Tesseract: the batch split over depth, a SUMMA per depth layer, weights replicated over depth
+    (placed as 2D's, ``summa_placements("2.5d")``)."""
 
     MODES = ("2.5d",)
     NAME = "2.5D Tesseract"
 
-    def weight_placement(self) -> Placement:
-        return [(0, (TP_COL,)), (1, (TP_ROW,))]  # as 2D; not cut over tp_dep (replicated)
-
-    def bias_placement(self) -> Placement:
-        return [(0, (TP_COL, TP_ROW))]
-
-    def input_placement(self) -> Placement:
-        return ACTIVATION_PLACEMENT["2.5d"]
-
-    def output_placement(self) -> Placement:
-        return ACTIVATION_PLACEMENT["2.5d"]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return summa_linear(x, self.weight, self.bias, self.comm, replicated_over=TP_DEP)
+    def multiply(self, x: Tensor) -> Tensor:
+        return summa_linear(x, self.weight, self.bias, self.comm, replicated_over=TP_DEP, entered=self.entered)
 
 
 class MLP2p5D(GridMLP):

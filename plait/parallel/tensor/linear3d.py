@@ -30,6 +30,16 @@ from plait.errors import LayoutError
 from plait.parallel.tensor.grid import TP_COL, TP_DEP, TP_ROW, GridLinear, GridMLP, Placement
 
 
+def cube_placements(reduce_axis: str, out_axis: str) -> dict[str, Placement]:
+    """Where a 3D layer's weight W [out, in], bias, input and output live, given its reduce and out axes."""
+    return {
+        "weight": [(0, (out_axis, TP_ROW)), (1, (reduce_axis,))],  # W[out_j, in_k] = A_kj^T, cut over rows
+        "bias": [(0, (out_axis, reduce_axis, TP_ROW))],
+        "input": [(0, (TP_ROW, out_axis)), (-1, (reduce_axis,))],
+        "output": [(0, (TP_ROW, reduce_axis)), (-1, (out_axis,))],
+    }
+
+
 class Linear3D(GridLinear):
     """nn.Linear on the 3D cube: all-gather input (over ``out_axis``) and weight (over ``tp_row``), local matmul,
     reduce-scatter of the output over ``reduce_axis``."""
@@ -38,28 +48,29 @@ class Linear3D(GridLinear):
     NAME = "3D"
 
     def __init__(self, linear: nn.Linear, comm: Comm, name: str = "linear", reduce_axis: str = TP_DEP,
-                 out_axis: str = TP_COL) -> None:
+                 out_axis: str = TP_COL, entered: bool = False, gather_output: bool | str = False) -> None:
         if {reduce_axis, out_axis} != {TP_DEP, TP_COL}:
             raise LayoutError(f"{name}: a 3D layer reduces over one of tp_dep / tp_col and splits its output over the "
                               f"other (got reduce_axis={reduce_axis!r}, out_axis={out_axis!r}). Fix: use "
                               f"reduce_axis='tp_dep', out_axis='tp_col' or the reverse.")
         self.reduce_axis, self.out_axis = reduce_axis, out_axis
-        super().__init__(linear, comm, name)
+        super().__init__(linear, comm, name, entered, gather_output)
 
     def weight_placement(self) -> Placement:
-        return [(0, (self.out_axis, TP_ROW)), (1, (self.reduce_axis,))]  # W[out_j, in_k] = A_kj^T, cut over rows
+        return cube_placements(self.reduce_axis, self.out_axis)["weight"]
 
     def bias_placement(self) -> Placement:
-        return [(0, (self.out_axis, self.reduce_axis, TP_ROW))]
+        return cube_placements(self.reduce_axis, self.out_axis)["bias"]
 
     def input_placement(self) -> Placement:
-        return [(0, (TP_ROW, self.out_axis)), (-1, (self.reduce_axis,))]
+        return cube_placements(self.reduce_axis, self.out_axis)["input"]
 
     def output_placement(self) -> Placement:
-        return [(0, (TP_ROW, self.reduce_axis)), (-1, (self.out_axis,))]
+        return cube_placements(self.reduce_axis, self.out_axis)["output"]
 
-    def forward(self, x: Tensor) -> Tensor:
-        x_ik = all_gather(x, self.comm, self.out_axis, dim=0)  # batch block i whole, features k
+    def multiply(self, x: Tensor) -> Tensor:
+        # batch block i whole, features k (``entered``: a parent module gathered it once for several layers)
+        x_ik = x if self.entered else all_gather(x, self.comm, self.out_axis, dim=0)
         w_jk = all_gather(self.weight, self.comm, TP_ROW, dim=0)  # W[out_j, in_k]
         y = reduce_scatter(F.linear(x_ik, w_jk), self.comm, self.reduce_axis, dim=0)  # sum over k, batch cut over k
         if self.bias is not None:
@@ -81,4 +92,4 @@ class MLP3D(GridMLP):
                    Linear3D(down, comm, "down", reduce_axis=TP_COL, out_axis=TP_DEP), activation)
 
 
-__all__ = ["Linear3D", "MLP3D"]
+__all__ = ["Linear3D", "MLP3D", "cube_placements"]

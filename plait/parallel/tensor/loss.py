@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plait.comm import Comm
+from plait.comm import Comm, reduce_from
+from plait.parallel.tensor.grid import batch_block
 
 IGNORE_INDEX = -100
 
@@ -100,4 +101,31 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, self.ignore_index)
 
 
-__all__ = ["IGNORE_INDEX", "VocabParallelLoss", "vocab_parallel_cross_entropy"]
+class GridVocabLoss:
+    """``loss_fn(logits, targets)`` for an LM head on a 2D / 2.5D / 3D grid, whose logits are cut over the batch
+    (``batch_axes``) and the vocabulary (``vocab_axis``): this rank's batch block of the (whole) targets,
+    vocab-parallel cross-entropy per token over ``vocab_axis``, the token sum all-reduced over the batch axes
+    (identity backward: every rank's loss is the same, each backpropagates 1/n into its own block) and divided by
+    the number of counted tokens of the whole batch. Whole logits (evaluation) take plain cross-entropy."""
+
+    def __init__(self, comm: Comm, vocab_size: int, vocab_axis: str, batch_axes: tuple[str, ...],
+                 ignore_index: int = IGNORE_INDEX) -> None:
+        self.comm, self.vocab_size, self.vocab_axis, self.batch_axes = comm, vocab_size, vocab_axis, batch_axes
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        flat_targets = targets.reshape(-1)
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        if flat_logits.shape == (flat_targets.numel(), self.vocab_size):
+            return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=self.ignore_index)
+        local_targets = batch_block(targets, self.comm, self.batch_axes, "grid cross-entropy targets").reshape(-1)
+        per_token = vocab_parallel_cross_entropy(flat_logits, local_targets, self.comm, self.vocab_axis,
+                                                 self.ignore_index, reduction="none")
+        total = per_token.sum()
+        for axis in self.batch_axes:
+            total = reduce_from(total, self.comm, axis)
+        counted = (flat_targets != self.ignore_index).sum()
+        return total / counted.to(total.dtype)
+
+
+__all__ = ["IGNORE_INDEX", "GridVocabLoss", "VocabParallelLoss", "vocab_parallel_cross_entropy"]

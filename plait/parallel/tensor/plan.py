@@ -51,6 +51,8 @@ Plan = dict[str, str]
 STYLES = ("colwise", "colwise_gather", "colwise_vocab", "colwise_fused_qkv", "rowwise", "vocab", "enter", "seq_shard")
 LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_vocab", "colwise_fused_qkv", "rowwise")
 FUSED_PARTS = {"colwise_fused_qkv": 3}
+PADDED_STYLES = ("vocab", "colwise_vocab")
+"""The styles whose split size (the vocabulary) ``Layout(tp_pad_vocab=True)`` pads to a multiple of tp."""
 INPUT_KEYWORDS = ("hidden_states", "x", "input")
 """Where an "enter" module's input is when it is called with keywords only (HF Llama: self_attn(hidden_states=...))."""
 PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
@@ -95,14 +97,22 @@ def load_lazy_plans(model: nn.Module) -> None:
 def default_plan(model: nn.Module) -> Plan:
     """The registered plan of ``model``'s class; LayoutError naming the fix when none is registered."""
     load_lazy_plans(model)
-    for cls in type(model).__mro__:
-        if cls in PLANS:
-            return PLANS[cls](model)
+    plan = registered_plan(model, PLANS)
+    if plan is not None:
+        return plan
     raise LayoutError(
         f"tensor parallelism has no built-in plan for {type(model).__name__} (built-in: "
         f"{', '.join(c.__name__ for c in PLANS) or 'none'}). Fix: pass tp_plan={{module path: style}}, e.g. "
         f"{{'mlp.up': 'colwise', 'mlp.down': 'rowwise'}}, with styles from {', '.join(STYLES)}."
     )
+
+
+def registered_plan(model: nn.Module, registry: dict[type, Callable[[nn.Module], Plan]]) -> Plan | None:
+    """The plan ``registry`` holds for the most derived class of ``model`` (None when it holds none)."""
+    for cls in type(model).__mro__:
+        if cls in registry:
+            return registry[cls](model)
+    return None
 
 
 def gpt_plan(model: nn.Module) -> Plan:
@@ -142,20 +152,43 @@ class ResolvedPlan:
 
     styles: dict[str, str]
     sequence_parallel: bool
+    pad_vocab: bool = False
 
 
-def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False) -> ResolvedPlan:
+def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False,
+                 pad_vocab: bool = False) -> ResolvedPlan:
     """Match ``plan`` against ``model`` and check it for ``tp`` ranks, without communication (the same
     LayoutError on every rank): unknown styles, patterns matching nothing, wrong module types, sizes that do
-    not split, heads / kv heads that do not split, a sequence that does not split under SP."""
+    not split (``pad_vocab``: the vocabulary of "vocab" / "colwise_vocab" is padded instead), heads / kv heads
+    that do not split, a sequence that does not split under SP."""
+    load_lazy_plans(model)
+    modules = dict(model.named_modules())
+    styles = match_plan(model, plan, STYLES)
+    for path, style in styles.items():
+        _check_module(path, modules[path], style, tp, pad_vocab)
+    _check_heads(modules, styles, tp)
+    _check_registered_attention(modules, styles, tp, sequence_parallel)
+    if sequence_parallel:
+        seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+        if isinstance(seq_len, int) and seq_len % tp:
+            raise LayoutError(
+                f"sequence_parallel=True splits the sequence over tp={tp}, but {type(model).__name__} has "
+                f"seq_len={seq_len}. Fix: use a sequence length that is a multiple of {tp}, or sequence_parallel=False."
+            )
+    ordered = {path: styles[path] for path in modules if path in styles}
+    return ResolvedPlan(ordered, sequence_parallel, pad_vocab)
+
+
+def match_plan(model: nn.Module, plan: Plan, allowed: tuple[str, ...]) -> dict[str, str]:
+    """``{module path: style}`` for every module a plan pattern matches; LayoutError for a style not in
+    ``allowed``, a pattern naming no module (with near names), or a module given two styles. Pure."""
     if not isinstance(plan, dict) or not plan:
         raise LayoutError(f"a tensor-parallel plan is a non-empty dict {{module path: style}}, got {plan!r}.")
-    load_lazy_plans(model)
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise LayoutError(f"tp plan entry {pattern!r}: unknown style {style!r}. Fix: use one of {', '.join(STYLES)}.")
+        if style not in allowed:
+            raise LayoutError(f"tp plan entry {pattern!r}: unknown style {style!r}. Fix: use one of {', '.join(allowed)}.")
         hits = [path for path in modules if path and _matches(pattern, path)]
         if not hits:
             near = [p for p in modules if p and p.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]][:3]
@@ -168,19 +201,7 @@ def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool 
             if path in styles and styles[path] != style:
                 raise LayoutError(f"{path} gets two styles from the tp plan ({styles[path]!r}, {style!r}). Fix: keep one.")
             styles[path] = style
-    for path, style in styles.items():
-        _check_module(path, modules[path], style, tp)
-    _check_heads(modules, styles, tp)
-    _check_registered_attention(modules, styles, tp, sequence_parallel)
-    if sequence_parallel:
-        seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-        if isinstance(seq_len, int) and seq_len % tp:
-            raise LayoutError(
-                f"sequence_parallel=True splits the sequence over tp={tp}, but {type(model).__name__} has "
-                f"seq_len={seq_len}. Fix: use a sequence length that is a multiple of {tp}, or sequence_parallel=False."
-            )
-    ordered = {path: styles[path] for path in modules if path in styles}
-    return ResolvedPlan(ordered, sequence_parallel)
+    return styles
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -193,14 +214,14 @@ def linear_sizes(module: nn.Module) -> tuple[int, int]:
     return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
 
 
-def _check_module(path: str, module: nn.Module, style: str, tp: int) -> None:
+def _check_module(path: str, module: nn.Module, style: str, tp: int, pad_vocab: bool = False) -> None:
     if style in LINEAR_STYLES and type(module) is not nn.Linear and not is_conv1d(module):
         raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear "
                           f"(or a transformers Conv1D). Fix: give {path} a style that fits it, or remove it from the plan.")
     if style == "vocab" and type(module) is not nn.Embedding:
         raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style 'vocab' needs an nn.Embedding. "
                           f"Fix: give {path} a style that fits it, or remove it from the plan.")
-    if style in ("enter", "seq_shard"):
+    if style in ("enter", "seq_shard") or (pad_vocab and style in PADDED_STYLES):
         return
     if style == "rowwise":
         what, size = "in_features", linear_sizes(module)[0]
@@ -213,22 +234,30 @@ def _check_module(path: str, module: nn.Module, style: str, tp: int) -> None:
         fused = f" (each of its {parts} fused blocks: {size // parts})" if parts > 1 else ""
         raise LayoutError(
             f"tp={tp} does not divide the {what} of {path} ({size}){fused}, which style {style!r} splits. "
-            f"Fix: choose tp dividing {size // parts} (or resize the model)."
+            f"Fix: choose tp dividing {size // parts} (or resize the model"
+            + (", or pad the vocabulary with Layout(tp_pad_vocab=True)" if style in PADDED_STYLES else "") + ")."
         )
+
+
+def planned_attention_heads(modules: dict[str, nn.Module], styles: dict[str, str]) -> list[tuple[str, int, str]]:
+    """``(path, heads, label)`` for the query and the key/value heads of every plait ``Attention`` whose q is
+    planned (the counts read off the projection widths)."""
+    out = []
+    for path, module in modules.items():
+        if isinstance(module, Attention) and f"{path}.q" in styles:
+            for proj, label in (("q", "attention heads (n_head)"), ("k", "key/value heads (n_kv_head)")):
+                out.append((path, getattr(module, proj).out_features // module.head_dim, label))
+    return out
 
 
 def _check_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int) -> None:
     """Whole attention heads per rank: tp must divide the query heads and the key/value heads."""
-    for path, module in modules.items():
-        if not isinstance(module, Attention) or f"{path}.q" not in styles:
-            continue
-        for proj, label in (("q", "attention heads (n_head)"), ("k", "key/value heads (n_kv_head)")):
-            heads = getattr(module, proj).out_features // module.head_dim
-            if heads % tp:
-                raise LayoutError(
-                    f"tp={tp} does not divide the {heads} {label} of {path}: tensor parallelism gives each rank whole "
-                    f"heads. Fix: choose tp dividing {heads} (e.g. tp={_largest_divisor(heads, tp)})."
-                )
+    for path, heads, label in planned_attention_heads(modules, styles):
+        if heads % tp:
+            raise LayoutError(
+                f"tp={tp} does not divide the {heads} {label} of {path}: tensor parallelism gives each rank whole "
+                f"heads. Fix: choose tp dividing {heads} (e.g. tp={_largest_divisor(heads, tp)})."
+            )
 
 
 def _check_registered_attention(modules: dict[str, nn.Module], styles: dict[str, str], tp: int,
@@ -254,11 +283,17 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 
 def _enter_hook(comm: Comm, sequence_parallel: bool) -> Callable[..., tuple]:
-    """Forward pre-hook (with kwargs): the module's first positional input, or else its ``INPUT_KEYWORDS``
-    keyword input, through f (or the SP all-gather along the sequence)."""
+    """Megatron's f (or the SP all-gather along the sequence) at a module's input (``input_hook``)."""
 
     def enter(x: object) -> object:
         return gather_sequence(x, comm, AXIS) if sequence_parallel else copy_to(x, comm, AXIS)  # type: ignore[arg-type]
+
+    return input_hook(enter, "enter")
+
+
+def input_hook(enter: Callable[[object], object], style: str) -> Callable[..., tuple]:
+    """Forward pre-hook (with kwargs) applying ``enter`` to the module's first positional input, or else to its
+    ``INPUT_KEYWORDS`` keyword input (LayoutError naming ``style`` when there is neither)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         if args:
@@ -267,9 +302,9 @@ def _enter_hook(comm: Comm, sequence_parallel: bool) -> Callable[..., tuple]:
             if key in kwargs:
                 return args, {**kwargs, key: enter(kwargs[key])}
         raise LayoutError(
-            f"tp style 'enter' on {type(module).__name__}: it was called without a positional input or one of the "
-            f"keywords {', '.join(INPUT_KEYWORDS)}, so its input cannot enter the tp region. Fix: give its column "
-            f"layers the style 'colwise' without 'enter' on the module."
+            f"tp style {style!r} on {type(module).__name__}: it was called without a positional input or one of the "
+            f"keywords {', '.join(INPUT_KEYWORDS)}, so its input cannot enter the tp region. Fix: remove {style!r} "
+            f"from the plan for this module (its layers then gather their inputs themselves)."
         )
 
     return hook
@@ -290,17 +325,19 @@ def _seq_shard_hook(comm: Comm) -> Callable[..., object]:
     return hook
 
 
-def _build(path: str, module: nn.Module, style: str, comm: Comm, sequence_parallel: bool, entered: bool,
+def _build(path: str, module: nn.Module, style: str, comm: Comm, resolved: ResolvedPlan, entered: bool,
            gather_logits: bool | str) -> nn.Module:
-    transposed = is_conv1d(module)
+    transposed, sequence_parallel = is_conv1d(module), resolved.sequence_parallel
+    pad = resolved.pad_vocab and style in PADDED_STYLES
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path, transposed=transposed)
     if style == "vocab":
-        return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path)  # type: ignore[arg-type]
+        return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path,  # type: ignore[arg-type]
+                                                     pad=pad)
     mode = "entered" if entered else ("sequence" if sequence_parallel else "copy")
     gather = True if style == "colwise_gather" else (gather_logits if style == "colwise_vocab" else False)
     return ColumnParallelLinear.from_linear(module, comm, AXIS, gather, mode, name=path, transposed=transposed,
-                                            fused_parts=FUSED_PARTS.get(style, 1))
+                                            fused_parts=FUSED_PARTS.get(style, 1), pad=pad)
 
 
 def _tie(new: nn.Module, original: nn.Module, tied: dict[int, nn.Module], path: str) -> None:
@@ -347,8 +384,7 @@ def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
                 continue  # reached again through another root that shares it: already swapped
             if id(module) not in swapped:
                 entered = style != "rowwise" and any(path.startswith(p + ".") for p in entered_paths)
-                swapped[id(module)] = _build(path, module, style, comm, resolved.sequence_parallel, entered,
-                                             gather_logits)
+                swapped[id(module)] = _build(path, module, style, comm, resolved, entered, gather_logits)
                 _tie(swapped[id(module)], module, tied, path)
                 done.append(path)
             parent_path, _, leaf = path.rpartition(".")
@@ -383,4 +419,6 @@ def mark_sequence_partial(model: nn.Module) -> None:
 
 
 __all__ = ["ATTENTION", "PLANS", "STYLES", "AttentionHeads", "Plan", "ResolvedPlan", "apply_plan", "default_plan",
-           "gpt_plan", "is_conv1d", "load_lazy_plans", "register_attention", "register_plan", "resolve_plan"]
+           "gpt_plan", "input_hook", "is_conv1d", "match_plan", "planned_attention_heads",
+           "registered_plan", "load_lazy_plans", "register_attention", "register_plan",
+           "resolve_plan"]

@@ -24,7 +24,9 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.config import Layout
-from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
+from plait.parallel.precision import gradient_reduce_dtype
+from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
+from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards
 from plait.parallel.zero.offload import Placement, is_file_backed
 
 
@@ -64,6 +66,9 @@ class ShardedStrategy(DataParallelStrategy):
         self.world = comm.size(axis)
         self.index = comm.mesh.index(axis)
         self._sync = True
+        self.reduce_dtype = gradient_reduce_dtype(layout)
+        """bf16/fp16 with ``Layout.reduce_dtype="compute"``: gradients are reduce-scattered in it (``_receive_grad``
+        casts the reduced shard back to the master's fp32); None: in their own dtype."""
         self.placement = Placement(layout.offload, comm.device, comm.mesh.rank, offload_dir)
 
     # ----------------------------------------------------------------- masters and optimizer
@@ -72,10 +77,16 @@ class ShardedStrategy(DataParallelStrategy):
         return nn.Parameter(self.placement.place(values.detach(), name))
 
     def _build_optimizer(self, masters: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """Call the factory on ``masters`` and check that the optimizer holds exactly them."""
-        optimizer = self._factory(masters)
+        """Call the factory on ``masters``; check that the optimizer holds exactly them, steps without a closure
+        and is elementwise (``plait.parallel.zero.optimizers``)."""
+        try:
+            optimizer = self._factory(masters)
+        except ValueError as error:  # e.g. torch.optim.Muon: "only supports 2D parameters"
+            raise factory_failed_on_shards(error, masters, self.stage) from error
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        check_steps_without_closure(optimizer)
+        check_elementwise(optimizer, self.stage)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if held != {id(m) for m in masters}:
             raise ValueError(

@@ -43,6 +43,7 @@ from plait.comm import Comm
 from plait.comm.collectives import Pending
 from plait.config import Layout
 from plait.logging import get_logger
+from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero import fsdp_state
 from plait.parallel.zero.base import ShardedStrategy
@@ -236,6 +237,7 @@ class FullyShardedStrategy(ShardedStrategy):
             unit.local_grad = flat
             return
         self._drain()  # at most one reduce-scatter in flight: bounds the full gradients held
+        flat = cast_for_reduction(flat, self.reduce_dtype)
         self._inflight = (unit, self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True))
         self._record("reduce_scatter", unit.name)
 

@@ -28,8 +28,8 @@ per bucket), so any torch.optim optimizer works, with two limits:
   for norms and biases) cannot be expressed: every shard gets the factory's hyperparameters. An optimizer
   already built on ``model.parameters()`` is refused (it would hold the full parameters).
 - elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) take exactly the step of single-device
-  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) compute them per shard,
-  which is a different algorithm.
+  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) would compute them per
+  shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``).
 
 Gradient accumulation: inside ``no_sync()`` backward accumulates full gradients in ``param.grad`` without
 communication (under ZeRO-2 too, as DeepSpeed does: accumulating sharded gradients would need a
@@ -55,6 +55,7 @@ from plait.comm import Comm
 from plait.config import Layout
 from plait.errors import LayoutError
 from plait.logging import get_logger
+from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero.base import ShardedStrategy
 from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, plan_buckets
@@ -130,7 +131,7 @@ class ShardedOptimizerStrategy(ShardedStrategy):
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: ShardBucket) -> None:
-        flat = bucket.take_flat(self.comm.device)
+        flat = cast_for_reduction(bucket.take_flat(self.comm.device), self.reduce_dtype)
         bucket.pending = self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True)
         self._next = bucket.index + 1
 

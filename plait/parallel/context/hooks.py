@@ -1,0 +1,127 @@
+"""The hooks that shard a model's sequence over the cp ranks, and the loss that slices the targets to match.
+
+- a forward pre-hook cuts the tokens [B, T, ...] to this rank's positions (zigzag for ring, contiguous for
+  Ulysses) and passes those global positions to the model (``positions`` for plait's GPT, ``position_ids``
+  for Hugging Face models: learned position embeddings and RoPE see the right positions);
+- in training the model returns this rank's shard of the output; in eval (``model.training`` False) a
+  forward hook all-gathers it over cp and restores sequence order, so metrics see full outputs;
+- ``ContextParallelLoss`` slices the targets to match. A mean over the local tokens is rescaled by
+  cp * n_local / n_all (n = targets not equal to ``ignore_index``, counted from the full targets the Engine
+  passes, so no communication), which makes the average over dp_cp (what the Engine does with losses and
+  gradients) the mean over all tokens: exactly single-device training. With no ignored targets the factor is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm, gather_from
+from plait.errors import LayoutError
+from plait.parallel.context.sharding import SequenceSharding
+
+AXIS = "cp"
+IGNORE_INDEX = -100
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class ContextParallelModel:
+    """The hooks that make ``model`` context parallel; kept on the model as ``model._plait_context_parallel``."""
+
+    def __init__(self, model: nn.Module, sharding: SequenceSharding, comm: Comm, axis: str = AXIS,
+                 sequence_parallel: int = 1) -> None:
+        self.model, self.sharding, self.comm, self.axis = model, sharding, comm, axis
+        self.sequence_parallel = sequence_parallel
+        """Megatron-SP's split of each rank's T/cp tokens (tp with ``sequence_parallel=True``, else 1)."""
+        self.length: int | None = None
+        """The full sequence length of the last forward (the loss wrapper slices targets to it)."""
+        self._handles = [
+            model.register_forward_pre_hook(self._shard_inputs, with_kwargs=True),
+            model.register_forward_hook(self._gather_in_eval),
+        ]
+
+    def local_positions(self, length: int, device: torch.device | None = None) -> Tensor:
+        """The global positions this rank holds of a length-``length`` sequence."""
+        return self.sharding.local_positions(length, device=device)
+
+    def _shard_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if not args:
+            raise TypeError("a context-parallel model takes its tokens [B, T] (or hidden states [B, T, d]) first")
+        tokens = args[0]
+        length = tokens.shape[1]
+        self.sharding.check_length(length)  # before any collective, identically on every rank
+        if (length // self.sharding.size) % self.sequence_parallel:
+            split = self.sharding.size * self.sequence_parallel
+            raise LayoutError(
+                f"context parallel (cp={self.sharding.size}) leaves {length // self.sharding.size} of the {length} "
+                f"tokens on each rank, which Megatron-SP cannot split over tp={self.sequence_parallel}. Fix: use a "
+                f"sequence length that is a multiple of {math.lcm(split, self.sharding.chunks)}, pad the batch, "
+                f"or sequence_parallel=False."
+            )
+        self.length = length
+        index = self.local_positions(length, tokens.device)
+        return self.local_call(tokens.index_select(1, index), index, args[1:], kwargs)
+
+    def local_call(self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The model's arguments for this rank's tokens at global positions ``index``: plait's GPT takes
+        ``forward(x, positions)`` (given positions, if any, are sliced the same way)."""
+        given = rest[0] if rest else kwargs.get("positions")
+        positions = index if given is None else given.index_select(-1, index)
+        if rest:
+            return (local_tokens, positions, *rest[1:]), kwargs
+        return (local_tokens,), {**kwargs, "positions": positions}
+
+    def _gather_in_eval(self, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        if module.training or self.length is None:
+            return output
+        gathered = gather_from(output, self.comm, self.axis, dim=1)  # rank order: chunks of each rank in turn
+        if self.sharding.mode == "ulysses":
+            return gathered  # contiguous shards: rank order is sequence order
+        order = self.sharding.gathered_order(self.length, device=output.device)
+        return gathered.index_select(1, torch.argsort(order))
+
+    def remove(self) -> None:
+        """Take the hooks off (the swapped attention cores stay)."""
+        for handle in self._handles:
+            handle.remove()
+
+
+class ContextParallelLoss:
+    """``loss_fn`` on this rank's shard of the output against the matching targets, weighted so that the
+    average over cp ranks is the mean over all non-ignored tokens (see the module docstring)."""
+
+    def __init__(self, loss_fn: LossFn, model: ContextParallelModel, ignore_index: int = IGNORE_INDEX) -> None:
+        self.loss_fn, self.model, self.ignore_index = loss_fn, model, ignore_index
+
+    def local_targets(self, output: Tensor, target: Tensor) -> Tensor | None:
+        """The targets of this rank's positions, or None when ``output`` covers the full sequence."""
+        length, n = self.model.length, self.model.sharding.size
+        if length is None:
+            return None
+        index = self.model.local_positions(length, target.device)
+        if target.dim() == 1 and output.shape[0] * n == target.shape[0]:  # [B*T] flattened next to [B*T/cp, C]
+            return target.view(-1, length).index_select(1, index).reshape(-1)
+        if target.dim() >= 2 and target.shape[1] == length and output.dim() >= 2 and output.shape[1] * n == length:
+            return target.index_select(1, index)
+        return None
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        local = self.local_targets(output, target)
+        if local is None:
+            return self.loss_fn(output, target)
+        if target.is_floating_point():  # regression-style targets: equal token counts, plain mean
+            return self.loss_fn(output, local)
+        n = self.model.sharding.size
+        counted_here = int((local != self.ignore_index).sum())
+        counted_all = int((target != self.ignore_index).sum())
+        if counted_here == 0 and counted_all > 0:  # nothing scored here: contribute 0 (and zero gradients)
+            return output.sum() * 0.0
+        loss = self.loss_fn(output, local)
+        if counted_all == 0 or counted_here * n == counted_all:
+            return loss
+        return loss * (counted_here * n / counted_all)
