@@ -32,6 +32,9 @@ from plait.parallel.param_server.worker import PSWorker
 
 log = get_logger(__name__)
 MAX_WORKERS = 64
+REPORT_TIMEOUT_S = 2.0
+"""How long a progress poll waits for a server's report: a server that is down (restarting) shows as 'no report'
+at once instead of holding up the launcher."""
 
 
 @dataclass(frozen=True)
@@ -185,10 +188,12 @@ class LocalCluster:
         os.kill(self.workers[index].pid, signal.SIGKILL)
         self.workers[index].join(timeout=10)
 
-    def report(self, server: int = 0) -> dict[str, Any]:
-        conn = connect(self.addresses[server], self.config.timeout_s)
+    def report(self, server: int = 0, timeout_s: float | None = None) -> dict[str, Any]:
+        """Server `server`'s counters (`ShardServer.report`), waiting up to `timeout_s` (default the job's)."""
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        conn = connect(self.addresses[server], timeout_s)
         try:
-            return request(conn, "report", self.config.timeout_s)
+            return request(conn, "report", timeout_s)
         finally:
             conn.close()
 
@@ -197,7 +202,7 @@ class LocalCluster:
         found: list[dict[str, Any] | str] = []
         for server in range(len(self.addresses)):
             try:
-                found.append(self.report(server))
+                found.append(self.report(server, timeout_s=REPORT_TIMEOUT_S))
             except Exception as error:  # noqa: BLE001 - a server being down is a state to show, not a failure here
                 found.append(f"server {server}: no report ({error})")
         return found
