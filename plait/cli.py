@@ -4,9 +4,12 @@
 (``torch.distributed.run``, standalone rendezvous) running ``python -m plait train`` again; inside a torchrun
 worker (LOCAL_RANK set) it is the training program itself. So on a cluster the same program runs under
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
+``--max-restarts N`` is torchrun's: the agent restarts every worker when one fails, and each resumes from the
+last checkpoint (``plait/fault.py``, docs/launching.md).
 
 ``plait schedule`` simulates and draws a pipeline schedule in this process (``cli_schedule.py``); ``plait ps``
-trains with parameter servers (``cli_ps.py``); ``plait plan``, ``plait simulate`` and ``plait calibrate`` are the
+trains with parameter servers (``cli_ps.py``); ``plait convert`` moves weights between checkpoints and
+safetensors (``cli_convert.py``); ``plait plan``, ``plait simulate`` and ``plait calibrate`` are the
 planner's (``plait/planner/commands.py``).
 """
 
@@ -18,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from plait.cli_convert import add_convert_command, run_convert
 from plait.cli_ps import add_ps_command, run_ps
 from plait.cli_schedule import add_schedule_command, run_schedule
 from plait.errors import ConfigError, PlaitError
@@ -37,8 +41,16 @@ def _parser() -> argparse.ArgumentParser:
                        help="override one setting, e.g. --set layout.dp=2 --set train.steps=100 (repeatable)")
     train.add_argument("--nproc", type=int, default=4, help="local processes to launch (default 4)")
     train.add_argument("--out", help="run folder for metrics, plot and checkpoints (default runs/<id>)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart all workers up to N times when one fails; each restart resumes from the last "
+                            "checkpoint, so it needs train.save_every (default 0: a failed rank fails the job)")
+    train.add_argument("--trace", nargs="?", const="", default=None, metavar="PATH",
+                       help="trace the last --trace-steps steps of every rank into one Chrome/Perfetto timeline "
+                            "(default PATH <run>/trace.json; also .summary.json and .png beside it)")
+    train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
     add_schedule_command(commands)
     add_ps_command(commands)
+    add_convert_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -58,14 +70,21 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         forwarded += ["--config", args.config]
     for item in args.overrides:
         forwarded += ["--set", item]
+    if args.trace is not None:
+        forwarded += [f"--trace={args.trace}", f"--trace-steps={args.trace_steps}"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.max_restarts:  # a restart must not read the last attempt's addresses (pytorch/pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     parser = get_args_parser()
     parser.allow_abbrev = False  # the worker's own flags (--nproc, --out) must not match torchrun's by prefix
-    torchrun_args = parser.parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "plait", *forwarded])
+    torchrun_args = parser.parse_args(["--standalone", f"--nproc-per-node={args.nproc}",
+                                       f"--max-restarts={args.max_restarts}", "--module", "plait", *forwarded])
     try:
         run(torchrun_args)
     except ChildFailedError as error:
-        failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in error.failures.items())
+        from plait.fault import describe_exit
+
+        failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(error.failures.items()))
         print(f"plait: error: training failed on {failed}; see that rank's error above.", file=sys.stderr)  # noqa: T201
         return 1
     return 0
@@ -76,8 +95,20 @@ def _check_before_launch(args: argparse.Namespace) -> None:
     from plait.data import make_dataset
     from plait.run_config import load_config
 
+    from plait.fault import RankGuard
+
     config = load_config(args.config, args.overrides)
     config.layout.resolve(args.nproc).check_batch(config.train.global_batch)
+    fault = RankGuard.from_env(0).fault  # PLAIT_WATCHDOG_S and PLAIT_FAULT_INJECT read as every worker will
+    if fault is not None and fault.rank >= args.nproc:
+        raise ConfigError(f"PLAIT_FAULT_INJECT names rank {fault.rank}, but the job has ranks 0..{args.nproc - 1}. "
+                          f"Fix: name one of them, or unset PLAIT_FAULT_INJECT.")
+    if args.max_restarts > 0 and not config.train.save_every:
+        raise ConfigError(
+            f"--max-restarts {args.max_restarts} restarts the workers from the last checkpoint, but train.save_every "
+            f"is 0 (no checkpoints), so every restart would start over from step 0. Fix: checkpoint, e.g. "
+            f"--set train.save_every=100 (checkpoints go to <run>/ckpt), or drop --max-restarts."
+        )
     try:
         make_dataset(config.data.name, **config.data.dataset_kwargs())
     except ValueError as error:
@@ -92,7 +123,7 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
     config = load_config(args.config, overrides)
     try:
-        run(config)
+        run(config, trace=args.trace, trace_steps=args.trace_steps)
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
@@ -107,16 +138,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             if args.nproc < 1:
                 raise PlaitError(f"--nproc {args.nproc} must be at least 1.")
-            if not _in_torchrun() and args.nproc > 1:
-                from plait.run_config import load_config
+            if args.trace is not None and args.trace_steps < 1:
+                raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
+            if args.max_restarts < 0:
+                raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
+                                  f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint).")
+            if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
 
                 _check_before_launch(args)
                 return _launch(args, argv)
+            agent_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+            if _in_torchrun() and args.max_restarts not in (0, agent_restarts):
+                note = (f"plait: warning: --max-restarts {args.max_restarts} has no effect inside torchrun (its agent "
+                        f"allows {agent_restarts}); pass --max-restarts to torchrun instead.")
+                print(note, file=sys.stderr)  # noqa: T201 - CLI output
             return _train(args)
         if args.command == "schedule":
             return run_schedule(args)
         if args.command == "ps":
             return run_ps(args)
+        if args.command == "convert":
+            return run_convert(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:

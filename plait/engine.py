@@ -29,6 +29,7 @@ from plait.errors import LayoutError
 from plait.mesh import Mesh
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
+from plait.trace import no_span
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
@@ -129,6 +130,9 @@ class Engine:
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
         """Forward and backward over the micro-batches, average gradients, clip, step the optimizer."""
         start = time.perf_counter()
+        tracer = self.comm.tracer  # plait.trace.Tracer while one records; None costs this one check
+        traced_from = tracer.now() if tracer is not None else 0
+        span = tracer.span if tracer is not None else no_span
         before = self.comm.stats.snapshot()
         micro = self._split(batch)
         self.model.train()
@@ -145,14 +149,19 @@ class Engine:
             for index, (inputs, targets) in enumerate(micro):
                 last = index == len(micro) - 1
                 with contextlib.nullcontext() if last else self.strategy.no_sync():
-                    with self.precision.autocast():
+                    with span(f"forward {index}", "forward", microbatch=index), self.precision.autocast():
                         loss = apply_loss(self.loss_fn, self.model(inputs), targets)
-                    self.precision.scale(loss / len(micro)).backward()
+                    with span(f"backward {index}", "backward", microbatch=index):
+                        self.precision.scale(loss / len(micro)).backward()
                 loss_sum += loss.detach().float()
+        if tracer is not None and self.pipeline is not None:  # the runtime's own per-action timeline
+            tracer.pipeline(self.pipeline.timeline)
         if staleness is None:
             skipped, grad_norm = self.apply_update()
         mean_loss = self.comm.all_reduce(loss_sum / len(micro), GRAD_AXIS, op="avg")
         self.step += 1
+        if tracer is not None:
+            tracer.step(self.step, traced_from)
         tokens = batch[1].numel() * self.mesh.size("dp")
         return StepStats(
             step=self.step,
@@ -169,8 +178,15 @@ class Engine:
     def apply_update(self) -> tuple[bool, float | None]:
         """One optimizer update from the accumulated gradients: sync them, unscale, clip, step, zero them, step
         the lr scheduler. Returns (skipped, grad norm). Once per train_step; PipeDream calls it per update."""
-        self.strategy.finish_backward()
-        self.strategy.reduce_sequence_parallel_grads()  # Megatron-SP: sum tp-partial grads (no-op otherwise)
+        span = self.comm.tracer.span if self.comm.tracer is not None else no_span
+        with span("grad sync", "sync"):
+            self.strategy.finish_backward()
+            self.strategy.reduce_sequence_parallel_grads()  # Megatron-SP: sum tp-partial grads (no-op otherwise)
+        with span("optimizer", "optimizer"):
+            return self._update()
+
+    def _update(self) -> tuple[bool, float | None]:
+        """``apply_update`` once the gradients are synchronised: unscale, check, clip, step, zero, lr step."""
         skipped = not self.precision.unscale_and_check(self.strategy)
         grad_norm = None
         if not skipped:
@@ -235,23 +251,13 @@ class Engine:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path) -> Path:
-        """Write model and optimizer state under ``directory`` atomically; returns the checkpoint's folder."""
-        self._refuse_tensor_parallel_checkpoint()
+        """Write model, optimizer, lr scheduler and random states under ``directory`` atomically, each rank its
+        own pieces of the whole tensors; returns the checkpoint's folder (docs/checkpoints.md)."""
         return checkpoint.save(self, directory)
 
     def load(self, directory: str | Path) -> int:
-        """Load the latest complete checkpoint under ``directory``; returns its step."""
-        self._refuse_tensor_parallel_checkpoint()
+        """Load the latest complete checkpoint under ``directory``, saved under any layout; returns its step."""
         return checkpoint.load(self, directory)
-
-    def _refuse_tensor_parallel_checkpoint(self) -> None:
-        """tp ranks hold different slices under one parameter name, which DCP would take for replicas."""
-        if self.layout.tp > 1:
-            raise LayoutError(
-                f"checkpoints of tensor-parallel models (tp={self.layout.tp}) are not implemented yet: each tp rank "
-                f"holds a different slice under the same parameter name. Fix: export whole weights with "
-                f"plait.parallel.tensor.gather_parameters(engine.model, engine.comm), or checkpoint with tp=1."
-            )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

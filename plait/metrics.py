@@ -1,13 +1,32 @@
 """Run records: one JSON object per line in ``metrics.jsonl`` (train steps and evaluations), and a PNG of the
-loss and accuracy curves. Written by rank 0 only."""
+loss and accuracy curves. Written by rank 0 only.
+
+``StepMeter`` adds, per step, what every rank saw (one small all-gather over "world"): peak memory per rank
+and bytes sent per mesh axis per rank, plus the model FLOPs utilisation
+
+    MFU = tokens x model FLOPs per token / step seconds / peak FLOP/s of all devices
+
+Model FLOPs per token are the planner's (``plait.planner.costs``: Narayanan et al. 2021, eq. 3, forward
+2 b s [matmul parameters] + 4 b s^2 h per block plus 2 b s h V for the logits; backward twice the forward;
+recomputation excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalogue's dense figure
+for the GPU named by ``torch.cuda.get_device_name`` at the layout's precision (fp32: TF32), times the world
+size; on CPU it is ``plait calibrate``'s measured matmul FLOP/s of the whole machine, times the number of
+hosts; otherwise MFU is null and one log line names ``plait calibrate``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from plait.engine import EvalStats, StepStats
+import torch
+
+from plait.engine import Engine, EvalStats, StepStats
+from plait.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
@@ -26,6 +45,87 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
         "loss_scale": stats.loss_scale,
         "comm_bytes": {axis: int(b) for axis, b in stats.comm.wire_by_axis().items()},
     }
+
+
+def model_flops_per_token(model: Any, seq: int) -> float:
+    """Model FLOPs of one trained token (forward + backward) for sequences of ``seq`` tokens; ``model``: anything
+    ``plait.planner.models.resolve_model`` takes (a GPT, GPTConfig, Hugging Face model or config, a name)."""
+    from plait.planner.costs import block_flops, logits_flops
+    from plait.planner.models import resolve_model
+
+    spec = resolve_model(model, seq)
+    if isinstance(spec, list):
+        raise TypeError("model FLOPs need a transformer spec, not a list of measured layer profiles.")
+    forward = spec.layers * block_flops(spec, 1, seq, seq) + logits_flops(spec, 1, seq)
+    return 3.0 * forward / seq
+
+
+def catalogue_gpu(device_name: str) -> str | None:
+    """The hardware catalogue key of a ``torch.cuda.get_device_name`` (SXM parts only), or None."""
+    name = device_name.lower().replace(" ", "").replace("-", "")
+    if "b200" in name:
+        return "b200"
+    for key in ("h200", "h100"):  # PCIe / NVL variants have lower peaks than the SXM entries
+        if key in name:
+            return None if "pcie" in name or "nvl" in name else key
+    if "a100" in name:
+        return "a100-80gb" if "80g" in name else "a100-40gb"
+    return None
+
+
+def peak_flops(device: torch.device, precision: str, world_size: int) -> tuple[float | None, str]:
+    """Peak dense FLOP/s of all ``world_size`` ranks together and where it comes from (None: unknown)."""
+    from plait.planner.hardware import THIS_MACHINE, calibration_path, get_hardware
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = catalogue_gpu(name)
+        if key is None:
+            return None, f"GPU {name!r} is not in the hardware catalogue (plait/planner/hardware.py)"
+        return get_hardware(key).flops(precision) * world_size, f"catalogue {key} x {world_size}"
+    if not calibration_path().is_file():
+        return None, f"no calibration of this machine at {calibration_path()}"
+    hosts = max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return get_hardware(THIS_MACHINE).flops(precision) * hosts, f"plait calibrate ({calibration_path()}) x {hosts}"
+
+
+class StepMeter:
+    """Per-step tokens/s, MFU, peak memory per rank and bytes per axis per rank (``measure`` is a collective)."""
+
+    def __init__(self, engine: Engine, model: Any, seq: int) -> None:
+        self.engine, self.device = engine, engine.comm.device
+        self.axes = [a for a in engine.mesh.grid.axes if engine.mesh.size(a) > 1]
+        self.flops_per_token = model_flops_per_token(model, seq)
+        self.peak, source = peak_flops(self.device, engine.layout.precision, engine.mesh.world_size)
+        self.memory_field = "max_allocated_bytes" if self.device.type == "cuda" else "max_rss_bytes"
+        if self.peak is None:
+            log.info("MFU unknown (null in metrics.jsonl): %s. Fix: run `plait calibrate` to measure this machine.",
+                     source)
+        else:
+            log.info("MFU against %.4g TFLOP/s peak (%s); %.4g model FLOPs per token", self.peak / 1e12, source,
+                     self.flops_per_token)
+
+    def before_step(self) -> None:
+        """Start a step's memory peak (CUDA: reset the allocator's peak; CPU RSS peaks are process-lifetime)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def measure(self, stats: StepStats) -> dict[str, Any]:
+        """The fields this adds to the step's record. Every rank must call it (an all-gather over "world")."""
+        from plait.trace import max_rss_bytes
+
+        memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else max_rss_bytes()
+        wire = stats.comm.wire_by_axis()
+        mine = torch.tensor([float(memory)] + [wire.get(a, 0.0) for a in self.axes], dtype=torch.float64)
+        rows = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, 1 + len(self.axes))
+        mfu = stats.tokens * self.flops_per_token / stats.seconds / self.peak if self.peak and stats.seconds else None
+        return {
+            "mfu": mfu,
+            "model_flops_per_token": self.flops_per_token,
+            self.memory_field: [int(v) for v in rows[:, 0].tolist()],
+            "comm_bytes_per_rank": {a: [int(v) for v in rows[:, 1 + i].tolist()] for i, a in enumerate(self.axes)
+                                    if rows[:, 1 + i].any()},
+        }
 
 
 def eval_record(step: int, stats: EvalStats) -> dict[str, Any]:

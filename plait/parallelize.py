@@ -30,6 +30,7 @@ from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner,
 from plait.parallel.pipeline.runtime import PipelineRunner
 from plait.parallel.pipeline.schedule import Schedule
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.sequence import hand_stage_positions
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
@@ -147,8 +148,9 @@ def parallelize(
         broadcast_parameters(model, comm, axis="tp")  # every tp rank slices the same initial weights
         loss_fn = apply_tensor_parallel(tensor, [model] + [stage.module for stage in stages], comm, loss_fn)
     # --- context parallel (after tensor parallel, before recompute/ZeRO/DDP): shard the sequence over cp ---
-    if context is not None:
-        loss_fn = apply_context_parallel(model, context, comm, loss_fn)
+    if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
+        roles = [(stage.module, stage.is_first, stage.is_last) for stage in stages] or None
+        loss_fn = apply_context_parallel(model, context, comm, loss_fn, stages=roles)
     if pipeline is None:
         apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
@@ -160,5 +162,13 @@ def parallelize(
         engine.pipeline = PipeDreamRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn, pipedream)
     elif pipeline is not None:
         engine.pipeline = PipelineRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn)
+    if engine.pipeline is not None:  # ZeRO-3: the runner gathers each stage's units around its actions
+        strategy.attach_pipeline({stage.index: stage.module for stage in stages})
+        engine.pipeline.param_scope = strategy.pipeline_scope
+    if context is not None and engine.pipeline is not None:  # every pp rank checks the tokens the first stage shards
+        engine.pipeline.input_checks.append(model._plait_context_parallel.check_input)
+    elif layout.sequence_parallel and engine.pipeline is not None:  # Megatron-SP x pp: later stages' positions
+        roles = [(stage.module, stage.is_first) for stage in stages]
+        engine.pipeline.input_checks.append(hand_stage_positions(roles, layout.tp))
     return engine
 

@@ -3,7 +3,8 @@
 Rank 0 shows progress (a live bar in a terminal, log lines otherwise), writes ``metrics.jsonl``,
 ``config.toml`` (the resolved configuration: ``plait train --config`` reruns it), ``summary.json`` and
 ``loss.png`` to the run folder. With ``train.save_every`` it checkpoints into ``<run>/ckpt`` and resumes
-from there when restarted on the same folder.
+from there when restarted on the same folder (by hand, or by torchrun's agent under ``--max-restarts``);
+``plait.fault`` watches for hangs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine
 from plait.errors import ConfigError
+from plait.fault import RankGuard, resume_metrics
 from plait.logging import get_logger
-from plait.metrics import MetricsWriter, eval_record, plot_metrics, step_record
+from plait.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
 from plait.models import GPT, GPTConfig, lm_loss
 from plait.parallelize import parallelize
 from plait.run_config import RunConfig
@@ -101,6 +103,16 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
     return engine, dataset, model_config
 
 
+def _note_restart(attempt: int, step: int, save_every: int) -> None:
+    """Log a restart by torchrun's agent (and warn when there is no checkpoint to resume from)."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if attempt:
+        log.info("restart %d of %d: resuming at step %d", attempt, max_restarts, step)
+    if max_restarts and not save_every:
+        log.warning("the launcher may restart this job %d time(s), but train.save_every=0: a restart starts over "
+                    "from step 0. Fix: --set train.save_every=N.", max_restarts)
+
+
 class _Progress:
     """A rich progress bar in a terminal; periodic log lines otherwise (CI, files). Rank 0 only."""
 
@@ -129,16 +141,33 @@ class _Progress:
             self.bar.stop()
 
 
-def run(config: RunConfig, world: World | None = None) -> Summary:
-    """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder)."""
+def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
+    """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder).
+
+    A hang watchdog and the test-only injected fault (``plait.fault``) watch the whole run. With ``trace`` (a
+    path; "" for ``<run>/trace.json``) the last ``trace_steps`` steps are traced on every rank
+    (``plait.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``."""
     world = world or init()
+    with RankGuard.from_env(world.rank) as guard:
+        return _run(config, world, guard, trace, trace_steps)
+
+
+def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = None,
+         trace_steps: int = 10) -> Summary:
+    if trace is not None and trace_steps < 1:  # before any collective, on every rank
+        raise ConfigError(f"--trace-steps {trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
+    guard.beat("building the model", timed=False)  # unbounded for a large model; collectives time out on their own
     engine, dataset, model_config = build(config, world)
     train = config.train
     run_dir = Path(train.out) if train.out else default_run_dir()
     ckpt = run_dir / "ckpt"
     if (ckpt / LATEST).exists():
+        guard.beat("loading the checkpoint", timed=False)
         engine.load(ckpt)
     lead = world.rank == 0
+    if lead:
+        _note_restart(guard.attempt, engine.step, train.save_every)
+        resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
     writer = MetricsWriter(run_dir) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
@@ -149,35 +178,51 @@ def run(config: RunConfig, world: World | None = None) -> Summary:
     eval_loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
     eval_batches = [eval_loader.batch_at(i) for i in range(train.eval_batches)]
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
+    meter = StepMeter(engine, model_config, dataset.seq_len)
+    tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, tokens, stats, last_eval = time.perf_counter(), 0, None, ""
     try:
-        for batch in loader:
+        for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
                 break
+            if trace is not None and tracer is None and engine.step >= trace_from:
+                from plait.trace import Tracer
+
+                tracer = Tracer(engine).start()
+            meter.before_step()
             stats = engine.train_step(batch)
             tokens += stats.tokens
             lr = engine.optimizer.param_groups[0]["lr"]
-            info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s"
+            observed = meter.measure(stats)  # a collective: every rank
+            mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
+            info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
             if writer:
-                writer.write(step_record(stats, lr))
+                writer.write({**step_record(stats, lr), **observed})
             if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
+                guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
                 last_eval = f"  eval acc {100 * result.accuracy:.1f}% (step {stats.step})"
                 if writer:
                     writer.write(eval_record(stats.step, result))
             if train.save_every and stats.step % train.save_every == 0:
+                guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 engine.save(ckpt)
             progress.update(stats.step, info + last_eval)
     finally:
         progress.close()
     seconds = time.perf_counter() - started
+    guard.beat("writing traces after the last step", timed=False)
+    if tracer is not None:  # a collective: every rank gathers its spans to rank 0
+        tracer.save(Path(trace) if trace else run_dir / "trace.json")
     if train.pipeline_trace and stats is not None:  # the last training step, before evaluation runs the stages
         trace = Path(train.pipeline_trace)
         timeline = engine.save_pipeline_trace(trace, png=trace.with_suffix(".png"))
         if lead:
             log.info("pipeline timeline of step %d: bubble %.1f%% -> %s, %s", engine.step,
                      100 * timeline.bubble_fraction, trace, trace.with_suffix(".png"))
+    guard.beat("final evaluation")
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+    guard.beat("writing the run folder", timed=False)
     summary = Summary(
         run_dir=str(run_dir), steps=engine.step, final_loss=stats.loss if stats else float("nan"),
         eval_loss=result.loss, accuracy=result.accuracy, tokens_per_s=tokens / seconds if seconds else 0.0,

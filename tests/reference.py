@@ -101,3 +101,15 @@ def assert_trajectories_match(
         if actual.grads:
             assert_tensors_close(actual.grads[step], expected.grads[step], f"step {step} grad", grads_tol)
         assert_tensors_close(actual.params[step], expected.params[step], f"step {step} param", params_tol)
+
+
+def masked_lm_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens and targets with ~30% of the target positions ignored (-100), more of them late in the
+    sequence and the same in every row: context-parallel shards (zigzag or contiguous) score different numbers of
+    tokens, so the cp loss weighting is exercised, while dp ranks (which average per-rank means, as DDP does)
+    score equal numbers."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, vocab, (batch, length), generator=generator)
+    targets = torch.randint(0, vocab, (batch, length), generator=generator)
+    ignored = torch.rand(length, generator=generator) < torch.linspace(0.0, 0.6, length)
+    return inputs, targets.masked_fill(ignored.expand(batch, length), -100)

@@ -1,11 +1,11 @@
 """The composition parity matrix (docs/composition.md): dp x tp x pp x cp (each 1 or 2) x ZeRO 0/1/3 against
 single-device training of the tiny reference GPT (tests/composition.py).
 
-Default suite: every one of the 48 cells is checked in one process for what ``plait.parallelize`` decides
-(refused with a LayoutError naming the reason and a fix, or accepted), and a deterministic sample of 8 runnable
-cells (world <= 4, every axis and every ZeRO stage) trains 3 steps on gloo ranks and must match single-device
-training. The whole matrix (all 28 runnable cells, up to 8 ranks; the 16-rank layout is refused at every ZeRO
-stage) trains with ``PLAIT_FULL_MATRIX=1 .venv/bin/python -m pytest -q tests/test_composition.py``; with
+Default suite: every one of the 48 cells is checked in one process to pass every check of ``plait.parallelize``
+(none is refused), and a deterministic sample of 10 cells (world <= 4, every axis and every ZeRO stage) trains 3
+steps on gloo ranks and must match single-device training. The whole matrix (the 45 cells up to 8 ranks; the
+16-rank layout exceeds this machine's process budget) trains with
+``PLAIT_FULL_MATRIX=1 .venv/bin/python -m pytest -q tests/test_composition.py``; with
 ``PLAIT_MATRIX_TABLE=path`` it also writes the docs table with the measured worst errors.
 """
 
@@ -22,8 +22,8 @@ from composition import (
     AXES,
     CLIP,
     EXTRA,
-    REFUSED,
-    RUNNABLE,
+    MAX_WORLD,
+    TRAINABLE,
     SAMPLE,
     ZERO_STAGES,
     Combo,
@@ -33,11 +33,9 @@ from composition import (
     markdown_table,
     max_errors,
     reference_trajectory,
-    refusal,
     train_combos,
 )
 from harness import run_distributed
-from plait import LayoutError
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -73,10 +71,10 @@ def sample_runs() -> dict[str, list[dict]]:
 # ----------------------------------------------------------------- the matrix itself (no processes)
 def test_the_matrix_has_every_cell_and_the_sample_covers_every_axis_and_zero_stage():
     assert len(ALL_COMBOS) == len({combo.name for combo in ALL_COMBOS}) == 16 * len(ZERO_STAGES)
-    assert len(RUNNABLE) == 28 and len(REFUSED) == 20, (len(RUNNABLE), len(REFUSED))  # pinned: docs/composition.md
+    assert len(TRAINABLE) == 45  # pinned: docs/composition.md (3 cells of 16 ranks are not trained here)
     axes, zeros = axis_and_zero_coverage(SAMPLE)
     assert axes == set(AXES) and zeros == set(ZERO_STAGES), (axes, zeros)
-    assert all(combo in RUNNABLE and combo.world <= 4 for combo in SAMPLE), "the default suite runs <= 4 ranks"
+    assert all(combo.world <= 4 for combo in SAMPLE), "the default suite runs <= 4 ranks"
     assert {combo.world for combo in SAMPLE + EXTRA} == {2, 4}, "two run_distributed calls (process start-ups)"
 
 
@@ -88,17 +86,9 @@ def test_clipping_acts_at_every_reference_step(reference):
         assert abs(float(norm) - CLIP) < 1e-5, f"step {step}: clipped norm {float(norm)} (clipping inactive?)"
 
 
-@pytest.mark.parametrize("combo", REFUSED, ids=_ids(REFUSED))
-def test_refused_cell_raises_a_layout_error_naming_the_reason_and_a_fix(combo):
-    with pytest.raises(LayoutError) as info:
-        check_in_one_process(combo.world, combo.layout())
-    _, phrase = refusal(combo)
-    assert phrase in str(info.value) and "Fix:" in str(info.value), str(info.value)
-
-
-@pytest.mark.parametrize("combo", RUNNABLE, ids=_ids(RUNNABLE))
-def test_runnable_cell_passes_every_check_of_parallelize(combo):
-    check_in_one_process(combo.world, combo.layout())  # reaches Mesh.build: no LayoutError for any runnable cell
+@pytest.mark.parametrize("combo", ALL_COMBOS, ids=_ids(ALL_COMBOS))
+def test_every_cell_passes_every_check_of_parallelize(combo):
+    check_in_one_process(combo.world, combo.layout())  # reaches Mesh.build: no LayoutError for any cell
 
 
 # ----------------------------------------------------------------- training parity
@@ -110,14 +100,13 @@ def test_sampled_cell_matches_single_device(combo, sample_runs, reference):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL_MATRIX, reason="the whole matrix (28 cells, up to 8 ranks): set PLAIT_FULL_MATRIX=1")
+@pytest.mark.skipif(not FULL_MATRIX, reason="the whole matrix (45 cells, up to 8 ranks): set PLAIT_FULL_MATRIX=1")
 def test_whole_matrix_matches_single_device(reference):
-    runs = run_grouped(RUNNABLE, timeout=600)
+    runs = run_grouped(TRAINABLE, timeout=600)
     outcomes, failures = {}, []
     for combo in ALL_COMBOS:
-        refused = refusal(combo)
-        if refused is not None:  # the LayoutError itself is asserted by the refusal test above
-            outcomes[combo.name] = f"refused: {refused[0]}"
+        if combo.world > MAX_WORLD:
+            outcomes[combo.name] = f"not run ({combo.world} ranks)"
             continue
         try:
             assert_combo_matches(combo, runs[combo.name], reference)

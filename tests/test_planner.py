@@ -281,3 +281,20 @@ def test_alpha_beta_fit_recovers_a_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
     alpha, beta = fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
     assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
+
+
+def test_zero2_and_zero3_with_pipeline_hold_unsharded_gradients_and_reduce_once():
+    """plait runs ZeRO-2/3 with pp by accumulating each micro-batch's gradients unsharded (no_sync) and
+    reduce-scattering once per step: the planner predicts those layouts (no refusal) with whole stage gradients,
+    and ZeRO-3 with zero-bubble holding the gathered stage chunk (its I and W passes need every weight)."""
+    kw = dict(world_size=None, global_batch=64)
+    flat = predict("gpt2-xl", Layout(dp=8, zero=3, microbatches=8), "a100-80gb", **kw)
+    piped = predict("gpt2-xl", Layout(dp=4, pp=2, zero=3, microbatches=8), "a100-80gb", **kw)
+    zb = predict("gpt2-xl", Layout(dp=4, pp=2, zero=3, microbatches=8, schedule="zero-bubble"), "a100-80gb", **kw)
+    assert piped.memory.gradients > 2 * flat.memory.gradients  # unsharded (x dp=4) over half the model (pp=2)
+    assert piped.memory.parameters < piped.memory.gradients  # parameters stay sharded over dp
+    assert zb.memory.buffers > piped.memory.buffers
+    zero2 = predict("gpt2-xl", Layout(dp=4, pp=2, zero=2, microbatches=8), "a100-80gb", **kw)
+    zero1 = predict("gpt2-xl", Layout(dp=4, pp=2, zero=1, microbatches=8), "a100-80gb", **kw)
+    assert zero2.memory.gradients == zero1.memory.gradients
+    assert piped.time["dp_comm"] > 0  # the one reduce-scatter per step

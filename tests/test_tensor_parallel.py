@@ -23,7 +23,7 @@ from plait.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from plait.parallel.tensor.plan import default_plan, resolve_plan
-from tp_helpers import LAYER_TOL, assert_matches_reference, custom_loss, make_model, reference_run, train_tp
+from tp_helpers import LAYER_TOL, assert_matches_reference, custom_loss, reference_run, train_tp
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, **LAYER_TOL, msg=lambda m: f"{what}: {m}")
@@ -168,8 +168,8 @@ def test_built_in_plan_is_chosen_by_class_and_matches_every_block():
         ({}, Layout(tp=2), {"lm_head": "diagonal"}, "unknown style 'diagonal'"),
         ({}, Layout(tp=2), {"blocks.*.norm1": "colwise"}, "blocks.0.norm1 is a LayerNorm, but style 'colwise'"),
         (dict(seq_len=9), Layout(tp=2, sequence_parallel=True), None, "seq_len=9"),
-        ({}, Layout(tp=2, zero=3), None, "zero=3 with tp=2 is not supported"),
-        ({}, Layout(tp=2, pp=2, sequence_parallel=True), None, "sequence_parallel=True with pp=2"),
+        ({}, Layout(tp=2, pp=2, sequence_parallel=True, schedule="pipedream"), None,
+         "sequence_parallel=True with schedule='pipedream'"),
     ],
 )
 def test_bad_plans_and_layouts_raise_layout_errors_naming_the_fix(model, layout, plan, needle):

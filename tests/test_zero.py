@@ -257,15 +257,16 @@ def _float8_model(world: int) -> None:
 
 
 def _load_other_dp(world: int, root: str) -> dict:
-    """A ZeRO-2 checkpoint saved at dp=2 loaded at dp=``world``: refused with a clear error, both ways."""
-    import json
-
-    from plait.checkpoint import latest
+    """A ZeRO-2 checkpoint saved at dp=2 loaded at dp=``world`` (resharded, docs/checkpoints.md): the step and the
+    whole parameters, to compare with the saved ones."""
+    from plait.checkpoint import load_full_state
 
     model, _task = make_model()
     engine = plait.parallelize(model, layout_of(world, 2), optimizer=OPTIMIZERS["adamw"])
-    meta = json.loads((latest(root) / "plait.json").read_text())
-    return {"check": _error(lambda: engine.strategy.check_checkpoint(meta)), "load": _error(lambda: engine.load(root))}
+    step = engine.load(root)
+    saved, _meta = load_full_state(root)
+    params = engine.strategy.full_parameters()
+    return {"step": step, "same": all(torch.equal(params[name], saved[name]) for name in params)}
 
 
 @pytest.fixture(scope="module")
@@ -387,11 +388,9 @@ def test_checkpoint_round_trip_continues_bitwise(dp2):
 
 
 @pytest.mark.distributed
-def test_checkpoint_under_another_dp_size_is_refused(dp4):
-    for result in dp4:
-        assert "LayoutError" in result["other_dp"]["check"] and "dp x cp = 2" in result["other_dp"]["check"]
-        assert result["other_dp"]["load"] != "no error"
-        assert "zero=2 over 2" in result["other_dp"]["load"] and "zero=2 over 4" in result["other_dp"]["load"], result["other_dp"]["load"]
+def test_checkpoint_under_another_dp_size_loads_resharded(dp4):
+    for result in dp4:  # saved by ZeRO-2 at dp=2, loaded by ZeRO-2 at dp=4: every shard cut anew, bitwise
+        assert result["other_dp"]["step"] > 0 and result["other_dp"]["same"], result["other_dp"]
 
 
 @pytest.mark.distributed

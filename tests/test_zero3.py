@@ -363,10 +363,6 @@ def test_bad_input_is_a_clear_error():
     mixed.blocks["0"].mlp.up.double()
     with pytest.raises(ValueError, match="mixes parameter dtypes"):
         _strategy(mixed)
-    states = _strategy(make_model()[0]).state_dicts()
-    states["optimizer"] = {key.replace("rank0of1", "rank1of2"): value for key, value in states["optimizer"].items()}
-    with pytest.raises(ValueError, match="another ZeRO-3 layout.*rank1of2"):
-        _strategy(make_model()[0]).load_state_dicts(states)
 
 
 # ------------------------------------------------------------------------------------------ offload

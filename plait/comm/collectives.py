@@ -5,11 +5,18 @@ when that axis has one rank, is counted in ``CommStats``, and waits with a timeo
 raises ``CommError`` naming this rank, the axis, the group's ranks and the operation, so a dead or stuck
 peer turns into an error instead of a hang. ``async_op=True`` returns a ``Pending`` whose ``wait()`` does
 the same checks later (used to overlap communication with compute).
+
+Tracing (``plait.trace.Tracer``): while ``Comm.tracer`` is set, every collective that communicates is
+reported once, when its ``Pending`` is waited for, with its op, axis, payload and wire bytes and three
+``perf_counter_ns`` times: launch, wait start, wait end. A blocking call's span is launch -> wait end; an
+``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
+runs. With no tracer the cost is one attribute check per launch and per wait.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,18 +42,29 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Pending:
     """An issued collective: ``wait()`` blocks (with the timeout), runs the finishing step and returns its result."""
 
-    def __init__(self, comm: Comm, axis: str, op: str, works: Sequence[Any], finish: Callable[[], Any]) -> None:
+    is_async = False
+    """Set when handed to the caller (``async_op=True``); a tracer then shows the launch-to-wait flight."""
+
+    def __init__(self, comm: Comm, axis: str, op: str, works: Sequence[Any], finish: Callable[[], Any],
+                 sent: int = 0, received: int = 0) -> None:
         self._comm, self._axis, self._op = comm, axis, op
         self._works, self._finish = list(works), finish
         self._done = False
         self._result: Any = None
+        self._traced = (sent, received, time.perf_counter_ns()) if comm.tracer is not None else None
 
     def wait(self) -> Any:
         if not self._done:
+            tracer = self._comm.tracer if self._traced is not None else None
+            waited = time.perf_counter_ns() if tracer is not None else 0
             for work in self._works:
                 self._comm._guard(self._axis, self._op, lambda w=work: w.wait(timeout=self._comm.timeout))
             self._result = self._finish()
             self._done = True
+            if tracer is not None:
+                sent, received, launched = self._traced  # type: ignore[misc]
+                tracer.collective(self._op, self._axis, self._comm.size(self._axis), sent, received, launched, waited,
+                                  self.is_async)
         return self._result
 
 
@@ -71,6 +89,8 @@ class Comm:
         self.device = torch.device(device)
         self.stats = stats if stats is not None else CommStats()
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.tracer: Any = None
+        """A ``plait.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
 
     # ----------------------------------------------------------------- helpers
     def size(self, axis: str) -> int:
@@ -101,11 +121,14 @@ class Comm:
         group = self.mesh.group(axis)
         self.stats.record(axis, op, payload, self.size(axis))
         work = self._guard(axis, op, lambda: start(group))
-        return Pending(self, axis, op, [work] if work is not None else [], finish)
+        return Pending(self, axis, op, [work] if work is not None else [], finish, sent=payload)
 
     @staticmethod
     def _result(pending: Pending, async_op: bool) -> Any:
-        return pending if async_op else pending.wait()
+        if async_op:
+            pending.is_async = True
+            return pending
+        return pending.wait()
 
     # ----------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False) -> Any:
@@ -214,7 +237,22 @@ class Comm:
         for tensor, _peer in recvs:
             self.stats.record(axis, "recv", _nbytes(tensor), 2)
         works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
-        return self._result(Pending(self, axis, "send_recv", works, lambda: None), async_op)
+        pending = Pending(self, axis, "send_recv", works, lambda: None, sent=sum(_nbytes(t) for t, _ in sends),
+                          received=sum(_nbytes(t) for t, _ in recvs))
+        return self._result(pending, async_op)
+
+    def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:
+        """Every rank's ``data`` (any length), in axis order: the lengths, then the bytes padded to the longest,
+        as uint8 tensors (two all-gathers). For small control data (traces, reports), not for tensors."""
+        if self.size(axis) == 1:
+            return [bytes(data)]
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = [int(n) for n in self.all_gather(length, axis).tolist()]
+        padded = torch.zeros(max(1, *lengths), dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = self.all_gather(padded.to(self.device), axis).cpu().view(len(lengths), -1)
+        return [rows[i, :n].numpy().tobytes() for i, n in enumerate(lengths)]
 
     def barrier(self, axis: str = "world") -> None:
         """Wait until every rank of the axis group arrives (a small all-reduce, so it honours the timeout)."""

@@ -19,12 +19,20 @@ rank's sequence chunk, so their gradients are partial sums: after backward they 
 (``DataParallelStrategy.reduce_sequence_parallel_grads``, one flat all-reduce, called by the Engine). The
 layers themselves take a ``sequence_parallel`` switch (``plait.parallel.tensor``); this module holds the
 checks and the bookkeeping.
+
+With pipeline parallelism the hidden states crossing a stage boundary are SP's chunks [B, T/t, d]. A stage after
+the first never sees the tokens, and its attention gathers the chunks back to T before RoPE, so it needs the
+positions 0..T-1 with T = t x its input's length: ``hand_stage_positions`` passes them to each such stage's
+``forward(x, positions)`` (under cp > 1 the context-parallel hooks do it, with cp's global positions).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import Layout
@@ -40,13 +48,41 @@ def check_sequence_parallel(layout: Layout) -> None:
         return
     if layout.tp == 1:
         raise LayoutError("sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2.")
-    if layout.pp > 1:
+    if layout.pp > 1 and layout.schedule == "pipedream":
         raise LayoutError(
-            f"sequence_parallel=True with pp={layout.pp} is not implemented: stages after the first would see "
-            f"sequence chunks without their global positions. Fix: use sequence_parallel=False with pp > 1."
+            "sequence_parallel=True with schedule='pipedream' is not implemented: PipeDream's asynchronous updates "
+            "are not parity-tested with sequence-split activations. Fix: use a synchronous schedule (e.g. "
+            "schedule='1f1b') with sequence_parallel=True, or sequence_parallel=False with PipeDream."
         )
     # with cp > 1 the sequence is split twice: cp cuts it first (each rank keeps T/cp tokens at their global
     # positions), SP cuts those T/cp further over tp; the cp hook checks that T/cp splits (docs/context_parallel.md)
+
+
+def hand_stage_positions(stages: list[tuple[nn.Module, bool]], tp: int) -> Callable[[Tensor], None]:
+    """Megatron-SP x pp (cp = 1): on each (stage module, is first stage) after the first whose ``forward`` takes
+    ``positions``, a forward pre-hook passes ``arange(tp x local length)`` when none are given (see the module
+    doc). Returns the input check the pipeline runner calls on every rank before a step: T must split over tp
+    (otherwise only the first stage would notice, and the others would wait for it)."""
+    def positions_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if len(args) != 1 or kwargs.get("positions") is not None:
+            return None  # positions given by the caller
+        length = args[0].shape[1] * tp
+        return args, {**kwargs, "positions": torch.arange(length, device=args[0].device)}
+
+    for module, first in stages:
+        if not first and "positions" in inspect.signature(module.forward).parameters:
+            module.register_forward_pre_hook(positions_hook, with_kwargs=True)
+        # the first stage has the tokens; a stage without ``positions`` uses none (learned embeddings)
+
+    def check_length(tokens: Tensor) -> None:
+        if tokens.dim() >= 2 and tokens.shape[1] % tp:
+            raise LayoutError(
+                f"sequence_parallel=True splits the sequence over tp={tp}, but the batch has {tokens.shape[1]} tokens "
+                f"per sample. Fix: use a sequence length that is a multiple of {tp}, pad the batch, or "
+                f"sequence_parallel=False."
+            )
+
+    return check_length
 
 
 def is_sequence_partial(param: Tensor) -> bool:
@@ -71,4 +107,6 @@ def sum_over_tp(grads: list[Tensor], comm: Comm, axis: str = AXIS) -> None:
             offset += grad.numel()
 
 
-__all__ = ["check_sequence_parallel", "is_sequence_partial", "saved_activation_bytes", "sum_over_tp"]
+__all__ = [
+    "check_sequence_parallel", "hand_stage_positions", "is_sequence_partial", "saved_activation_bytes", "sum_over_tp",
+]

@@ -19,11 +19,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from plait.comm import Comm
 from plait.config import Layout
@@ -36,8 +34,6 @@ GRAD_AXIS = "dp_cp"
 MODEL_PARALLEL_AXES = ("pp", "tp")
 """Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
 an inf check sums / maxes over them as well."""
-
-FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -122,6 +118,16 @@ class DataParallelStrategy:
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+    # ----------------------------------------------------------------- pipeline
+    def attach_pipeline(self, stage_modules: dict[int, nn.Module]) -> None:
+        """Pipeline parallelism: ``stage_modules`` (stage index -> the module the runner calls) are this rank's
+        stages. Nothing to do for replicated parameters; ZeRO-3 gathers a stage's units around its actions."""
+
+    def pipeline_scope(self, stage: int, kind: str) -> contextlib.AbstractContextManager[None]:
+        """What the pipeline runner enters around each compute action (``kind`` "F", "B", "I" or "W") of
+        ``stage``, and around every no-grad forward of it (shape pass, evaluation): nothing here."""
+        return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- gradients
     def owned_grads(self) -> list[torch.Tensor]:
@@ -220,18 +226,3 @@ class DataParallelStrategy:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, by name (a copy; sharded strategies gather it)."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
-
-    # ----------------------------------------------------------------- checkpoints
-    def state_dicts(self) -> dict[str, Any]:
-        """Model and optimizer state for torch.distributed.checkpoint, keyed by parameter name.
-
-        The optimizer state is flattened per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), so a
-        rank holding other parameters (a pipeline stage, a tensor shard) writes other keys, never a conflicting
-        copy of one rank-dependent ``param_groups`` list.
-        """
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
-        return {"model": model_state, "optimizer": optim_state}
-
-    def load_state_dicts(self, states: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"],
-                       options=FLAT_OPTIMIZER)

@@ -16,6 +16,8 @@ A pipeline stage holds the activations of as many stage-micro-batches as the sch
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from plait.config import Layout
@@ -86,6 +88,8 @@ def stage_memory(spec: ModelSpec, layout: Layout, impl: Implementation, micro_ba
     units of the stage's blocks / virtual stages)."""
     psi = stage_params / layout.tp
     params, grads, states, host = model_state_bytes(psi, layout, impl)
+    if layout.pp > 1 and layout.zero >= 2:  # micro-batches accumulate unsharded gradients (no_sync) before the
+        grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]  # one reduce-scatter per step
     recompute = layout.recompute == "full"
     per_block = block_activation_bytes(spec, layout, micro_batch, seq, impl, recompute)
     blocks_per_chunk = stage_blocks / layout.virtual_stages
@@ -98,6 +102,8 @@ def stage_memory(spec: ModelSpec, layout: Layout, impl: Implementation, micro_ba
     buffers = 2 * layout.bucket_mb * 2**20 if layout.zero < 3 and layout.dp * layout.cp > 1 else 0.0
     if layout.zero == 3:  # the gathered block being used and the one prefetched
         buffers = 2 * block_params / layout.tp * e
+        if layout.pp > 1 and layout.schedule == "zero-bubble":  # I and W gather the whole stage chunk
+            buffers = max(buffers, psi / layout.virtual_stages * e)
     return MemoryBreakdown(params, grads, states - host, activations, buffers, impl.reserved_bytes, host)
 
 

@@ -113,9 +113,6 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
     if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
         raise LayoutError(f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
                           f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'.")
-    if layout.zero >= 2 and layout.pp > 1:  # plait.parallel.pipeline.apply.plan_pipeline refuses it too
-        raise LayoutError(f"zero={layout.zero} with pp={layout.pp}: plait's pipeline accumulates every micro-batch's "
-                          f"gradients unsharded before one reduction. Fix: use zero=0 or 1 with pp > 1.")
     if layout.zero and layout.dp * layout.cp == 1:
         raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
     return layout.check_batch(global_batch)
@@ -196,7 +193,7 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
     unit_cost = block_cost or 1.0
     chunks = _stages(spec.layers, p * v, round(embed_f / unit_cost, 4), round((head_f + head_b) / unit_cost, 4))
 
-    fwd, bwd, compute, tp_cp = [], [], [], []
+    fwd, bwd, compute = [], [], []
     for start, end in chunks:
         n = end - start
         f = n * (blk.forward + blk.forward_comm) + (embed_f if start == 0 else 0.0)
@@ -219,8 +216,10 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
     psi_max = max(params for _, params in stage_params) / t
     if layout.zero == 3:
         gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
+        # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
+        # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
         scatter = collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_inter,
-                                  impl.comm_efficiency)
+                                  impl.comm_efficiency) if p == 1 else 0.0
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
@@ -249,6 +248,8 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
     # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
     grads = psi_max * impl.grad_bytes
     dp_time = 0.0
+    if n_shard > 1 and layout.zero == 3 and p > 1:
+        dp_time = collective_time(hw, "reduce_scatter", grads, n_shard, dp_inter, impl.comm_efficiency)
     if n_shard > 1 and layout.zero < 3:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
         reduce = collective_time(hw, op, grads, n_shard, dp_inter, impl.comm_efficiency)

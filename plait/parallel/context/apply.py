@@ -2,8 +2,10 @@
 Attention's core for the ring or Ulysses kernel and install the sequence-sharding hooks (``hooks.py``).
 
 The model object is kept (hooks, not a wrapping module), so parameter names, checkpoints and the
-data-parallel strategies see exactly the single-device model. The swapped cores hold the cp group's
-``SequenceSharding``, so nothing global is read. Hugging Face models take the route of ``context.hf``.
+data-parallel strategies see exactly the single-device model. Under pipeline parallelism the hooks go on this
+rank's stage modules (``stages``), whose Attention layers are the local model's own objects. The swapped cores
+hold the cp group's ``SequenceSharding``, so nothing global is read. Hugging Face models take the route of
+``context.hf``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from plait.logging import get_logger
 from plait.models.hf import is_hf_model
 from plait.models.layers import Attention
 from plait.parallel.context.hf import apply_hf_context_parallel, plan_hf_context_parallel
-from plait.parallel.context.hooks import AXIS, ContextParallelLoss, ContextParallelModel, LossFn
+from plait.parallel.context.hooks import AXIS, ContextParallelLoss, ContextParallelModel, LossFn, StageRole
 from plait.parallel.context.plan import (
     ContextPlan,
     check_dropout,
@@ -62,17 +64,19 @@ def plan_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan | Non
     return ContextPlan(mode, cp, tuple(path for path, _ in layers), kv_groups, sequence_split=sequence_split)
 
 
-def apply_context_parallel(model: nn.Module, plan: ContextPlan, comm: Comm, loss_fn: LossFn) -> ContextParallelLoss:
-    """Swap the attention cores, install the sequence-sharding hooks; returns the loss the Engine must use."""
+def apply_context_parallel(model: nn.Module, plan: ContextPlan, comm: Comm, loss_fn: LossFn,
+                           stages: list[StageRole] | None = None) -> ContextParallelLoss:
+    """Swap the attention cores, install the sequence-sharding hooks (on ``model``, or with pp > 1 on this
+    rank's pipeline ``stages`` as (module, is first, is last)); returns the loss the Engine must use."""
     sharding = SequenceSharding(plan.mode, comm.size(AXIS), comm.mesh.index(AXIS))
     if plan.hugging_face:
         handle = apply_hf_context_parallel(model, plan, sharding, comm)
     else:
         core_class = RingAttention if plan.mode == "ring" else UlyssesAttention
         kv_groups = dict(zip(plan.attention_paths, plan.kv_groups))  # from the plan: under tp, q/k are parallel
-        for path, attention in _attention_layers(model):
+        for path, attention in _attention_layers(model):  # a pipeline rank's local model: the layers it holds
             attention.core = core_class(comm, sharding, kv_group=kv_groups[path], causal=True, axis=AXIS)
-        handle = ContextParallelModel(model, sharding, comm, sequence_parallel=plan.sequence_split)
+        handle = ContextParallelModel(model, sharding, comm, sequence_parallel=plan.sequence_split, stages=stages)
     model._plait_context_parallel = handle  # type: ignore[assignment]
     log.info("context parallel: %s over cp=%d (rank %d of the cp group), %d attention layers",
              plan.mode, sharding.size, sharding.index, len(plan.attention_paths))

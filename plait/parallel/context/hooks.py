@@ -5,6 +5,10 @@
   for Hugging Face models: learned position embeddings and RoPE see the right positions);
 - in training the model returns this rank's shard of the output; in eval (``model.training`` False) a
   forward hook all-gathers it over cp and restores sequence order, so metrics see full outputs;
+- under pipeline parallelism the hooks go on this rank's stage modules instead: the first stage shards the
+  tokens as above; a later stage receives hidden states [B, T/(cp s), d] that are already this rank's shard
+  (s: Megatron-SP's split, else 1), so its pre-hook only recomputes their global positions from the cp index
+  and T = local length x cp x s (nothing travels with the activations); only the last stage gathers in eval;
 - ``ContextParallelLoss`` slices the targets to match. A mean over the local tokens is rescaled by
   cp * n_local / n_all (n = targets not equal to ``ignore_index``, counted from the full targets the Engine
   passes, so no communication), which makes the average over dp_cp (what the Engine does with losses and
@@ -29,31 +33,41 @@ IGNORE_INDEX = -100
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
+StageRole = tuple[nn.Module, bool, bool]
+"""A pipeline stage's module on this rank, whether it is the first stage, whether it is the last."""
+
+
 class ContextParallelModel:
-    """The hooks that make ``model`` context parallel; kept on the model as ``model._plait_context_parallel``."""
+    """The hooks that make ``model`` context parallel; kept on the model as ``model._plait_context_parallel``.
+
+    ``stages`` (pipeline parallelism): this rank's stage modules with their roles; the hooks go on them (the
+    first stage shards the tokens, later ones recompute their inputs' positions, the last gathers in eval).
+    None: ``model`` is the whole model, both first and last."""
 
     def __init__(self, model: nn.Module, sharding: SequenceSharding, comm: Comm, axis: str = AXIS,
-                 sequence_parallel: int = 1) -> None:
+                 sequence_parallel: int = 1, stages: list[StageRole] | None = None) -> None:
         self.model, self.sharding, self.comm, self.axis = model, sharding, comm, axis
         self.sequence_parallel = sequence_parallel
         """Megatron-SP's split of each rank's T/cp tokens (tp with ``sequence_parallel=True``, else 1)."""
         self.length: int | None = None
         """The full sequence length of the last forward (the loss wrapper slices targets to it)."""
-        self._handles = [
-            model.register_forward_pre_hook(self._shard_inputs, with_kwargs=True),
-            model.register_forward_hook(self._gather_in_eval),
-        ]
+        self._handles: list[Any] = []
+        for module, first, last in [(model, True, True)] if stages is None else stages:
+            entry = self._shard_inputs if first else self._position_hidden
+            self._handles.append(module.register_forward_pre_hook(entry, with_kwargs=True))
+            if last:
+                self._handles.append(module.register_forward_hook(self._gather_in_eval))
 
     def local_positions(self, length: int, device: torch.device | None = None) -> Tensor:
         """The global positions this rank holds of a length-``length`` sequence."""
         return self.sharding.local_positions(length, device=device)
 
-    def _shard_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        if not args:
-            raise TypeError("a context-parallel model takes its tokens [B, T] (or hidden states [B, T, d]) first")
-        tokens = args[0]
+    def check_input(self, tokens: Tensor) -> None:
+        """Raise LayoutError when the full input [B, T, ...] cannot be split (T over the cp chunks, then T/cp
+        over Megatron-SP's tp): pure, so every rank can run it before any collective (the pipeline runner does,
+        on ranks that never see the tokens' first stage)."""
         length = tokens.shape[1]
-        self.sharding.check_length(length)  # before any collective, identically on every rank
+        self.sharding.check_length(length)
         if (length // self.sharding.size) % self.sequence_parallel:
             split = self.sharding.size * self.sequence_parallel
             raise LayoutError(
@@ -62,9 +76,28 @@ class ContextParallelModel:
                 f"sequence length that is a multiple of {math.lcm(split, self.sharding.chunks)}, pad the batch, "
                 f"or sequence_parallel=False."
             )
-        self.length = length
+
+    def _shard_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if not args:
+            raise TypeError("a context-parallel model takes its tokens [B, T] (or hidden states [B, T, d]) first")
+        tokens = args[0]
+        self.check_input(tokens)  # before any collective, identically on every rank
+        length = self.length = tokens.shape[1]
         index = self.local_positions(length, tokens.device)
         return self.local_call(tokens.index_select(1, index), index, args[1:], kwargs)
+
+    def _position_hidden(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """A pipeline stage after the first: its input [B, T/(cp s), d] is this rank's shard already; hand it
+        on with the global positions of T = local length x cp x s (s: Megatron-SP's split)."""
+        if not args:
+            raise TypeError("a context-parallel pipeline stage takes the previous stage's hidden states first")
+        hidden = args[0]
+        length = self.length = hidden.shape[1] * self.sharding.size * self.sequence_parallel
+        index = self.local_positions(length, hidden.device)
+        given = args[1] if len(args) > 1 else kwargs.get("positions")
+        if given is not None:  # positions passed along by the stage itself are already this rank's
+            return args, kwargs
+        return self.local_call(hidden, index, args[1:], kwargs)
 
     def local_call(self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -1,6 +1,7 @@
 """What ``plan_context_parallel`` checks before any collective, shared by plait's GPT and Hugging Face models:
-the layout (no pp), the model (not already converted), attention dropout, and under Ulysses that tp*cp divides
-the query and key/value heads (each rank attends heads / (tp cp) of them for the whole sequence)."""
+the layout (pp only for plait's GPT and synchronous schedules), the model (not already converted), attention
+dropout, and under Ulysses that tp*cp divides the query and key/value heads (each rank attends heads / (tp cp)
+of them for the whole sequence)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from plait.config import Layout
 from plait.errors import LayoutError
+from plait.models.hf import is_hf_model
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,20 @@ class ContextPlan:
 
 
 def check_layout_and_model(model: nn.Module, layout: Layout) -> None:
-    """The checks every model goes through: pp == 1, and context parallelism not applied already."""
-    if layout.pp > 1:
+    """The checks every model goes through: with pp > 1 plait's GPT (not a Hugging Face model) and a synchronous
+    schedule, and context parallelism not applied already."""
+    if layout.pp > 1 and is_hf_model(model):
         raise LayoutError(
-            f"context parallelism (cp={layout.cp}) together with pipeline parallelism (pp={layout.pp}) is not "
-            f"implemented. Fix: use pp=1 with cp > 1, or cp=1 with pp > 1."
+            f"context parallelism (cp={layout.cp}) together with pipeline parallelism (pp={layout.pp}) is implemented "
+            f"for plait's GPT, not for Hugging Face models: their pipeline stages (plait.models.hf_stages) compute "
+            f"positions 0..T/cp-1 instead of this rank's global ones. Fix: use pp=1 with cp > 1 for this model, or "
+            f"cp=1 with pp > 1."
+        )
+    if layout.pp > 1 and layout.schedule == "pipedream":
+        raise LayoutError(
+            f"context parallelism (cp={layout.cp}) with schedule='pipedream' is not implemented: PipeDream's "
+            f"asynchronous updates are not parity-tested with a sharded sequence. Fix: use a synchronous schedule "
+            f"(e.g. schedule='1f1b' or 'interleaved') with cp > 1, or cp=1 with PipeDream."
         )
     if getattr(model, "_plait_context_parallel", None) is not None:
         raise LayoutError("this model already has context parallelism applied. Fix: pass a fresh model to parallelize.")

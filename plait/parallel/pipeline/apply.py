@@ -38,12 +38,6 @@ def plan_pipeline(model: nn.Module, layout: Layout, cuts: list[int] | None = Non
             raise LayoutError("pipeline_cuts / pipeline_schedule were given, but the layout has pp=1. "
                               "Fix: set pp > 1, or leave them out.")
         return None
-    if layout.zero in (2, 3):
-        raise LayoutError(
-            f"zero={layout.zero} with pp={layout.pp} is not supported: the pipeline accumulates every micro-batch's "
-            f"gradients before one reduction, which ZeRO-{layout.zero} would have to keep unsharded anyway. "
-            f"Fix: use zero=1 (sharded optimizer states) or zero=0 with pp > 1."
-        )
     if schedule is None:
         try:
             schedule = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
@@ -72,6 +66,14 @@ def plan_pipeline(model: nn.Module, layout: Layout, cuts: list[int] | None = Non
             f"stage, which is not supported with {what}. Fix: untie them (for Hugging Face models build them with "
             f"config.tie_word_embeddings=False; otherwise give the LM head its own weight), or use "
             f"{'tp=1' if layout.tp > 1 else 'a synchronous schedule such as 1f1b'}."
+        )
+    if split.tied and layout.zero == 3:
+        raise LayoutError(
+            f"{', '.join(first + ' = ' + last for first, last in split.tied)} tie the first and the last pipeline "
+            f"stage, which is not supported with zero=3: the pipeline sends the first stage's whole weight to the "
+            f"last stage's copy before each step and adds the copy's gradient to it after, but ZeRO-3 keeps only "
+            f"1/dp of it between uses. Fix: untie them (for Hugging Face models build them with "
+            f"config.tie_word_embeddings=False; otherwise give the LM head its own weight), or use zero=1 or zero=2."
         )
     return PipelinePlan(schedule, split)
 

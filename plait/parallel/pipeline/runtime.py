@@ -125,6 +125,15 @@ class PipelineRunner:
         self.step_start = 0.0
         self.step_end = 0.0
         self.tied = self._tied_copies()
+        self.input_checks: list[Callable[[torch.Tensor], None]] = []
+        """Called with each step's (and evaluation's) first-stage input on every rank before any message, so that
+        an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
+        split over cp), instead of leaving the later stages waiting for it."""
+        self.param_scope: Callable[[int, str], contextlib.AbstractContextManager[None]] = \
+            lambda stage, kind: contextlib.nullcontext()
+        """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; set
+        by ``plait.parallelize`` to the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
+        parameter units there and frees them after)."""
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -177,7 +186,7 @@ class PipelineRunner:
                         self.comm.send_recv(recvs=[(x, self._peer(s - 1))], axis=AXIS)
                     else:
                         x.zero_()
-                with self.precision.autocast():
+                with self.precision.autocast(), self.param_scope(s, "F"):
                     out = self.stages[s].module(x)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"pipeline stage {s} returned {type(out).__name__}; stages must pass one tensor. "
@@ -250,6 +259,8 @@ class PipelineRunner:
         m = len(micro)
         if m != self.schedule.m:
             raise ScheduleError(f"the schedule runs m={self.schedule.m} micro-batches, but {m} were given.")
+        for check in self.input_checks:
+            check(micro[0][0])
         self._sync_tied_weights()
         metas = self._shapes(micro[0][0])
         loss_sum = torch.zeros((), device=self.device)
@@ -272,7 +283,8 @@ class PipelineRunner:
                 self._before_compute(action)
                 self._wait_for_input(action, inbox)  # outside the timed span: waiting is not busy time
                 started = time.perf_counter()
-                self._compute(action, micro, inbox, outbox, loss_sum)
+                with self.param_scope(action.stage, action.kind):
+                    self._compute(action, micro, inbox, outbox, loss_sum)
                 self.timeline.append((action, started, time.perf_counter()))
                 position += 1
             self._after_actions()
@@ -385,6 +397,8 @@ class PipelineRunner:
     def forward(self, inputs: torch.Tensor, training: bool = False) -> torch.Tensor | None:
         """Forward-only pass of the whole batch through the stages (no grad; eval mode unless ``training``);
         returns the last stage's output on the rank holding it, None elsewhere."""
+        for check in self.input_checks:
+            check(inputs)
         self._sync_tied_weights()
         with self._mode(training):
             output, _ = self._chain(inputs, with_data=True)

@@ -37,10 +37,11 @@ def plan_tensor_parallel(model: nn.Module, layout: Layout, plan: Plan | None = N
         if plan is not None:
             raise LayoutError("tp_plan was given, but the layout has tp=1. Fix: set tp > 1, or leave tp_plan out.")
         return None
-    if layout.zero == 3:
+    if layout.zero == 3 and layout.tp_mode != "1d":
         raise LayoutError(
-            f"zero=3 with tp={layout.tp} is not supported: ZeRO-3's flat units would mix tensor-parallel slices with "
-            f"replicated parameters. Fix: use zero=1 or zero=2 (or zero=0) with tp > 1."
+            f"zero=3 with tp={layout.tp} is not supported in tp_mode={layout.tp_mode!r}: ZeRO-3 is proven with Megatron "
+            f"1D tensor parallelism only (grid layers keep weights replicated over some of their axes). Fix: use "
+            f"tp_mode='1d' with zero=3, or zero=1/2 with tp_mode={layout.tp_mode!r}."
         )
     if getattr(model, "_plait_tensor_parallel", False):
         raise LayoutError("this model already has tensor parallelism applied. Fix: pass a fresh model to parallelize.")

@@ -28,10 +28,16 @@ Inside ``no_sync()`` (gradient accumulation) nothing is reduced: each unit keeps
 locally (P extra values per rank during accumulation, as in PyTorch FSDP's no_sync) and adds it to the gradient
 reduced by the next synchronised backward. Activation recomputation may re-run a unit's forward during backward:
 the pre-hook is then idempotent and the unit stays gathered until its gradients are reduced.
+
+With tensor parallelism each tp rank's units hold its own slices (and the replicated parameters) and are sharded
+over ``axis`` like any other (``param_grads`` gives each piece with its parameter for tp-aware norms and
+Megatron-SP sums). Under pipeline parallelism a stage's units are gathered within the runner's scope around
+each schedule action, one block at a time in F and B (``fsdp_pipeline``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +51,8 @@ from plait.config import Layout
 from plait.logging import get_logger
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
-from plait.parallel.zero import fsdp_state
 from plait.parallel.zero.base import ShardedStrategy
+from plait.parallel.zero.fsdp_pipeline import StageScopes
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 from plait.parallel.zero.shard_buckets import master_dtype
 
@@ -155,6 +161,8 @@ class FullyShardedStrategy(ShardedStrategy):
         self._backward_active = False
         self._inflight: tuple[FlatUnit, Pending] | None = None
         self._handles: list[Any] = []
+        self._stages: StageScopes | None = None
+        """Set under pipeline parallelism (``attach_pipeline``): the runner's scopes gather, the hooks stand by."""
         for unit in self.units:
             pre_forward = functools.partial(self._pre_forward, unit)
             self._handles.append(unit.module.register_forward_pre_hook(pre_forward, prepend=True))
@@ -178,6 +186,9 @@ class FullyShardedStrategy(ShardedStrategy):
         return self._backward_active and torch._C._current_graph_task_id() != -1
 
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: Any) -> None:
+        if self._stages is not None:  # pipeline: gathered within the runner's scope of the stage's action
+            self._stages.pre_forward(unit)
+            return
         if self._recomputing():  # keep the unit gathered until its gradients are reduced
             unit.gather("recompute", grad_enabled=True)
             return
@@ -190,6 +201,9 @@ class FullyShardedStrategy(ShardedStrategy):
             following.prefetch("forward")
 
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stages is not None:
+            self._stages.post_forward(unit, output)
+            return
         if self._recomputing():
             return
         self._post_record.append(unit)
@@ -221,6 +235,9 @@ class FullyShardedStrategy(ShardedStrategy):
             following.prefetch("backward")
 
     def _grad_ready(self, unit: FlatUnit, param: nn.Parameter) -> None:
+        if self._stages is not None:  # pipeline: kept unsharded until finish_backward
+            self._stages.grad_ready(unit)
+            return
         self._enter_backward()
         unit.ready += 1
         if unit.ready == len(unit.params):
@@ -260,14 +277,47 @@ class FullyShardedStrategy(ShardedStrategy):
 
     def finish_backward(self) -> None:
         """Gradients are reduced during backward; wait for the last reduce-scatter (and, with offload, for the
-        device -> host copies of the reduced shards)."""
+        device -> host copies of the reduced shards). Under pipeline parallelism every backward ran in
+        ``no_sync``: reduce-scatter every unit's accumulated gradient now, one unit after another (at most one
+        in flight), the same units in the same order on every rank."""
+        if self._stages is not None:
+            for unit in self.units:
+                if not unit.empty:
+                    flat = cast_for_reduction(unit.take_grads(), self.reduce_dtype)
+                    self._drain()
+                    self._inflight = (unit, self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True))
+                    self._record("reduce_scatter", unit.name)
         self._drain()
         self.placement.synchronize()
+
+    # ----------------------------------------------------------------- pipeline
+    def attach_pipeline(self, stage_modules: dict[int, nn.Module]) -> None:
+        """Pipeline parallelism: from now on each stage's units are gathered within the runner's ``pipeline_scope``
+        around its actions (any schedule's order, split I/W backward included; ``fsdp_pipeline``)."""
+        self._stages = StageScopes(self.units, self.root, stage_modules, _output_tensors)
+
+    def pipeline_scope(self, stage: int, kind: str) -> contextlib.AbstractContextManager[None]:
+        if self._stages is None:
+            return contextlib.nullcontext()
+        return self._stages.scope(stage, kind)
 
     # ----------------------------------------------------------------- gradients and step
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's slices of the averaged gradients, on the masters (padding included: it is zero)."""
         return [unit.master.grad for unit in self.units if unit.master.grad is not None]
+
+    def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Views of the shard gradients, one per parameter piece in this rank's shard: tensor-parallel norm weights
+        (a tp slice counts on every tp rank, a replicated parameter once) and Megatron-SP's sum over tp read the
+        parameter's tags. Every tp rank lays out its unit alike (slices of equal size), so the piece of a
+        replicated parameter sits at the same place of the same shard on every tp rank."""
+        pieces = []
+        for unit in self.units:
+            grad = unit.master.grad
+            if grad is not None and not unit.empty:
+                for piece in unit.layout.slices(unit.rank):
+                    pieces.append((unit.params[piece.index], grad[piece.at : piece.at + piece.end - piece.start]))
+        return pieces
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -319,15 +369,3 @@ class FullyShardedStrategy(ShardedStrategy):
         )
         return {name: full[id(p)] for name, p in self.model.named_parameters() if id(p) in full}
 
-    # ----------------------------------------------------------------- checkpoints
-    def state_dicts(self) -> dict[str, Any]:
-        """Model state as full tensors by name (gathered) and this rank's optimizer state over its shards."""
-        return {
-            "model": fsdp_state.model_state(self.model, self._full_by_param(lambda unit: unit.shard)),
-            "optimizer": fsdp_state.optimizer_state(self.optimizer, self.units, self.comm.size(self.axis)),
-        }
-
-    def load_state_dicts(self, states: dict[str, Any]) -> None:
-        fsdp_state.load_model_state(self.model, self.units, states["model"])
-        fsdp_state.load_optimizer_state(self.optimizer, self.units, self.comm.size(self.axis), states["optimizer"])
-        self.placement.adopt_states(self.optimizer)

@@ -44,16 +44,13 @@ or in memory-mapped files; the step runs on the CPU.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from plait.comm import Comm
 from plait.config import Layout
-from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
@@ -217,71 +214,3 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         self._hooks = []
         super().close()
 
-    # ----------------------------------------------------------------- checkpoints
-    @property
-    def state_key(self) -> str:
-        """This rank's key for its optimizer shard in a checkpoint (names the stage, the degree and the rank)."""
-        return f"zero{self.stage}_dp{self.world}_rank{self.comm.mesh.rank}"
-
-    def state_dicts(self) -> dict[str, Any]:
-        """The full model state (replicated: every rank holds it) and this rank's shard of the optimizer under
-        ``state_key``: master shards, optimizer state tensors (the live ones, so DCP loads into them in place),
-        param_groups, and the shard's rank, degree and ranges [start, end, padded, numel] per bucket."""
-        initialized = bool(self.optimizer.state)
-        packed = self.optimizer.state_dict() if initialized else self._template()
-        shard = {
-            "shard": {
-                "rank": torch.tensor(self.index),
-                "dp": torch.tensor(self.world),
-                "ranges": torch.tensor(
-                    [[*b.layout.shard_range(self.index), b.layout.padded, b.layout.numel] for b in self.buckets]
-                ),
-            },
-            "initialized": torch.tensor(int(initialized)),
-            "master": {str(b.index): b.master.detach() for b in self.buckets},
-            "state": {str(k): dict(v) for k, v in packed["state"].items()},
-            "param_groups": packed["param_groups"],
-        }
-        return {"model": get_model_state_dict(self.model), "optimizer": {self.state_key: shard}}
-
-    def _template(self) -> dict[str, Any]:
-        """The state_dict an optimizer of this factory has after one step: the shapes a load fills in. Built on
-        throwaway copies of the shards, so the real optimizer stays untouched (still without state)."""
-        clones = [nn.Parameter(torch.zeros(b.shard_size, dtype=b.master.dtype)) for b in self.buckets]
-        for clone in clones:
-            clone.grad = torch.zeros_like(clone)
-        throwaway = self._factory(clones)
-        throwaway.step()
-        return throwaway.state_dict()
-
-    def load_state_dicts(self, states: dict[str, Any]) -> None:
-        if self.state_key not in states["optimizer"]:
-            raise self._layout_mismatch(f"it has no entry {self.state_key!r}")
-        shard = states["optimizer"][self.state_key]
-        ranges = [[*b.layout.shard_range(self.index), b.layout.padded, b.layout.numel] for b in self.buckets]
-        if shard["shard"]["ranges"].tolist() != ranges or int(shard["shard"]["dp"]) != self.world:
-            raise self._layout_mismatch(f"its shard ranges are {shard['shard']['ranges'].tolist()}, not {ranges}")
-        set_model_state_dict(self.model, states["model"])
-        with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.master.copy_(shard["master"][str(bucket.index)])
-        if int(shard["initialized"]):
-            state = {int(k): v for k, v in shard["state"].items()}
-            self.optimizer.load_state_dict({"state": state, "param_groups": shard["param_groups"]})
-            self.placement.adopt_states(self.optimizer)
-        else:
-            self.optimizer.state.clear()
-
-    def check_checkpoint(self, meta: dict[str, Any]) -> None:
-        """Refuse a checkpoint whose optimizer shards were cut differently (``meta``: its plait.json)."""
-        saved = meta.get("layout", {})
-        degree = int(saved.get("dp", 1)) * int(saved.get("cp", 1))
-        if saved.get("zero") != self.stage or degree != self.world:
-            raise self._layout_mismatch(f"it was saved with zero={saved.get('zero')} over dp x cp = {degree}")
-
-    def _layout_mismatch(self, why: str) -> LayoutError:
-        return LayoutError(
-            f"this checkpoint's optimizer state does not match ZeRO-{self.stage} over {self.axis}={self.world} "
-            f"(rank {self.comm.mesh.rank}): {why}. Loading ZeRO optimizer shards under another data-parallel size "
-            f"or stage (resharding) is not implemented yet. Fix: load with the layout it was saved with."
-        )
