@@ -298,3 +298,43 @@ def test_zero2_and_zero3_with_pipeline_hold_unsharded_gradients_and_reduce_once(
     zero1 = predict("gpt2-xl", Layout(dp=4, pp=2, zero=1, microbatches=8), "a100-80gb", **kw)
     assert zero2.memory.gradients == zero1.memory.gradients
     assert piped.time["dp_comm"] > 0  # the one reduce-scatter per step
+
+
+def test_processor_sharing_simulation_of_a_pipeline():
+    """``shared_makespan``: with a processor per rank it is the schedule simulator's makespan; on one processor a
+    pipeline (always some stage with work) takes exactly the sum of all its work; r replicas on r processors
+    take as long as one on one."""
+    import dataclasses
+
+    from plait.parallel.pipeline import build_schedule, simulate
+    from plait.parallel.pipeline.simulate import Costs
+    from plait.planner.sharing import shared_makespan
+
+    costs = Costs(F=[1.0, 1.5, 1.0, 2.0], B=[2.0, 3.0, 2.0, 4.0], p2p=0.25)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)):
+        schedule = build_schedule(name, 4 // v, 4, v) if v > 1 else build_schedule(name, 4, 6, 1)
+        assert math.isclose(shared_makespan(schedule, costs, units=8), simulate(schedule, costs).makespan)
+        serial = dataclasses.replace(costs, p2p=0.0)
+        work = sum(serial.of(a) for actions in schedule.actions for a in actions)
+        assert math.isclose(shared_makespan(schedule, serial, units=1), work), name
+        assert math.isclose(shared_makespan(schedule, costs, units=2, replicas=2),
+                            shared_makespan(schedule, costs, units=1, replicas=1))
+        assert shared_makespan(schedule, costs, units=2) >= simulate(schedule, costs).makespan - 1e-9
+
+
+def test_split_backward_makes_zero_bubble_dearer_where_calibrated():
+    """``Hardware.split_backward`` (I + W over B) prices zero-bubble's two backward passes: 1.0 on GPUs (Qi et al.
+    2023), measured by ``plait calibrate`` on CPU (plait's second graph traversal costs extra)."""
+    import dataclasses
+
+    from plait.planner.calibrate import measure_split_backward
+
+    assert 1.0 <= measure_split_backward(width=64, seq=32, repeats=3) < 10.0
+    layout = Layout(dp=1, pp=4, microbatches=8, schedule="zero-bubble")
+    hw = get_hardware("h100")
+    base = predict("gpt2-xl", layout, hw, global_batch=8).step_time
+    dear = predict("gpt2-xl", layout, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time
+    assert dear > base * 1.05
+    one_f_one_b = Layout(dp=1, pp=4, microbatches=8)
+    assert predict("gpt2-xl", one_f_one_b, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time == \
+        predict("gpt2-xl", one_f_one_b, hw, global_batch=8).step_time

@@ -71,8 +71,14 @@ def test_ranks_sharing_processors_cannot_beat_their_work_spread_over_them():
         alone, together = (predict(config, layout, hw, 16, implementation="plait-cpu") for hw in (own, shared))
         work = alone.time["compute"] + alone.time["optimizer"]  # shared; collectives were timed at 4 ranks already
         comm = sum(alone.time[k] for k in ("tp_comm", "cp_comm", "zero3_comm", "dp_comm"))
-        assert together.step_time == pytest.approx(max(alone.step_time, 4 / 2 * work + comm), rel=1e-6)
-        assert together.time["shared_processors"] == pytest.approx(together.step_time - alone.step_time, abs=1e-12)
+        bound = max(alone.step_time, 4 / 2 * work + comm)
+        if layout.pp == 1:  # no schedule: the bound is the prediction
+            assert together.step_time == pytest.approx(bound, rel=1e-6)
+            assert together.time["shared_processors"] == pytest.approx(together.step_time - alone.step_time,
+                                                                       abs=1e-12)
+        else:  # the schedule run under processor sharing (plait.planner.sharing): the bound or more, never more
+            # than every stage's work in a row at the 2/4 speed
+            assert bound * (1 - 1e-9) <= together.step_time <= 4 / 2 * 4 * alone.time["compute"] + comm
     # a pipeline's bubble is idle time another rank can use: with 2 processors for 4 ranks, pp=4 m=4 costs
     # no more than dp=4 of the same work
     dp, pp = (predict(config, lay, shared, 16, implementation="plait-cpu")

@@ -36,8 +36,10 @@ class CheckpointError(PlaitError, FileNotFoundError):
     """A missing, incomplete or unsafe checkpoint."""
 
 
-SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
+SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
+"""Any class of DCP's metadata module (dataclasses and enums, no side effects) may be named."""
+SAFE_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+"""And these classes of other modules (a piece's file, offset and length); not the module's readers/writers."""
 SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex",
                  "slice", "object", "bytearray"}
 
@@ -54,7 +56,7 @@ class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata`` file, naming only the classes such a file needs."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in SAFE_MODULES:  # classes only (dataclasses, enums): never a function
+        if module in SAFE_MODULES or (module, name) in SAFE_CLASSES:  # classes only: never a function
             value = getattr(importlib.import_module(module), name, None)
             if isinstance(value, type):
                 return value

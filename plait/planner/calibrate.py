@@ -7,6 +7,7 @@
 - memory: copy bandwidth of a 64 MiB tensor (bytes read + written per second);
 - overhead: the fixed cost of one transformer block's forward + backward whatever its size (Python, dispatcher,
   autograd): the slope over the layer count of a tiny plait GPT's training-step time (``block_overhead``);
+- split backward: zero-bubble's I + W over one B, timed on plait's own pipeline stage (``split_backward``);
 - communication: for each collective of ``plait.comm.Comm`` (all_reduce, all_gather, reduce_scatter,
   all_to_all, broadcast, send_recv), the median time over a few repeats at several payload sizes in ``nproc``
   local gloo processes, fitted by least squares to the alpha-beta model t = alpha + beta x bytes (Hockney 1994);
@@ -88,6 +89,47 @@ def measure_block_overhead(layers: tuple[int, ...] = (1, 5), repeats: int = 15) 
         torch.set_num_threads(threads)
 
 
+def measure_split_backward(width: int = 256, seq: int = 128, batch: int = 2, repeats: int = 7) -> float:
+    """Zero-bubble's I + W over one B on this machine: plait's ``PipelineStage`` running a 2-block chunk of a GPT
+    (one thread) as forward + backward and as forward + backward_input + backward_weight. With the forward a third
+    of forward + backward (B = 2F in FLOPs), (I + W) / B = (3 r - 1) / 2 for the ratio r of the two medians
+    (``Hardware.split_backward``; at least 1)."""
+    from plait.models import GPT, GPTConfig
+    from plait.parallel.pipeline.stage import PipelineStage
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, blocks: list[torch.nn.Module]) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(blocks)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = GPT(GPTConfig(vocab_size=8, seq_len=seq, n_layer=2, n_head=4, d_model=width))
+        stage = PipelineStage(Chunk([model.blocks["0"], model.blocks["1"]]), 1, 3)  # a middle stage
+        x, grad = torch.randn(batch, seq, width), torch.randn(batch, seq, width)
+        whole, split = [], []
+        for _ in range(repeats + 1):  # alternating, so that drift touches both alike
+            start = time.perf_counter()
+            stage.forward(0, x)
+            stage.backward(0, grad)
+            whole.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            stage.forward(0, x)
+            stage.backward_input(0, grad)
+            stage.backward_weight(0)
+            split.append(time.perf_counter() - start)
+        ratio = statistics.median(split[1:]) / statistics.median(whole[1:])
+        return max(1.0, (3 * ratio - 1) / 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sustained_matmul_flops(seconds: float = 0.5, n: int = 512) -> float:
     """FLOP/s of back-to-back n x n matmuls for ``seconds`` on this thread (what a busy rank sustains)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -165,7 +207,7 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
     flops, bandwidth = measure_matmul_flops(), measure_memory_bandwidth()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    alone, overhead = sustained_matmul_flops(), measure_block_overhead()
+    alone, overhead, split = sustained_matmul_flops(), measure_block_overhead(), measure_split_backward()
     torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -188,7 +230,7 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc,
         memory_bandwidth=bandwidth, intra_node_bandwidth=link, inter_node_bandwidth=link,
         devices_per_node=nproc, intra_node_latency=fits["send_recv"][0], inter_node_latency=fits["send_recv"][0],
-        block_overhead=overhead, measured=fits, measured_ranks=nproc, compute_units=min(float(nproc), max(1.0, together / alone)),
+        block_overhead=overhead, split_backward=split, measured=fits, measured_ranks=nproc, compute_units=min(float(nproc), max(1.0, together / alone)),
         source=f"plait calibrate, {nproc} gloo processes, {time.strftime('%Y-%m-%d %H:%M')}",
     )
     data = {"hardware": hardware.to_dict(), "timings": {op: rows for op, rows in timings.items()},
@@ -203,5 +245,5 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
 
 
 __all__ = ["SIZES", "calibrate", "fit_alpha_beta", "measure_block_overhead", "measure_matmul_flops",
-           "measure_memory_bandwidth",
+           "measure_memory_bandwidth", "measure_split_backward",
            "sustained_matmul_flops"]

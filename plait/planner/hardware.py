@@ -63,6 +63,9 @@ class Hardware:
             (kernel launches run ahead of the device).
         compute_units: processors that all ranks share (``plait calibrate``: how many single-thread matmuls run
             at once at full speed on this machine); 0 means every rank has its own device (GPUs).
+        split_backward: zero-bubble's input-gradient pass I plus weight-gradient pass W over one backward B
+            (Qi et al. 2023 count I + W = B: 1.0 on GPUs; ``plait calibrate`` measures plait's two autograd passes
+            on CPU, where the second traversal of the graph costs extra).
         source: where the figures come from.
     """
 
@@ -83,6 +86,7 @@ class Hardware:
     measured_ranks: int = 2
     block_overhead: float = 0.0
     compute_units: float = 0.0
+    split_backward: float = 1.0
     source: str = ""
 
     def flops(self, precision: str) -> float:

@@ -30,6 +30,7 @@ from typing import Any
 from plait.config import Layout
 from plait.errors import LayoutError
 from plait.parallel.pipeline import build_schedule, simulate
+from plait.parallel.pipeline.simulate import Costs
 from plait.planner.costs import (
     ADAM_BYTES_PER_PARAM, IMPLEMENTATIONS, Implementation, act_bytes, block_flops, block_time, collective_time,
     head_time, logits_flops, spans_nodes,
@@ -38,6 +39,7 @@ from plait.planner.hardware import Hardware, get_hardware
 from plait.planner.inter_op import balanced_stages
 from plait.planner.memory import MemoryBreakdown, stage_memory
 from plait.planner.models import ModelSpec, resolve_model
+from plait.planner.sharing import shared_makespan
 
 TIME_PARTS = ("compute", "tp_comm", "cp_comm", "zero3_comm", "pp_bubble", "dp_comm", "optimizer", "offload",
               "shared_processors")
@@ -120,15 +122,24 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _pipeline(schedule: str, p: int, m: int, v: int, forward: tuple[float, ...], backward: tuple[float, ...],
-              p2p: float) -> tuple[float, float, int]:
-    """(makespan, slowest rank's busy time, peak in-flight chunk-micro-batches on any rank) for m micro-batches."""
+              p2p: float, split: float = 1.0, units: float = 0.0, replicas: int = 1) -> tuple[float, float, int]:
+    """(makespan, slowest rank's busy time, peak in-flight chunk-micro-batches on any rank) for m micro-batches.
+    ``split``: zero-bubble's I + W over B (``Hardware.split_backward``); ``units`` > 0: the ``replicas`` x p ranks
+    share that many processors (``plait.planner.sharing``)."""
     if p == 1:
         return m * (forward[0] + backward[0]), m * (forward[0] + backward[0]), 1
     sim_m = m if m <= 2 * p else 2 * p
-    result = simulate(build_schedule(schedule, p, sim_m, v), {"F": list(forward), "B": list(backward), "p2p": p2p})
-    per_mb = max(sum(forward[s] + backward[s] for s in range(r, p * v, p)) for r in range(p))
+    halves = [b / 2 * split for b in backward]
+    costs = Costs(F=list(forward), B=list(backward), I=halves, W=halves, p2p=p2p)
+    plan = build_schedule(schedule, p, sim_m, v)
+    result = simulate(plan, costs)
+    per_mb = max(sum(forward[s] + (backward[s] * split if schedule == "zero-bubble" else backward[s])
+                     for s in range(r, p * v, p)) for r in range(p))
     extra = (m - sim_m) * per_mb
-    return result.makespan + extra, max(result.busy) + extra, max(result.peak_activations)
+    makespan = result.makespan + extra
+    if units and units < replicas * p:  # in the steady state all p stages of every replica are busy
+        makespan = max(makespan, shared_makespan(plan, costs, units, replicas) + extra * replicas * p / units)
+    return makespan, max(result.busy) + extra, max(result.peak_activations)
 
 
 @lru_cache(maxsize=4096)
@@ -232,13 +243,15 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
                           impl.comm_efficiency) if p > 1 else 0.0
     unit = max(fwd) or 1.0
     schedule = layout.schedule if p > 1 else "1f1b"
+    split = hw.split_backward if schedule == "zero-bubble" else 1.0
+    shared = hw.compute_units if hw.compute_units and layout.world_size > hw.compute_units else 0.0
     if exact:
         makespan, busy, in_flight = _pipeline(schedule, p, m, v, _rounded(fwd, unit), _rounded(bwd, unit),
-                                              round(p2p / unit, 4))
+                                              round(p2p / unit, 4), split, shared, layout.world_size // p)
         makespan, busy = makespan * unit, busy * unit
     else:
         slowest = max(range(p * v), key=lambda c: fwd[c] + bwd[c])
-        makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, fwd[slowest], bwd[slowest], p2p)
+        makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, fwd[slowest], bwd[slowest] * split, p2p)
     slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
     rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in range(slow, p * v, p))
     tp_time = m * rank_blocks * 4 * collective_time(hw, "all_reduce", b * (s // layout.cp) * spec.hidden * e, t,
