@@ -103,7 +103,7 @@ SAMPLE = [
         "dp2-tp2-zero3", "dp2-pp2-zero3",  # world 4: ZeRO-3 sharding tp slices, ZeRO-3 gathered per pipeline action
     )
 ]
-"""The default suite: 10 runnable cells, world <= 4, covering every axis and every ZeRO stage (checked by a test);
+"""A test each (the whole matrix is trained and compared too): 10 cells, world <= 4, covering every axis and every ZeRO stage (checked by a test);
 among the world-4 pairs, two that no other test file trains (tp x cp, ZeRO-3 x cp), the pipeline with each
 partner it accepts (tp, dp with ZeRO-1 and ZeRO-3) and ZeRO-3 over tensor-parallel slices."""
 
