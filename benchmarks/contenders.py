@@ -12,7 +12,7 @@ Pairs: plait DDP vs ``DistributedDataParallel`` (``ddp``), plait ZeRO-1 vs DDP +
 model-parallel builders are in ``model_parallel.py``.
 Every trainer also reports its *model-state bytes* at the optimizer step of one extra, untimed step: the
 storages of the parameters, gradients, master weights and optimizer states it holds (DTensors by their local
-shard), counted the same way for both contenders (``plait.memory.storage_bytes``).
+shard), counted the same way for both contenders (``plait.observe.memory.storage_bytes``).
 
 To add a pair: write two ``build_*`` functions, register them in ``CONTENDERS``, add a ``Suite`` with the
 theoretical bytes per step for that paradigm (or give each contender its own ``theory``).

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.report import conditions, machine, replace_block
-from plait.parallel.param_server import AdditionGPT, Consistency, JobConfig, LocalCluster, OptimizerSpec
+from plait.param_server import AdditionGPT, Consistency, JobConfig, LocalCluster, OptimizerSpec
 
 log = logging.getLogger("benchmarks.param_server")
 OPTIMIZER = OptimizerSpec("AdamW", {"lr": 3e-3})

@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 
 from plait.models import GPT, GPTConfig
-from plait.parallel.pipeline.partition import auto_partition
-from plait.parallel.pipeline.profile import gpt_layers, measure_splits
+from plait.planner.partition import auto_partition
+from plait.planner.profile import gpt_layers, measure_splits
 
 
 def main() -> None:

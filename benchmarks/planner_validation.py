@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.models import GPT, GPTConfig, lm_loss
 
 from benchmarks.launch import launch

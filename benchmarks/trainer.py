@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.memory import storage_bytes
+from plait.observe.memory import storage_bytes
 
 from benchmarks.workload import Batch, Workload
 
@@ -135,7 +135,7 @@ def plait_trainer(
     mean, the same on every rank) and the bytes its comm layer counted in the step (ring model).
     ``full_params(engine)`` gives the whole-parameter gather for layouts whose ranks hold pieces."""
     import plait
-    from plait.memory import measure_held
+    from plait.observe.memory import measure_held
     from plait.models import lm_loss
 
     engine = plait.parallelize(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from plait.parallel.context.measure import SavedActivations
+from plait.observe.memory import SavedActivations
 
 from benchmarks.contenders import CONTENDERS, Trainer
 from benchmarks.workload import Workload

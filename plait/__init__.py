@@ -7,11 +7,12 @@
 """
 
 from plait.comm import Comm, CommStats
-from plait.config import AXES, Layout
+from plait.layout import AXES, Layout
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
 from plait.errors import CommError, ConfigError, LayoutError, PlaitError, ScheduleError
-from plait.memory import MemoryEstimate, estimate_memory, measure_held
+from plait.planner.memory import MemoryEstimate, estimate_memory
+from plait.observe.memory import measure_held
 from plait.mesh import Mesh
 from plait.parallelize import parallelize
 from plait.planner import plan

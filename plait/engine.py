@@ -24,18 +24,18 @@ from torch import nn
 
 from plait import checkpoint
 from plait.comm import Comm, CommStats
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
 from plait.mesh import Mesh
+from plait.models.loss import LossFn, apply_loss
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
-from plait.trace import no_span
+from plait.observe.trace import no_span
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
     from plait.parallel.pipeline.simulate import SimResult
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
 
 
@@ -71,13 +71,6 @@ class EvalStats:
     @property
     def accuracy(self) -> float:
         return self.correct / self.total if self.total else float("nan")
-
-
-def apply_loss(loss_fn: LossFn, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Call ``loss_fn``, flattening a sequence model's [B, T, C] output and [B, T] target to [B*T, C] and [B*T]."""
-    if output.dim() > 2 and output.dim() == target.dim() + 1:
-        output, target = output.flatten(0, -2), target.flatten()
-    return loss_fn(output, target)
 
 
 class Engine:
@@ -130,7 +123,7 @@ class Engine:
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
         """Forward and backward over the micro-batches, average gradients, clip, step the optimizer."""
         start = time.perf_counter()
-        tracer = self.comm.tracer  # plait.trace.Tracer while one records; None costs this one check
+        tracer = self.comm.tracer  # plait.observe.trace.Tracer while one records; None costs this one check
         traced_from = tracer.now() if tracer is not None else 0
         span = tracer.span if tracer is not None else no_span
         before = self.comm.stats.snapshot()
@@ -242,7 +235,7 @@ class Engine:
         """Gather ``pipeline_timeline()`` (every rank must call) and, on global rank 0, write it as a
         Chrome/Perfetto trace to ``path`` (ui.perfetto.dev) and as a picture to ``png`` (ranks x time,
         measured bubble in the title). Returns the timeline."""
-        from plait.parallel.pipeline.measured import save_timeline
+        from plait.observe.pipeline_picture import save_timeline
 
         result = self.pipeline_timeline()
         if self.mesh.rank == 0:

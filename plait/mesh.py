@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from plait.config import AXES, Layout, tp_grid_dims
+from plait.layout import AXES, Layout, tp_grid_dims
 from plait.errors import LayoutError
 
 COMBINED_AXES: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "world": AXES}

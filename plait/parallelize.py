@@ -17,20 +17,20 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import Comm, CommStats
-from plait.config import Layout
+from plait.layout import Layout
 from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
-from plait.parallel.data import DistributedDataParallel, broadcast_parameters
+from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
 from plait.parallel.pipeline.apply import place_pipeline, plan_pipeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
 from plait.parallel.pipeline.runtime import PipelineRunner
 from plait.parallel.pipeline.schedule import Schedule
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.sequence import hand_stage_positions
+from plait.parallel.tensor.sequence import hand_stage_positions
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan

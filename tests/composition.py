@@ -23,7 +23,7 @@ import plait
 from plait import Layout
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
-from plait.engine import apply_loss
+from plait.models.loss import apply_loss
 from reference import Trajectory, assert_tensors_close, train_reference
 
 AXES = ("dp", "tp", "pp", "cp")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from plait.engine import apply_loss
+from plait.models.loss import apply_loss
 
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-6},

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from plait.cli import main
+from plait.cli.main import main
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -26,7 +26,7 @@ def test_plait_ps_trains_and_reports_every_server():
         assert re.search(rf"server {server}: version 12, .* 0 live workers, 0 duplicates ignored, 12 pushes applied",
                          done.stdout), done.stdout
     # not a terminal: the progress view writes log lines with the same figures while the job runs
-    assert "plait.parallel.param_server.progress" in done.stderr
+    assert "plait.param_server.progress" in done.stderr
 
 
 @pytest.mark.parametrize("args, message", [

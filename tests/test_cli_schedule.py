@@ -1,6 +1,6 @@
 """``plait schedule``: simulate, summarise, draw and trace a pipeline schedule from the command line; bad input
 (unknown schedule, deadlocking or unreadable custom schedule, malformed costs) exits with 2 and a message, no
-traceback. Most tests call ``plait.cli.main`` in this process; one runs ``python -m plait`` to check the entry."""
+traceback. Most tests call ``plait.cli.main.main`` in this process; one runs ``python -m plait`` to check the entry."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from plait.cli import main
-from plait.cli_schedule import parse_costs
+from plait.cli.main import main
+from plait.cli.schedule import parse_costs
 from plait.parallel.pipeline import Schedule, build_schedule
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

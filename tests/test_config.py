@@ -3,7 +3,7 @@
 import pytest
 
 from plait import ConfigError, LayoutError
-from plait.run_config import RunConfig, apply_overrides, load_config, parse_value
+from plait.train.config import RunConfig, apply_overrides, load_config, parse_value
 
 
 def test_defaults_round_trip_through_toml(tmp_path):

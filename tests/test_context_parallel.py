@@ -21,7 +21,8 @@ from plait.mesh import Mesh
 from plait.models import GPT, GPTConfig
 from plait.parallel.context import ring as ring_module
 from plait.parallel.context import RingAttention, SequenceSharding, UlyssesAttention, plan_context_parallel
-from plait.parallel.context.measure import SavedActivations, gpt_saved_bytes, longest_sequence
+from benchmarks.context_memory import gpt_saved_bytes, longest_sequence
+from plait.observe.memory import SavedActivations
 from plait.parallel.context.traffic import measure_wire_bytes, theory_wire_bytes
 from reference import (
     Trajectory,
@@ -171,7 +172,7 @@ def test_wire_byte_formulas():
 
 def _attention_and_traffic_on_rank(cp: int) -> tuple[dict, dict]:
     """``_attention_on_rank``, and the forward/backward split of one layer's bytes (``measure_wire_bytes``, what
-    ``python -m plait.parallel.context.measure`` prints for docs/context_parallel.md)."""
+    ``python -m benchmarks.context_memory`` prints for docs/context_parallel.md)."""
     comm = Comm(Mesh.build(Layout(dp=1, cp=cp)))
     split = {mode: measure_wire_bytes(comm, mode, BATCH, HEADS, HEADS, LENGTH, HEAD_DIM) for mode in CORES}
     return _attention_on_rank(cp), split

@@ -22,7 +22,7 @@ from composition import _parameters as whole_parameters
 from composition import merge_ranks
 from harness import run_distributed
 from plait import Layout, LayoutError
-from plait.engine import apply_loss
+from plait.models.loss import apply_loss
 from plait.models import GPT, GPTConfig
 from plait.parallel.context import plan_context_parallel
 from reference import assert_tensors_close, masked_lm_batch, train_reference

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 import plait  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from plait import Layout  # noqa: E402
-from plait.convert import convert  # noqa: E402
+from plait.checkpoint.convert import convert  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
 from plait.models import GPT, GPTConfig  # noqa: E402
 from plait.parallel.tensor.layers import gather_parameters  # noqa: E402

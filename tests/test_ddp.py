@@ -1,4 +1,4 @@
-"""Bucketed DDP (plait.parallel.data.DistributedDataParallel): parity with single-device training over several
+"""Bucketed DDP (plait.parallel.ddp.DistributedDataParallel): parity with single-device training over several
 small buckets, all-reduces issued during backward, one call per bucket per step (no_sync included), ring
 bytes, unused parameters (clear error / find_unused_parameters), and bad input."""
 
@@ -15,7 +15,7 @@ from plait.comm import Comm
 from plait.data import ShardedBatches
 from plait.mesh import Mesh
 from plait.parallel.buckets import assign_buckets
-from plait.parallel.data import FIND_UNUSED_ENV, DistributedDataParallel
+from plait.parallel.ddp import FIND_UNUSED_ENV, DistributedDataParallel
 from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference, train_plait
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.cli import main
+from plait.cli.main import main
 from plait.distributed import World
 from plait.errors import ConfigError
-from plait.fault import (
+from plait.train.fault import (
     WATCHDOG_EXIT_CODE,
     Fault,
     RankGuard,
@@ -27,8 +27,8 @@ from plait.fault import (
     resume_metrics,
     watchdog_seconds,
 )
-from plait.run_config import load_config
-from plait.train import build
+from plait.train.config import load_config
+from plait.train.loop import build
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
 # A tiny job: 2 ranks (dp=2), 9 steps, a checkpoint every 3 steps. Killed before step 8 it resumes from step 6 and

@@ -4,7 +4,7 @@ import pytest
 
 import plait
 from plait import Layout, LayoutError
-from plait.config import from_mapping
+from plait.layout import from_mapping
 
 
 def test_defaults_resolve_to_data_parallel():

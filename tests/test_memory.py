@@ -9,7 +9,7 @@ import plait
 from plait import Layout, estimate_memory, measure_held
 from harness import run_distributed
 from plait.data import ShardedBatches
-from plait.memory import activation_bytes, zero_paper_bytes
+from plait.planner.memory import activation_bytes, zero_paper_bytes
 from test_engine import OPTIMIZERS, make_model
 
 

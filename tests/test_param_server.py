@@ -1,4 +1,4 @@
-"""Parameter server (plait.parallel.param_server): sharding, the BSP/ASP/SSP rules and at-most-once pushes on the
+"""Parameter server (plait.param_server): sharding, the BSP/ASP/SSP rules and at-most-once pushes on the
 server state machine; BSP parity with synchronous data-parallel training (SGD and AdamW, fp32, step by step);
 ASP/SSP convergence; a worker killed with SIGKILL mid-run; a worker joining mid-run; checkpoint/resume; bad input.
 Multi-process tests use 1-2 servers + 2-4 workers (at most 5 processes) and every wait has a timeout."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from plait.errors import ConfigError
-from plait.parallel.param_server import (AdditionGPT, Consistency, JobConfig, LocalCluster, OptimizerSpec, PSWorker,
+from plait.param_server import (AdditionGPT, Consistency, JobConfig, LocalCluster, OptimizerSpec, PSWorker,
                                          ServerSettings, ShardServer, assign_shards, model_spec, run_local)
-from plait.parallel.param_server.service import Service
+from plait.param_server.service import Service
 
 TASK = AdditionGPT()  # GPT d_model=32, 2 layers, 4 heads, seq 7, vocab 12; 8 samples per worker and step
 SGD = OptimizerSpec("SGD", {"lr": 0.5})

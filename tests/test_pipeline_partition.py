@@ -14,8 +14,8 @@ from torch import nn
 
 from plait.errors import LayoutError
 from plait.models import GPT, GPTConfig
-from plait.parallel.pipeline.partition import Partition, auto_partition, partition
-from plait.parallel.pipeline.profile import LayerChain, gpt_layers, measure_stages, profile_layers
+from plait.planner.partition import Partition, auto_partition, partition
+from plait.planner.profile import LayerChain, gpt_layers, measure_stages, profile_layers
 from plait.parallel.pipeline.split import split_model
 
 

@@ -24,8 +24,8 @@ from plait.parallel.pipeline.apply import plan_pipeline
 from plait.parallel.pipeline.split import split_model
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded
-from plait.run_config import RunConfig
-from plait.train import build
+from plait.train.config import RunConfig
+from plait.train.loop import build
 from reference import TOLERANCES, Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 STEPS = 5

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from plait import PlaitError
-from plait.config import SCHEDULES
+from plait.layout import SCHEDULES
 from plait.parallel.pipeline import (
     GENERATORS,
     KINDS,

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import ConfigError, LayoutError
-from plait.memory import zero_paper_bytes
+from plait.planner.memory import zero_paper_bytes
 from plait.models import GPT, GPTConfig
 from plait.planner import (
     NAMED, balanced_stages, block_operators, get_hardware, inter_op_plan, plan, predict, profile_layers,
@@ -28,7 +28,7 @@ from plait.planner.costs import IMPLEMENTATIONS
 from plait.planner.predict import pipeline_closed_form
 from plait.planner.report import plan_toml
 from plait.planner.search import _divisors, _shapes
-from plait.run_config import load_config
+from plait.train.config import load_config
 
 H100 = get_hardware("h100")
 
@@ -262,7 +262,7 @@ def test_divisors_come_from_factorisation_not_a_loop_over_n():
 
 
 def test_cli_plan_simulate_and_errors(tmp_path, capsys):
-    from plait.cli import main
+    from plait.cli.main import main
 
     out = tmp_path / "plan.toml"
     assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "a100", "--seq", "2048",

@@ -27,7 +27,7 @@ def test_the_one_calibrated_factor_is_what_the_fit_gives():
 
 
 def test_zero_figure_1_model_states():
-    from plait.config import Layout
+    from plait.layout import Layout
     from plait.planner.costs import IMPLEMENTATIONS
     from plait.planner.memory import model_state_bytes
 
@@ -60,7 +60,7 @@ def test_calibrated_fits_scale_with_the_group_size_by_the_ring_formulas():
 def test_ranks_sharing_processors_cannot_beat_their_work_spread_over_them():
     from dataclasses import replace
 
-    from plait.config import Layout
+    from plait.layout import Layout
     from plait.models import GPTConfig
     from plait.planner import get_hardware, predict
 
@@ -104,7 +104,7 @@ def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
     from benchmarks.planner_validation import (
         DOC_END, DOC_START, chosen_vs_fastest, spearman, table, validate, write_docs,
     )
-    from plait.config import Layout
+    from plait.layout import Layout
     from plait.models import GPTConfig
     from plait.planner import get_hardware, predict
     from plait.planner.calibrate import calibrate

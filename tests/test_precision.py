@@ -14,7 +14,7 @@ import plait
 from harness import run_distributed
 from plait import Layout
 from plait.data import ShardedBatches
-from plait.metrics import MetricsWriter, read_metrics, step_record
+from plait.train.metrics import MetricsWriter, read_metrics, step_record
 from plait.parallel.precision import DynamicLossScaler, MixedPrecision
 from test_engine import GLOBAL_BATCH, OPTIMIZERS, make_model
 

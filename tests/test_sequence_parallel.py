@@ -11,9 +11,9 @@ from harness import run_distributed
 from plait import Layout
 from plait.comm import Comm
 from plait.data import ShardedBatches
-from plait.engine import apply_loss
+from plait.models.loss import apply_loss
 from plait.mesh import Mesh
-from plait.parallel.sequence import saved_activation_bytes
+from plait.parallel.tensor.sequence import saved_activation_bytes
 from plait.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_helpers import CLIP, LAYER_TOL, GLOBAL_BATCH, assert_matches_reference, make_model, optimizer, reference_run, train_tp
 

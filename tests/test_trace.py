@@ -10,10 +10,10 @@ import torch
 
 import plait
 from harness import run_distributed
-from plait.metrics import catalogue_gpu, model_flops_per_token, peak_flops
+from plait.train.metrics import catalogue_gpu, model_flops_per_token, peak_flops
 from plait.models import GPT, GPTConfig, lm_loss
-from plait.trace import Tracer
-from plait.trace_summary import split_step, union
+from plait.observe.trace import Tracer
+from plait.observe.trace_summary import split_step, union
 
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 WORK = ("forward", "backward", "comm")
@@ -89,14 +89,14 @@ def _train_pp2_dp2(out: str, calibration: str) -> list[str]:
     import logging
     import os
 
-    from plait.run_config import load_config
-    from plait.train import run
+    from plait.train.config import load_config
+    from plait.train.loop import run
 
     os.environ["PLAIT_CALIBRATION"] = calibration  # absent: MFU must be null, with a line naming plait calibrate
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    for name in ("plait.trace", "plait.metrics"):
+    for name in ("plait.observe.trace", "plait.train.metrics"):
         logging.getLogger(name).addHandler(handler)
     config = load_config(None, ["layout.pp=2", "layout.dp=2", "layout.microbatches=2", "train.steps=3",
                                 "train.global_batch=8", "train.eval_every=0", "train.eval_batches=1",
@@ -131,7 +131,7 @@ def test_plait_train_trace_pp2_dp2_and_metrics(tmp_path):
 def test_cli_forwards_trace_to_the_workers(tmp_path, monkeypatch):
     import torch.distributed.run as torchrun
 
-    from plait.cli import main
+    from plait.cli.main import main
 
     launched = []
     monkeypatch.setattr(torchrun, "run", launched.append)
@@ -181,7 +181,7 @@ def test_split_step_counts_overlap_once():
 def test_tracer_refuses_what_is_not_an_engine_and_bad_trace_steps(tmp_path, capsys):
     with pytest.raises(TypeError, match="Engine or Comm"):
         Tracer(torch.nn.Linear(2, 2))
-    from plait.cli import main
+    from plait.cli.main import main
 
     assert main(["train", "--nproc", "2", "--out", str(tmp_path), "--trace", "--trace-steps", "0"]) == 2
     assert "--trace-steps 0 must be at least 1" in capsys.readouterr().err
@@ -189,7 +189,7 @@ def test_tracer_refuses_what_is_not_an_engine_and_bad_trace_steps(tmp_path, caps
 
 def test_step_meter_mfu_with_a_calibrated_peak(tmp_path, monkeypatch):
     """One process: MFU = tokens x FLOPs per token / seconds / peak, with the peak from `plait calibrate`'s file."""
-    from plait.metrics import StepMeter
+    from plait.train.metrics import StepMeter
     from plait.planner.hardware import CATALOGUE
 
     hardware = {**CATALOGUE["h100"].to_dict(), "name": "this-machine", "peak_flops": {"fp32": 1e9}}

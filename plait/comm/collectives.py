@@ -6,7 +6,7 @@ raises ``CommError`` naming this rank, the axis, the group's ranks and the opera
 peer turns into an error instead of a hang. ``async_op=True`` returns a ``Pending`` whose ``wait()`` does
 the same checks later (used to overlap communication with compute).
 
-Tracing (``plait.trace.Tracer``): while ``Comm.tracer`` is set, every collective that communicates is
+Tracing (``plait.observe.trace.Tracer``): while ``Comm.tracer`` is set, every collective that communicates is
 reported once, when its ``Pending`` is waited for, with its op, axis, payload and wire bytes and three
 ``perf_counter_ns`` times: launch, wait start, wait end. A blocking call's span is launch -> wait end; an
 ``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
@@ -90,7 +90,7 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.tracer: Any = None
-        """A ``plait.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
+        """A ``plait.observe.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
 
     # ----------------------------------------------------------------- helpers
     def size(self, axis: str) -> int:

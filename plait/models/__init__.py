@@ -1,7 +1,8 @@
 """Reference models: a GPT/Llama-style decoder-only transformer that knows nothing of parallelism."""
 
 from plait.models.config import GPTConfig
-from plait.models.gpt import GPT, lm_loss
+from plait.models.gpt import GPT
+from plait.models.loss import lm_loss
 from plait.models.layers import (
     MLP,
     Attention,

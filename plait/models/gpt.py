@@ -9,13 +9,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.models.config import GPTConfig
 from plait.models.layers import MLP, Attention, Block, RMSNorm, make_norm
 
-__all__ = ["GPT", "GPTConfig", "lm_loss"]
+__all__ = ["GPT", "GPTConfig"]
 
 
 class GPT(nn.Module):
@@ -92,7 +91,3 @@ class GPT(nn.Module):
         return 6 * self.num_parameters() + 12 * n_blocks * self.config.d_model * self.config.seq_len
 
 
-def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-    """Cross-entropy of logits [B, T, V] against targets [B, T], averaged over the tokens not equal to ignore_index."""
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=ignore_index)

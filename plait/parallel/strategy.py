@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.parallel.precision import cast_for_reduction, gradient_reduce_dtype
-from plait.parallel.sequence import sum_over_tp
+from plait.parallel.tensor.sequence import sum_over_tp
 
 GRAD_AXIS = "dp_cp"
 """Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""

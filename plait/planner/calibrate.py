@@ -158,7 +158,7 @@ def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: An
     import torch.distributed as dist
 
     from plait.comm import Comm
-    from plait.config import Layout
+    from plait.layout import Layout
     from plait.mesh import Mesh
 
     torch.set_num_threads(1)

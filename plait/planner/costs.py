@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from plait.config import AXES, Layout
+from plait.layout import AXES, Layout
 from plait.planner.hardware import Hardware
 from plait.planner.models import ModelSpec
 
@@ -59,8 +59,8 @@ class Implementation:
         flash_attention: attention scores are never stored (Dao et al. 2022): no s^2 memory or traffic.
         scatter_gather: pipeline sends b s h / tp per boundary instead of b s h (Narayanan et al. 2021, sec. 4.1).
         grad_bytes: bytes per gradient element reduced across data parallel ranks.
-        state_accounting: "zero-paper" (2 + 2 + 12 bytes per parameter; plait.memory.zero_paper_bytes) or
-            "plait" (fp32 parameters and gradients; plait.memory.estimate_memory).
+        state_accounting: "zero-paper" (2 + 2 + 12 bytes per parameter; plait.planner.memory.zero_paper_bytes) or
+            "plait" (fp32 parameters and gradients; plait.planner.memory.estimate_memory).
         compute_efficiency, memory_efficiency, comm_efficiency: see the module constants.
         reserved_bytes: memory the framework and allocator keep (CUDA context, fragmentation).
     """

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
 from plait.parallel.pipeline import build_schedule, simulate
 from plait.parallel.pipeline.simulate import Costs

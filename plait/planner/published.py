@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.planner.costs import IMPLEMENTATIONS, Implementation
 from plait.planner.models import ModelSpec
 from plait.planner.predict import Prediction, predict

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import ConfigError, LayoutError
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation

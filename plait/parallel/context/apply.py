@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.models.hf import is_hf_model

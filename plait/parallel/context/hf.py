@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
 from plait.parallel.context.hooks import AXIS, ContextParallelModel
 from plait.parallel.context.plan import ContextPlan, check_dropout, check_positions_argument, check_ulysses_heads

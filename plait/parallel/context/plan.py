@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
 from plait.models.hf import is_hf_model
 

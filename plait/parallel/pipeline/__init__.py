@@ -1,4 +1,5 @@
-"""Pipeline parallelism, process-free part: schedules as data, their simulator and their pictures.
+"""Pipeline parallelism: schedules as data, their simulator (and, from ``plait.observe``, their pictures), the
+runtime that executes them, and PipeDream.
 
     from plait.parallel.pipeline import build_schedule, simulate, draw_schedule
     schedule = build_schedule("1f1b", p=4, m=8)      # or Schedule.from_text / from_csv
@@ -8,11 +9,11 @@
 
 Running a pipeline (``split.py`` cuts the model, ``stage.py`` runs one chunk, ``runtime.py`` executes the lowered
 schedule with batched p2p) is set up by ``plait.parallelize`` for ``Layout(pp > 1)``. Where to cut the model:
-``auto_partition(gpt_layers(model), tokens, p)`` (``partition.py``, ``profile.py``). A real run's timeline, for the
-same pictures: ``engine.pipeline_timeline()`` (``measured.py``). See docs/pipeline.md.
+``plait.planner.partition.auto_partition(gpt_layers(model), tokens, p)``. A real run's timeline, for the same
+pictures: ``engine.pipeline_timeline()`` (``measured.py``). See docs/pipeline.md.
 """
 
-from plait.parallel.pipeline.draw import draw_schedule
+from plait.observe.pipeline_picture import draw_schedule
 from plait.parallel.pipeline.schedule import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -36,10 +37,8 @@ from plait.parallel.pipeline.simulate import Costs, SimResult, Span, as_costs, s
 from plait.parallel.pipeline.split import SplitPlan, find_units, local_model, plan_split, split_model
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.pipeline.runtime import PipelineRunner, TensorMeta, check_schedule
-from plait.parallel.pipeline.measured import gather_timeline, save_timeline
+from plait.parallel.pipeline.measured import gather_timeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, replica_batch, round_robin
-from plait.parallel.pipeline.profile import LayerChain, LayerProfile, gpt_layers, measure_stages, profile_layers
-from plait.parallel.pipeline.partition import Partition, auto_partition, partition
 
 __all__ = [
     "Action",
@@ -48,9 +47,6 @@ __all__ = [
     "Costs",
     "GENERATORS",
     "KINDS",
-    "LayerChain",
-    "LayerProfile",
-    "Partition",
     "PipeDreamOptions",
     "PipeDreamRunner",
     "PipelineRunner",
@@ -62,27 +58,21 @@ __all__ = [
     "SplitPlan",
     "TensorMeta",
     "as_costs",
-    "auto_partition",
     "build_schedule",
     "check_schedule",
     "draw_schedule",
     "find_units",
     "gather_timeline",
     "gpipe",
-    "gpt_layers",
     "interleaved",
     "local_model",
     "lower",
-    "measure_stages",
     "naive",
     "one_f_one_b",
-    "partition",
     "pipedream",
     "plan_split",
-    "profile_layers",
     "replica_batch",
     "round_robin",
-    "save_timeline",
     "simulate",
     "split_model",
     "zero_bubble",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError, ScheduleError
 from plait.parallel.pipeline.schedule import Schedule, build_schedule
 from plait.parallel.pipeline.simulate import simulate

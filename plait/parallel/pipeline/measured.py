@@ -1,6 +1,7 @@
 """A measured pipeline step as a ``SimResult``: every pp rank's timeline of its last ``train_step``, gathered
 through ``plait.comm`` and put on one clock, so the simulator's tools draw and export a real run
-(``draw_schedule`` for the PNG, ``SimResult.to_chrome_trace`` for Chrome/Perfetto).
+(``plait.observe.pipeline_picture``: ``draw_schedule`` for the PNG, ``save_timeline`` for both the PNG and a
+Chrome/Perfetto trace).
 
 Each rank records its compute actions as (action, start, end) in ``time.perf_counter`` seconds
 (``PipelineRunner.timeline``); waiting for a received tensor is not inside a span. Here every rank converts its
@@ -13,9 +14,7 @@ bubble fraction follow the simulator's definitions (busy = sum of span durations
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,18 +77,4 @@ def gather_timeline(runner: PipelineRunner) -> SimResult:
                      peak_unfinished=[_peaks(spans, "BW") for spans in timelines])
 
 
-def save_timeline(result: SimResult, trace: str | Path | None = None, png: str | Path | None = None) -> None:
-    """Write a measured ``result`` as a Chrome/Perfetto trace (JSON) and/or a PNG (``draw_schedule``)."""
-    if trace is not None:
-        path = Path(trace)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_chrome_trace(us_per_unit=1000.0)))
-    if png is not None:
-        from plait.parallel.pipeline.draw import draw_schedule
-
-        s = result.schedule
-        Path(png).parent.mkdir(parents=True, exist_ok=True)
-        draw_schedule(result, png, title=f"measured {s.name}  (p={s.p}, m={s.m}, v={s.v})", unit="ms")
-
-
-__all__ = ["gather_timeline", "save_timeline"]
+__all__ = ["gather_timeline"]

@@ -40,7 +40,7 @@ from torch import nn
 from torch.func import functional_call
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError, ScheduleError
 from plait.logging import get_logger
 from plait.parallel.pipeline.runtime import Micro, PipelineRunner

@@ -28,7 +28,7 @@ import torch
 
 from plait.comm import Comm
 from plait.comm.collectives import Pending
-from plait.engine import apply_loss
+from plait.models.loss import apply_loss
 from plait.errors import ScheduleError
 from plait.logging import get_logger
 from plait.parallel.pipeline.schedule import Action, Schedule, lower

@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from plait.errors import ScheduleError
-from plait.memory import SavedActivations
+from plait.observe.memory import SavedActivations
 
 
 @dataclass

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
-from plait.models.gpt import lm_loss
-from plait.parallel.sequence import check_sequence_parallel
+from plait.models.loss import lm_loss
+from plait.parallel.tensor.sequence import check_sequence_parallel
 from plait.parallel.tensor.layers import AXIS
 from plait.parallel.tensor.grid import HEAD_AXIS
 from plait.parallel.tensor.grid_plan import apply_grid_plan, default_grid_plan, resolve_grid_plan

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from torch import nn
 
 from plait.comm import Comm, all_gather
-from plait.config import Layout, tp_grid_dims
+from plait.layout import Layout, tp_grid_dims
 from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.models.gpt import GPT

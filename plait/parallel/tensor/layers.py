@@ -12,7 +12,7 @@ On t ranks of the ``tp`` axis a linear layer Y = X A^T + b is split two ways (A:
 A transformer MLP is column -> activation -> row (one all-reduce forward, one backward); attention is q/k/v
 column parallel (whole heads per rank) -> core -> o row parallel. With Megatron sequence parallelism
 (Korthikanti et al. 2022) the activations outside these regions are split along the sequence, and f/g become
-all-gather / reduce-scatter along the sequence dimension (``plait.parallel.sequence``).
+all-gather / reduce-scatter along the sequence dimension (``plait.parallel.tensor.sequence``).
 
 Each layer is made ``from_linear`` / ``from_embedding`` of the single-device layer by slicing its weights, so a
 tensor-parallel model built from the same initial weights is the single-device model; parameters keep the

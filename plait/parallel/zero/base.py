@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.parallel.precision import gradient_reduce_dtype
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
 from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards

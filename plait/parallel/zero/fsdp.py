@@ -47,7 +47,7 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.comm.collectives import Pending
-from plait.config import Layout
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory

@@ -1,16 +1,11 @@
-"""The ``plait`` command.
+"""``plait train``: on a laptop, launch ``--nproc`` local processes; inside torchrun, be the training program.
 
-``plait train`` on a laptop launches ``--nproc`` local processes through torchrun's own launcher
-(``torch.distributed.run``, standalone rendezvous) running ``python -m plait train`` again; inside a torchrun
-worker (LOCAL_RANK set) it is the training program itself. So on a cluster the same program runs under
+``plait train`` launches ``--nproc`` local processes through torchrun's own launcher (``torch.distributed.run``,
+standalone rendezvous) running ``python -m plait train`` again; inside a torchrun worker (LOCAL_RANK set) it is
+the training program itself (``plait.train.loop``). So on a cluster the same program runs under
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
 ``--max-restarts N`` is torchrun's: the agent restarts every worker when one fails, and each resumes from the
-last checkpoint (``plait/fault.py``, docs/launching.md).
-
-``plait schedule`` simulates and draws a pipeline schedule in this process (``cli_schedule.py``); ``plait ps``
-trains with parameter servers (``cli_ps.py``); ``plait convert`` moves weights between checkpoints and
-safetensors (``cli_convert.py``); ``plait plan``, ``plait simulate`` and ``plait calibrate`` are the
-planner's (``plait/planner/commands.py``).
+last checkpoint (``plait/train/fault.py``, docs/launching.md).
 """
 
 from __future__ import annotations
@@ -19,18 +14,13 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from typing import Any
 
-from plait.cli_convert import add_convert_command, run_convert
-from plait.cli_ps import add_ps_command, run_ps
-from plait.cli_schedule import add_schedule_command, run_schedule
 from plait.errors import ConfigError, PlaitError
-from plait.planner.commands import PLANNER_COMMANDS, add_planner_commands, run_planner
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="Parallel training with every paradigm, in one place.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_train_command(commands: Any) -> None:
+    """Register ``plait train`` on the ``plait`` parser's subcommands."""
     train = commands.add_parser(
         "train",
         help="train the reference GPT (default: synthetic addition, 4 local CPU processes)",
@@ -48,18 +38,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="trace the last --trace-steps steps of every rank into one Chrome/Perfetto timeline "
                             "(default PATH <run>/trace.json; also .summary.json and .png beside it)")
     train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
-    add_schedule_command(commands)
-    add_ps_command(commands)
-    add_convert_command(commands)
-    add_planner_commands(commands)
-    return parser
 
 
 def _in_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "RANK" in os.environ
 
 
-def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _launch(args: argparse.Namespace) -> int:
     """Re-run this command in ``args.nproc`` processes under torchrun's launcher; returns the exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -82,7 +67,7 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         run(torchrun_args)
     except ChildFailedError as error:
-        from plait.fault import describe_exit
+        from plait.train.fault import describe_exit
 
         failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(error.failures.items()))
         print(f"plait: error: training failed on {failed}; see that rank's error above.", file=sys.stderr)  # noqa: T201
@@ -93,9 +78,8 @@ def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _check_before_launch(args: argparse.Namespace) -> None:
     """Raise the error a worker would raise for bad input, before any process is started."""
     from plait.data import make_dataset
-    from plait.run_config import load_config
-
-    from plait.fault import RankGuard
+    from plait.train.config import load_config
+    from plait.train.fault import RankGuard
 
     config = load_config(args.config, args.overrides)
     config.layout.resolve(args.nproc).check_batch(config.train.global_batch)
@@ -117,8 +101,8 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from plait.distributed import shutdown
-    from plait.run_config import load_config
-    from plait.train import run
+    from plait.train.config import load_config
+    from plait.train.loop import run
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
     config = load_config(args.config, overrides)
@@ -131,41 +115,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "train":
-            if args.nproc < 1:
-                raise PlaitError(f"--nproc {args.nproc} must be at least 1.")
-            if args.trace is not None and args.trace_steps < 1:
-                raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
-            if args.max_restarts < 0:
-                raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
-                                  f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint).")
-            if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
+def run_train(args: argparse.Namespace) -> int:
+    """``plait train``: launch local workers, or (inside torchrun) train on this rank."""
+    if args.nproc < 1:
+        raise PlaitError(f"--nproc {args.nproc} must be at least 1.")
+    if args.trace is not None and args.trace_steps < 1:
+        raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
+                          f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint).")
+    if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
 
-                _check_before_launch(args)
-                return _launch(args, argv)
-            agent_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-            if _in_torchrun() and args.max_restarts not in (0, agent_restarts):
-                note = (f"plait: warning: --max-restarts {args.max_restarts} has no effect inside torchrun (its agent "
-                        f"allows {agent_restarts}); pass --max-restarts to torchrun instead.")
-                print(note, file=sys.stderr)  # noqa: T201 - CLI output
-            return _train(args)
-        if args.command == "schedule":
-            return run_schedule(args)
-        if args.command == "ps":
-            return run_ps(args)
-        if args.command == "convert":
-            return run_convert(args)
-        if args.command in PLANNER_COMMANDS:
-            return run_planner(args)
-    except PlaitError as error:
-        print(f"plait: error: {type(error).__name__}: {error}", file=sys.stderr)  # noqa: T201 - CLI output
-        return 2
-    return 0
+        _check_before_launch(args)
+        return _launch(args)
+    agent_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if _in_torchrun() and args.max_restarts not in (0, agent_restarts):
+        note = (f"plait: warning: --max-restarts {args.max_restarts} has no effect inside torchrun (its agent "
+                f"allows {agent_restarts}); pass --max-restarts to torchrun instead.")
+        print(note, file=sys.stderr)  # noqa: T201 - CLI output
+    return _train(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["add_train_command", "run_train"]

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from plait.logging import get_logger
-from plait.parallel.param_server.service import request
-from plait.parallel.param_server.sharding import model_spec
-from plait.parallel.param_server.transport import ServerUnreachable, connect, send
+from plait.param_server.service import request
+from plait.param_server.sharding import model_spec
+from plait.param_server.transport import ServerUnreachable, connect, send
 
 log = get_logger(__name__)
 

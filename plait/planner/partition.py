@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from plait.errors import LayoutError
 from plait.logging import get_logger
-from plait.parallel.pipeline.profile import LayerChain, LayerProfile, as_chain, measure_stages, profile_layers
+from plait.planner.profile import LayerChain, LayerProfile, as_chain, measure_stages, profile_layers
 from plait.parallel.pipeline.schedule import build_schedule
 from plait.parallel.pipeline.simulate import simulate
 

@@ -43,7 +43,7 @@ def add_ps_command(commands: Any) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from plait.parallel.param_server import AdditionGPT, Consistency, JobConfig, OptimizerSpec
+    from plait.param_server import AdditionGPT, Consistency, JobConfig, OptimizerSpec
 
     staleness = args.staleness if args.staleness is not None else (2 if args.mode == "ssp" else 0)
     if args.batch < 1:
@@ -58,13 +58,13 @@ def _config(args: argparse.Namespace):
 
 
 def run_ps(args: argparse.Namespace) -> int:
-    """Run the chosen role; ``PlaitError`` propagates to ``plait.cli.main``."""
+    """Run the chosen role; ``PlaitError`` propagates to ``plait.cli.main.main``."""
     import torch
 
     from plait.logging import configure
-    from plait.parallel.param_server import run_local, run_worker, serve_shard
-    from plait.parallel.param_server.progress import ProgressView, summary_line
-    from plait.parallel.param_server.transport import parse_address
+    from plait.param_server import run_local, run_worker, serve_shard
+    from plait.param_server.progress import ProgressView, summary_line
+    from plait.param_server.transport import parse_address
 
     config = _config(args)
     try:

@@ -112,7 +112,7 @@ class StepMeter:
 
     def measure(self, stats: StepStats) -> dict[str, Any]:
         """The fields this adds to the step's record. Every rank must call it (an all-gather over "world")."""
-        from plait.trace import max_rss_bytes
+        from plait.observe.trace import max_rss_bytes
 
         memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else max_rss_bytes()
         wire = stats.comm.wire_by_axis()

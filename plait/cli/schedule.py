@@ -83,7 +83,7 @@ def _load(args: argparse.Namespace):
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    """Build or read the schedule, simulate it, report; ``PlaitError`` propagates to ``plait.cli.main``."""
+    """Build or read the schedule, simulate it, report; ``PlaitError`` propagates to ``plait.cli.main.main``."""
     from plait.parallel.pipeline import draw_schedule, lower, simulate
 
     costs = parse_costs(args.costs)

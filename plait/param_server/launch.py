@@ -22,13 +22,13 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.logging import configure, get_logger
-from plait.parallel.param_server.consistency import Consistency
-from plait.parallel.param_server.server import OptimizerSpec, ServerSettings, ShardServer
-from plait.parallel.param_server.service import Service, request
-from plait.parallel.param_server.sharding import assign_shards, model_spec
-from plait.parallel.param_server.task import AdditionGPT
-from plait.parallel.param_server.transport import connect
-from plait.parallel.param_server.worker import PSWorker
+from plait.param_server.consistency import Consistency
+from plait.param_server.server import OptimizerSpec, ServerSettings, ShardServer
+from plait.param_server.service import Service, request
+from plait.param_server.sharding import assign_shards, model_spec
+from plait.param_server.task import AdditionGPT
+from plait.param_server.transport import connect
+from plait.param_server.worker import PSWorker
 
 log = get_logger(__name__)
 MAX_WORKERS = 64

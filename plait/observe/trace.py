@@ -2,7 +2,7 @@
 
 Usage (every rank runs the same lines; ``save`` is a collective over the "world" axis)::
 
-    tracer = plait.trace.Tracer(engine)
+    tracer = plait.observe.trace.Tracer(engine)
     with tracer:                        # start(): a barrier over "world", then recording
         for batch in batches:
             engine.train_step(batch)
@@ -186,7 +186,7 @@ class Tracer:
         """Gather (collective) and, on rank 0, write the merged trace to ``path``, the summary (time split and
         idle share per rank and step, peak memory) to ``<stem>.summary.json`` and, with ``png``, the picture
         (``<stem>.png`` when True). Returns the summary on rank 0, None elsewhere."""
-        from plait import trace_summary
+        from plait.observe import trace_summary
 
         records = self.gather()
         if records is None:
@@ -195,7 +195,7 @@ class Tracer:
         path.parent.mkdir(parents=True, exist_ok=True)
         events, summary = trace_summary.merge(records)
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                    "otherData": {"producer": "plait.trace", "clock": summary["clock"]}}))
+                                    "otherData": {"producer": "plait.observe.trace", "clock": summary["clock"]}}))
         summary_path = path.with_name(path.stem + ".summary.json")
         summary_path.write_text(json.dumps(summary, indent=1))
         if png:

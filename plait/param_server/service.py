@@ -16,8 +16,8 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.logging import get_logger
-from plait.parallel.param_server.server import ShardServer
-from plait.parallel.param_server.transport import authkey, no_delay, receive, send
+from plait.param_server.server import ShardServer
+from plait.param_server.transport import authkey, no_delay, receive, send
 
 log = get_logger(__name__)
 

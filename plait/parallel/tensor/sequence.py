@@ -12,7 +12,7 @@ regions along the sequence: each rank keeps [B, T/t, d]. The conjugate f/g pair 
 
 An all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same as plain tensor parallelism,
 while the activations of the replicated regions shrink by t: per layer s b h (34 + 5 a s / h) / t bytes
-instead of s b h (10 + 24 / t + 5 a s / (h t)) (paper eqs. 3-4, 2-byte activations; ``plait.memory``).
+instead of s b h (10 + 24 / t + 5 a s / (h t)) (paper eqs. 3-4, 2-byte activations; ``plait.observe.memory``).
 
 Parameters replicated over tp (norm weights, row-parallel biases, position embeddings) then see only their
 rank's sequence chunk, so their gradients are partial sums: after backward they are summed over tp
@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import Layout
+from plait.layout import Layout
 from plait.errors import LayoutError
-from plait.memory import saved_activation_bytes  # re-exported: measured SP activation memory
+from plait.observe.memory import saved_activation_bytes  # re-exported: measured SP activation memory
 
 AXIS = "tp"
 

@@ -1,6 +1,6 @@
 """``RunConfig``: everything ``plait train`` needs, as typed sections loadable from TOML.
 
-    [layout]   the parallel Layout (plait.config.Layout)
+    [layout]   the parallel Layout (plait.layout.Layout)
     [model]    the reference GPT's GPTConfig (vocab_size and seq_len come from the data unless given)
     [data]     which dataset (synthetic "addition" or "bytes" over a text file) and its options
     [train]    steps, batch, optimizer, evaluation, output folder
@@ -20,7 +20,7 @@ from typing import Any
 
 import tomli_w
 
-from plait.config import Layout, from_mapping
+from plait.layout import Layout, from_mapping
 from plait.errors import ConfigError, LayoutError
 
 if sys.version_info >= (3, 11):

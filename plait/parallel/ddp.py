@@ -18,7 +18,7 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.comm.collectives import Pending
-from plait.config import Layout
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.buckets import Bucket, build_buckets, check_reducible
 from plait.parallel.precision import cast_for_reduction

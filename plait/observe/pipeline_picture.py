@@ -1,11 +1,16 @@
 """Draw a simulated (or measured) schedule as in the GPipe paper's figure: one row per rank, time to the right, a
-box per forward / backward / weight-gradient pass labelled with its micro-batch, idle time left grey."""
+box per forward / backward / weight-gradient pass labelled with its micro-batch, idle time left grey; and a measured
+run's timeline (``plait.parallel.pipeline.measured.gather_timeline``) saved as that picture and as a Chrome/Perfetto
+trace."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from plait.parallel.pipeline.simulate import SimResult
+if TYPE_CHECKING:
+    from plait.parallel.pipeline.simulate import SimResult
 
 COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#76b7b2", "W": "#b07aa1"}
 LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
@@ -66,4 +71,16 @@ def draw_schedule(result: SimResult, path: str | Path, title: str | None = None,
     return path
 
 
-__all__ = ["draw_schedule"]
+def save_timeline(result: SimResult, trace: str | Path | None = None, png: str | Path | None = None) -> None:
+    """Write a measured ``result`` as a Chrome/Perfetto trace (JSON) and/or a PNG (``draw_schedule``)."""
+    if trace is not None:
+        path = Path(trace)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_chrome_trace(us_per_unit=1000.0)))
+    if png is not None:
+        s = result.schedule
+        Path(png).parent.mkdir(parents=True, exist_ok=True)
+        draw_schedule(result, png, title=f"measured {s.name}  (p={s.p}, m={s.m}, v={s.v})", unit="ms")
+
+
+__all__ = ["draw_schedule", "save_timeline"]

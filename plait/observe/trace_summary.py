@@ -1,4 +1,4 @@
-"""Merging the ranks' recordings of ``plait.trace.Tracer`` into one Chrome/Perfetto trace, the time split of
+"""Merging the ranks' recordings of ``plait.observe.trace.Tracer`` into one Chrome/Perfetto trace, the time split of
 every step on every rank, and the summary picture.
 
 Time split of one step on one rank, over the step's window W (``split_step``)::
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from plait.trace import COMM, COMM_CATEGORY, COMPUTE
+from plait.observe.trace import COMM, COMM_CATEGORY, COMPUTE
 
 Interval = tuple[int, int]
 CLOCK = ("perf_counter_ns (CLOCK_MONOTONIC); ranks on one host share it; each host's time 0 is its lowest rank "

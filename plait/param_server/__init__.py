@@ -3,13 +3,13 @@ optimizer to pushed gradients; workers pull, compute on their own data and push 
 Consistency: BSP, ASP, SSP (bounded staleness). Faults: workers may die (SIGKILL) or join at any moment; pushes
 are applied at most once; servers checkpoint atomically. See docs/param_server.md."""
 
-from plait.parallel.param_server.consistency import MODES, Consistency, StalenessStats
-from plait.parallel.param_server.launch import JobConfig, JobResult, LocalCluster, run_local, run_worker, serve_shard
-from plait.parallel.param_server.server import OptimizerSpec, ServerSettings, ShardServer
-from plait.parallel.param_server.service import Service
-from plait.parallel.param_server.sharding import ParamSpec, assign_shards, model_spec
-from plait.parallel.param_server.task import AdditionGPT
-from plait.parallel.param_server.worker import PSWorker
+from plait.param_server.consistency import MODES, Consistency, StalenessStats
+from plait.param_server.launch import JobConfig, JobResult, LocalCluster, run_local, run_worker, serve_shard
+from plait.param_server.server import OptimizerSpec, ServerSettings, ShardServer
+from plait.param_server.service import Service
+from plait.param_server.sharding import ParamSpec, assign_shards, model_spec
+from plait.param_server.task import AdditionGPT
+from plait.param_server.worker import PSWorker
 
 __all__ = [
     "MODES", "AdditionGPT", "Consistency", "JobConfig", "JobResult", "LocalCluster", "OptimizerSpec", "PSWorker",

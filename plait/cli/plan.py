@@ -1,4 +1,4 @@
-"""The planner's subcommands of ``plait``: plan, simulate, calibrate (wired in by plait/cli.py)."""
+"""The planner's subcommands of ``plait``: plan, simulate, calibrate (wired in by plait/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 def parse_layout(text: str) -> Any:
     """``dp=2,tp=4,schedule=1f1b`` -> Layout (values read as TOML, falling back to strings)."""
-    from plait.config import Layout
-    from plait.run_config import parse_value
+    from plait.layout import Layout
+    from plait.train.config import parse_value
 
     fields: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

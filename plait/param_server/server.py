@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from plait.errors import ConfigError
 from plait.logging import get_logger
-from plait.parallel.param_server.consistency import Consistency, StalenessStats
-from plait.parallel.param_server.sharding import ParamSpec, assign_shards, model_spec, spec_mismatch
+from plait.param_server.consistency import Consistency, StalenessStats
+from plait.param_server.sharding import ParamSpec, assign_shards, model_spec, spec_mismatch
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""``plait convert SOURCE OUT``: checkpoints <-> safetensors (plait/convert.py).
+"""``plait convert SOURCE OUT``: checkpoints <-> safetensors (plait/checkpoint/convert.py).
 
     plait convert runs/demo/ckpt model.safetensors       # export: whole weights, one file
     plait convert runs/hf/ckpt hf-folder/                # export an HF model as a folder from_pretrained opens
@@ -27,7 +27,7 @@ def add_convert_command(commands: Any) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from plait.convert import convert
+    from plait.checkpoint.convert import convert
 
     convert(args.source, args.out, args.hf_config)
     return 0

@@ -4,7 +4,7 @@ Rank 0 shows progress (a live bar in a terminal, log lines otherwise), writes ``
 ``config.toml`` (the resolved configuration: ``plait train --config`` reruns it), ``summary.json`` and
 ``loss.png`` to the run folder. With ``train.save_every`` it checkpoints into ``<run>/ckpt`` and resumes
 from there when restarted on the same folder (by hand, or by torchrun's agent under ``--max-restarts``);
-``plait.fault`` watches for hangs.
+``plait.train.fault`` watches for hangs.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine
 from plait.errors import ConfigError
-from plait.fault import RankGuard, resume_metrics
+from plait.train.fault import RankGuard, resume_metrics
 from plait.logging import get_logger
-from plait.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
+from plait.train.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
 from plait.models import GPT, GPTConfig, lm_loss
 from plait.parallelize import parallelize
-from plait.run_config import RunConfig
+from plait.train.config import RunConfig
 
 log = get_logger(__name__)
 EVAL_OFFSET = 10**9
@@ -144,9 +144,9 @@ class _Progress:
 def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
     """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder).
 
-    A hang watchdog and the test-only injected fault (``plait.fault``) watch the whole run. With ``trace`` (a
+    A hang watchdog and the test-only injected fault (``plait.train.fault``) watch the whole run. With ``trace`` (a
     path; "" for ``<run>/trace.json``) the last ``trace_steps`` steps are traced on every rank
-    (``plait.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``."""
+    (``plait.observe.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``."""
     world = world or init()
     with RankGuard.from_env(world.rank) as guard:
         return _run(config, world, guard, trace, trace_steps)
@@ -186,7 +186,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             if engine.step >= train.steps:
                 break
             if trace is not None and tracer is None and engine.step >= trace_from:
-                from plait.trace import Tracer
+                from plait.observe.trace import Tracer
 
                 tracer = Tracer(engine).start()
             meter.before_step()

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.errors import LayoutError
-from plait.memory import SavedActivations
+from plait.observe.memory import SavedActivations
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Measure what context parallelism saves and sends, per rank, in spawned gloo ranks.
 
-``SavedActivations`` counts, through ``torch.autograd.graph.saved_tensors_hooks``, every distinct storage that
-autograd saves while it is active, leaving out the given parameters (weights saved by a Linear are not
-activations). ``python -m plait.parallel.context.measure OUT.png`` measures, for cp = 1, 2, 4 (ring and
+``plait.observe.memory.SavedActivations`` counts, through ``torch.autograd.graph.saved_tensors_hooks``, every
+distinct storage that autograd saves while it is active, leaving out the given parameters (weights saved by a
+Linear are not activations). ``python -m benchmarks.context_memory OUT.png`` measures, for cp = 1, 2, 4 (ring and
 Ulysses) on a small GPT, and prints as Markdown tables:
 
 - the activation bytes saved per rank against the sequence length (and draws them, with the limit below);
@@ -17,11 +17,11 @@ import sys
 
 import torch
 
-from plait.memory import SavedActivations
+from plait.observe.memory import SavedActivations
 from plait.parallel.context.sharding import SequenceSharding
 from plait.parallel.context.traffic import measure_wire_bytes, theory_wire_bytes
 
-__all__ = ["SavedActivations", "gpt_saved_bytes", "longest_sequence"]
+__all__ = ["gpt_saved_bytes", "longest_sequence"]
 LENGTHS = (64, 128, 256, 512, 1024)
 LIMIT = 2**20
 """Per-rank budget for saved activations in the longest-sequence figure (1 MiB: the GPT here is tiny)."""
@@ -69,7 +69,7 @@ def longest_sequence(cp: int, mode: str, limit: int = LIMIT) -> tuple[int, int, 
 def _on_rank(cp: int, lengths: list[int]) -> dict:
     """Everything measured on one rank of a cp-rank job."""
     from plait.comm import Comm
-    from plait.config import Layout
+    from plait.layout import Layout
     from plait.mesh import Mesh
 
     comm = Comm(Mesh.build(Layout(dp=1, cp=cp)))

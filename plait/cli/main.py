@@ -1,0 +1,56 @@
+"""The ``plait`` command: one parser, one module per subcommand.
+
+``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
+and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
+(``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait plan``,
+``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
+``plait: error: ...`` with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from plait.cli.convert import add_convert_command, run_convert
+from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
+from plait.cli.ps import add_ps_command, run_ps
+from plait.cli.schedule import add_schedule_command, run_schedule
+from plait.cli.train import add_train_command, run_train
+from plait.errors import PlaitError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="Parallel training with every paradigm, in one place.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_train_command(commands)
+    add_schedule_command(commands)
+    add_ps_command(commands)
+    add_convert_command(commands)
+    add_planner_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+        if args.command == "schedule":
+            return run_schedule(args)
+        if args.command == "ps":
+            return run_ps(args)
+        if args.command == "convert":
+            return run_convert(args)
+        if args.command in PLANNER_COMMANDS:
+            return run_planner(args)
+    except PlaitError as error:
+        print(f"plait: error: {type(error).__name__}: {error}", file=sys.stderr)  # noqa: T201 - CLI output
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
