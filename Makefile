@@ -1,6 +1,7 @@
 # Two commands work on a fresh machine with nothing but Python and pip:
 #   make demo   sets up .venv and trains the reference GPT on the synthetic task in 4 local CPU processes
 #   make test   sets up .venv and runs the whole test suite
+# make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml 2>/dev/null | cksum | cut
 
 DEMO_ARGS := --set layout.tp=2
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test lint format bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +26,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check plait tests benchmarks
+	$(BIN)/ruff format --check plait tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix plait tests benchmarks
+	$(BIN)/ruff format plait tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

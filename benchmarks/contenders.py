@@ -28,14 +28,14 @@ import torch
 from torch import nn
 
 import plait
-from plait.models import lm_loss
-
-from benchmarks.trainer import Builder, Contender, Probe, StepOut, Trainer, plait_trainer, torch_held  # noqa: F401
 from benchmarks import model_parallel as mp
+from benchmarks.trainer import Builder, Contender, Probe, StepOut, Trainer, plait_trainer, torch_held  # noqa: F401
 from benchmarks.workload import Batch, Workload
+from plait.models import lm_loss
 
 PP_THEORY = "G T d x 4 B (rank 0: each micro-batch's activation)"
 TP_THEORY = "2(t-1)/t x ((4L+2) G T d x 4 + 12 G T) B"
+
 
 # ----------------------------------------------------------------------------------------------- builders
 def _build_plait(model: nn.Module, workload: Workload, world: int, zero: int) -> Trainer:
@@ -180,26 +180,73 @@ CONTENDERS: dict[str, Contender] = {
         Contender("torch ZeRO-1", build_torch_zero1, "DDP + ZeroRedundancyOptimizer(optimizer_class=AdamW)"),
         Contender("plait ZeRO-3", build_plait_zero3, "plait.parallelize(model, Layout(dp=N, zero=3))"),
         Contender("torch FSDP2", build_torch_fsdp2, "fully_shard(block) for each block, fully_shard(model)"),
-        Contender("plait GPipe", mp.build_plait_pp("gpipe"), "plait.parallelize(model, Layout(pp=N, "
-                  "schedule='gpipe', microbatches=m))", "whole", mp.pipeline_bytes, PP_THEORY),
-        Contender("torch GPipe", mp.build_torch_pp("gpipe"), "PipelineStage(stage r of the GPT cut by hand) + "
-                  "ScheduleGPipe(stage, m, loss_fn)", "whole", mp.pipeline_bytes, PP_THEORY),
-        Contender("plait 1F1B", mp.build_plait_pp("1f1b"), "plait.parallelize(model, Layout(pp=N, "
-                  "schedule='1f1b', microbatches=m))", "whole", mp.pipeline_bytes, PP_THEORY),
-        Contender("torch 1F1B", mp.build_torch_pp("1f1b"), "PipelineStage(stage r of the GPT cut by hand) + "
-                  "Schedule1F1B(stage, m, loss_fn)", "whole", mp.pipeline_bytes, PP_THEORY),
-        Contender("plait TP", mp.build_plait_tp, "plait.parallelize(model, Layout(tp=N)): Megatron 1D, "
-                  "vocab-parallel cross-entropy", "whole", mp.tensor_bytes, TP_THEORY),
-        Contender("torch TP", mp.build_torch_tp, "parallelize_module(model, mesh, Colwise/RowwiseParallel plan) + "
-                  "loss_parallel()", "whole", mp.tensor_bytes, TP_THEORY),
-        Contender("plait cp ring", mp.build_plait_cp("ring"), "plait.parallelize(model, Layout(cp=N, "
-                  "cp_mode='ring')): zigzag ring attention", "whole", mp.ring_cp_bytes,
-                  "2(N-1)/N x 4P + L x 6(N-1) x B T/N d x 4 B"),
-        Contender("plait cp Ulysses", mp.build_plait_cp("ulysses"), "plait.parallelize(model, Layout(cp=N, "
-                  "cp_mode='ulysses')): all-to-all over heads", "whole", mp.ulysses_cp_bytes,
-                  "2(N-1)/N x 4P + L x 2(N-1)/N x B T/N 4d x 4 B"),
-        Contender("plait dp (no cp)", build_plait, "plait.parallelize(model, Layout(dp=N)): whole sequences, "
-                  "G/N per rank"),
+        Contender(
+            "plait GPipe",
+            mp.build_plait_pp("gpipe"),
+            "plait.parallelize(model, Layout(pp=N, schedule='gpipe', microbatches=m))",
+            "whole",
+            mp.pipeline_bytes,
+            PP_THEORY,
+        ),
+        Contender(
+            "torch GPipe",
+            mp.build_torch_pp("gpipe"),
+            "PipelineStage(stage r of the GPT cut by hand) + ScheduleGPipe(stage, m, loss_fn)",
+            "whole",
+            mp.pipeline_bytes,
+            PP_THEORY,
+        ),
+        Contender(
+            "plait 1F1B",
+            mp.build_plait_pp("1f1b"),
+            "plait.parallelize(model, Layout(pp=N, schedule='1f1b', microbatches=m))",
+            "whole",
+            mp.pipeline_bytes,
+            PP_THEORY,
+        ),
+        Contender(
+            "torch 1F1B",
+            mp.build_torch_pp("1f1b"),
+            "PipelineStage(stage r of the GPT cut by hand) + Schedule1F1B(stage, m, loss_fn)",
+            "whole",
+            mp.pipeline_bytes,
+            PP_THEORY,
+        ),
+        Contender(
+            "plait TP",
+            mp.build_plait_tp,
+            "plait.parallelize(model, Layout(tp=N)): Megatron 1D, vocab-parallel cross-entropy",
+            "whole",
+            mp.tensor_bytes,
+            TP_THEORY,
+        ),
+        Contender(
+            "torch TP",
+            mp.build_torch_tp,
+            "parallelize_module(model, mesh, Colwise/RowwiseParallel plan) + loss_parallel()",
+            "whole",
+            mp.tensor_bytes,
+            TP_THEORY,
+        ),
+        Contender(
+            "plait cp ring",
+            mp.build_plait_cp("ring"),
+            "plait.parallelize(model, Layout(cp=N, cp_mode='ring')): zigzag ring attention",
+            "whole",
+            mp.ring_cp_bytes,
+            "2(N-1)/N x 4P + L x 6(N-1) x B T/N d x 4 B",
+        ),
+        Contender(
+            "plait cp Ulysses",
+            mp.build_plait_cp("ulysses"),
+            "plait.parallelize(model, Layout(cp=N, cp_mode='ulysses')): all-to-all over heads",
+            "whole",
+            mp.ulysses_cp_bytes,
+            "2(N-1)/N x 4P + L x 2(N-1)/N x B T/N 4d x 4 B",
+        ),
+        Contender(
+            "plait dp (no cp)", build_plait, "plait.parallelize(model, Layout(dp=N)): whole sequences, G/N per rank"
+        ),
     )
 }
 
@@ -261,40 +308,90 @@ SUITES: dict[str, Suite] = {
     suite.name: suite
     for suite in (
         Suite(
-            "ddp", ("plait", "torch DDP"), "Data parallel: plait vs DistributedDataParallel",
-            min_world=2, interleave="process", steps=15, warmup=3, rounds=6, workload=Workload(global_batch=16),
+            "ddp",
+            ("plait", "torch DDP"),
+            "Data parallel: plait vs DistributedDataParallel",
+            min_world=2,
+            interleave="process",
+            steps=15,
+            warmup=3,
+            rounds=6,
+            workload=Workload(global_batch=16),
         ),
         Suite(
-            "zero1", ("plait ZeRO-1", "torch ZeRO-1"), "ZeRO-1: plait vs DDP + ZeroRedundancyOptimizer",
-            min_world=2, interleave="process", steps=15, warmup=3, rounds=6, workload=Workload(global_batch=16),
+            "zero1",
+            ("plait ZeRO-1", "torch ZeRO-1"),
+            "ZeRO-1: plait vs DDP + ZeroRedundancyOptimizer",
+            min_world=2,
+            interleave="process",
+            steps=15,
+            warmup=3,
+            rounds=6,
+            workload=Workload(global_batch=16),
         ),
         Suite(
-            "zero3", ("plait ZeRO-3", "torch FSDP2"), "ZeRO-3: plait vs fully_shard (FSDP2)",
-            min_world=2, interleave="process", steps=15, warmup=3, rounds=6, workload=Workload(global_batch=16),
-            theory=zero3_bytes, theory_text="3(N-1)/N x P x 4 B",
+            "zero3",
+            ("plait ZeRO-3", "torch FSDP2"),
+            "ZeRO-3: plait vs fully_shard (FSDP2)",
+            min_world=2,
+            interleave="process",
+            steps=15,
+            warmup=3,
+            rounds=6,
+            workload=Workload(global_batch=16),
+            theory=zero3_bytes,
+            theory_text="3(N-1)/N x P x 4 B",
         ),
         Suite(
-            "pp", ("plait GPipe", "torch GPipe", "plait 1F1B", "torch 1F1B"),
+            "pp",
+            ("plait GPipe", "torch GPipe", "plait 1F1B", "torch 1F1B"),
             "Pipeline: plait vs torch.distributed.pipelining (GPipe and 1F1B)",
-            min_world=2, interleave="process", steps=10, warmup=3, rounds=4,
+            min_world=2,
+            interleave="process",
+            steps=10,
+            warmup=3,
+            rounds=4,
             workload=Workload(global_batch=16, microbatches=8),
             baselines=(("plait GPipe", "torch GPipe"), ("plait 1F1B", "torch 1F1B")),
         ),
         Suite(
-            "tp", ("plait TP", "torch TP"), "Tensor parallel: plait vs parallelize_module + loss_parallel",
-            worlds=(2,), min_world=2, interleave="process", steps=15, warmup=3, rounds=6,
+            "tp",
+            ("plait TP", "torch TP"),
+            "Tensor parallel: plait vs parallelize_module + loss_parallel",
+            worlds=(2,),
+            min_world=2,
+            interleave="process",
+            steps=15,
+            warmup=3,
+            rounds=6,
             workload=Workload(global_batch=16),
         ),
         Suite(
-            "cp", ("plait cp ring", "plait cp Ulysses", "plait dp (no cp)"),
+            "cp",
+            ("plait cp ring", "plait cp Ulysses", "plait dp (no cp)"),
             "Context parallel: ring vs Ulysses vs no cp (dp) at the same global batch and sequence length",
-            worlds=(4,), min_world=2, interleave="process", steps=10, warmup=3, rounds=4,
-            workload=Workload(global_batch=16), saved_activations=True,
+            worlds=(4,),
+            min_world=2,
+            interleave="process",
+            steps=10,
+            warmup=3,
+            rounds=4,
+            workload=Workload(global_batch=16),
+            saved_activations=True,
         ),
         Suite(
-            "overhead", ("plait", "torch loop"), "Engine overhead at world size 1: plait vs a plain PyTorch loop",
-            worlds=(1,), fixed_world=True, interleave="block", steps=5, warmup=3, rounds=20,
-            workload=Workload(global_batch=8), theory=no_bytes, theory_text="0 (one process)",
+            "overhead",
+            ("plait", "torch loop"),
+            "Engine overhead at world size 1: plait vs a plain PyTorch loop",
+            worlds=(1,),
+            fixed_world=True,
+            interleave="block",
+            steps=5,
+            warmup=3,
+            rounds=20,
+            workload=Workload(global_batch=8),
+            theory=no_bytes,
+            theory_text="0 (one process)",
         ),
     )
 }

@@ -43,8 +43,9 @@ def gpt_saved_bytes(cp: int, mode: str, lengths: list[int]) -> list[int]:
         config = GPTConfig(vocab_size=32, seq_len=max(lengths), n_layer=2, n_head=4, d_model=32, bias=False)
         model = GPT(config)
         if cp > 1:
-            plait.parallelize(model, plait.Layout(dp=1, cp=cp, cp_mode=mode),
-                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+            plait.parallelize(
+                model, plait.Layout(dp=1, cp=cp, cp_mode=mode), optimizer=lambda p: torch.optim.SGD(p, lr=0.1)
+            )
         tokens = torch.randint(0, 32, (1, length))
         with SavedActivations(exclude=model.parameters()) as saved:
             model(tokens).sum().backward()
@@ -73,9 +74,14 @@ def _on_rank(cp: int, lengths: list[int]) -> dict:
     from plait.mesh import Mesh
 
     comm = Comm(Mesh.build(Layout(dp=1, cp=cp)))
-    return {mode: {"saved": gpt_saved_bytes(cp, mode, lengths), "longest": longest_sequence(cp, mode),
-                   "traffic": measure_wire_bytes(comm, mode, kv_heads=TRAFFIC_SHAPE["heads"], **TRAFFIC_SHAPE)}
-            for mode in MODES}
+    return {
+        mode: {
+            "saved": gpt_saved_bytes(cp, mode, lengths),
+            "longest": longest_sequence(cp, mode),
+            "traffic": measure_wire_bytes(comm, mode, kv_heads=TRAFFIC_SHAPE["heads"], **TRAFFIC_SHAPE),
+        }
+        for mode in MODES
+    }
 
 
 def measure(lengths: tuple[int, ...] = LENGTHS) -> dict[int, dict]:
@@ -107,10 +113,13 @@ def tables(results: dict[int, dict], lengths: tuple[int, ...] = LENGTHS) -> str:
     shape = TRAFFIC_SHAPE
     for cp, mode, label in columns[1:]:
         got = results[cp][mode]["traffic"]
-        want = theory_wire_bytes(mode, cp, shape["batch"], shape["heads"], shape["heads"], shape["length"],
-                                 shape["head_dim"])
-        lines.append(f"| {label} | {got['forward']:,.0f} / {want['forward']:,.0f} | "
-                     f"{got['backward']:,.0f} / {want['backward']:,.0f} | {got['calls']} / {want['calls']} |")
+        want = theory_wire_bytes(
+            mode, cp, shape["batch"], shape["heads"], shape["heads"], shape["length"], shape["head_dim"]
+        )
+        lines.append(
+            f"| {label} | {got['forward']:,.0f} / {want['forward']:,.0f} | "
+            f"{got['backward']:,.0f} / {want['backward']:,.0f} | {got['calls']} / {want['calls']} |"
+        )
     return "\n".join(lines)
 
 
@@ -125,8 +134,13 @@ def draw(path: str, results: dict[int, dict], lengths: tuple[int, ...] = LENGTHS
     for cp, by_mode in results.items():
         for mode, measured in by_mode.items():
             label = f"cp={cp}" + (f" {LABELS[mode]}" if cp > 1 else "")
-            line, = ax.plot(lengths, [v / 2**20 for v in measured["saved"]], marker="o", label=label,
-                            linestyle="--" if mode == "ulysses" else "-")
+            (line,) = ax.plot(
+                lengths,
+                [v / 2**20 for v in measured["saved"]],
+                marker="o",
+                label=label,
+                linestyle="--" if mode == "ulysses" else "-",
+            )
             longest, fits, _ = measured["longest"]
             ax.plot([longest], [fits / 2**20], marker="*", markersize=12, color=line.get_color())
     ax.axhline(LIMIT / 2**20, color="gray", linestyle=":", label=f"limit {LIMIT / 2**20:g} MiB (* longest T)")

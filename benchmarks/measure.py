@@ -112,54 +112,58 @@ def summarise(suite: Suite, world: int, launches: list[list[RankResult]]) -> lis
         loss_diff = abs(s.final_losses[-1] - baseline.final_losses[-1])
         param_diff = (
             float(np.max(np.abs(s.params - baseline.params)))
-            if s.params is not None and baseline.params is not None else None
+            if s.params is not None and baseline.params is not None
+            else None
         )
         state, state_parts = model_state(s)
         peak = max(s.peak_rss_kb) / 1024 if s.peak_rss_kb else None
         base_peak = max(baseline.peak_rss_kb) / 1024 if baseline.peak_rss_kb else None
-        rows.append({
-            "suite": suite.name,
-            "contender": name,
-            "role": "baseline" if suite.is_baseline(name) else "plait",
-            "baseline": baseline.name,
-            "what": CONTENDERS[name].what,
-            "world": world,
-            "params": num_params,
-            "tokens_per_step": tokens,
-            "workload": workload.describe(),
-            "interleave": suite.interleave,
-            "rounds": len(s.rounds),
-            "timed_steps": len(s.seconds),
-            "step_ms": median * 1e3,
-            "step_ms_p25": _quantile(s.seconds, 0.25) * 1e3,
-            "step_ms_p75": _quantile(s.seconds, 0.75) * 1e3,
-            "tokens_per_s": tokens / median,
-            "tokens_per_s_p25": tokens / _quantile(s.seconds, 0.75),
-            "tokens_per_s_p75": tokens / _quantile(s.seconds, 0.25),
-            "round_tokens_per_s": [tokens / statistics.median(r) for r in s.rounds],
-            "speed_vs_baseline": base_median / median,
-            "overhead_pct": (median / base_median - 1.0) * 100.0,
-            "paired_overhead_pct": (statistics.median(paired) - 1.0) * 100.0,
-            "paired_overhead_pct_min": (min(paired) - 1.0) * 100.0,
-            "paired_overhead_pct_max": (max(paired) - 1.0) * 100.0,
-            "peak_rss_mb": peak,
-            "rss_growth_mb": max(s.growth_rss_kb) / 1024 if s.growth_rss_kb else None,
-            "rss_vs_baseline": _ratio(peak, base_peak),
-            "model_state_mb": None if state is None else state / 2**20,
-            "model_state_parts": state_parts,
-            "model_state_vs_baseline": _ratio(state, base_state),
-            "saved_activation_mb": (s.info["saved_activation_bytes"] / 2**20
-                                    if "saved_activation_bytes" in s.info else None),
-            "wire_bytes_per_step": wire,
-            "wire_source": wire_source,
-            "theory_bytes_per_step": theory,
-            "theory": theory_text,
-            "wire_vs_theory": _ratio(wire, theory) if theory else None,
-            "final_loss": s.final_losses[-1],
-            "loss_diff_vs_baseline": loss_diff,
-            "param_max_diff_vs_baseline": param_diff,
-            "same_loss": loss_diff <= LOSS_TOLERANCE,
-            "repeat_loss_spread": max(s.final_losses) - min(s.final_losses),
-            "info": s.info,
-        })
+        rows.append(
+            {
+                "suite": suite.name,
+                "contender": name,
+                "role": "baseline" if suite.is_baseline(name) else "plait",
+                "baseline": baseline.name,
+                "what": CONTENDERS[name].what,
+                "world": world,
+                "params": num_params,
+                "tokens_per_step": tokens,
+                "workload": workload.describe(),
+                "interleave": suite.interleave,
+                "rounds": len(s.rounds),
+                "timed_steps": len(s.seconds),
+                "step_ms": median * 1e3,
+                "step_ms_p25": _quantile(s.seconds, 0.25) * 1e3,
+                "step_ms_p75": _quantile(s.seconds, 0.75) * 1e3,
+                "tokens_per_s": tokens / median,
+                "tokens_per_s_p25": tokens / _quantile(s.seconds, 0.75),
+                "tokens_per_s_p75": tokens / _quantile(s.seconds, 0.25),
+                "round_tokens_per_s": [tokens / statistics.median(r) for r in s.rounds],
+                "speed_vs_baseline": base_median / median,
+                "overhead_pct": (median / base_median - 1.0) * 100.0,
+                "paired_overhead_pct": (statistics.median(paired) - 1.0) * 100.0,
+                "paired_overhead_pct_min": (min(paired) - 1.0) * 100.0,
+                "paired_overhead_pct_max": (max(paired) - 1.0) * 100.0,
+                "peak_rss_mb": peak,
+                "rss_growth_mb": max(s.growth_rss_kb) / 1024 if s.growth_rss_kb else None,
+                "rss_vs_baseline": _ratio(peak, base_peak),
+                "model_state_mb": None if state is None else state / 2**20,
+                "model_state_parts": state_parts,
+                "model_state_vs_baseline": _ratio(state, base_state),
+                "saved_activation_mb": (
+                    s.info["saved_activation_bytes"] / 2**20 if "saved_activation_bytes" in s.info else None
+                ),
+                "wire_bytes_per_step": wire,
+                "wire_source": wire_source,
+                "theory_bytes_per_step": theory,
+                "theory": theory_text,
+                "wire_vs_theory": _ratio(wire, theory) if theory else None,
+                "final_loss": s.final_losses[-1],
+                "loss_diff_vs_baseline": loss_diff,
+                "param_max_diff_vs_baseline": param_diff,
+                "same_loss": loss_diff <= LOSS_TOLERANCE,
+                "repeat_loss_spread": max(s.final_losses) - min(s.final_losses),
+                "info": s.info,
+            }
+        )
     return rows

@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait.models import lm_loss
-
-from benchmarks.trainer import Batch, StepOut, Trainer, Probe, clip_global_, gather_named, plait_trainer, torch_held
+from benchmarks.trainer import Batch, Probe, StepOut, Trainer, clip_global_, gather_named, plait_trainer, torch_held
 from benchmarks.workload import Workload
+from plait.models import lm_loss
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 """plait's ``Layout.schedule`` name -> the class of ``torch.distributed.pipelining`` that runs the same order."""
@@ -167,8 +166,12 @@ def build_torch_tp(model: nn.Module, workload: Workload, rank: int, world: int) 
             loss.backward()
         if workload.max_grad_norm:
             grads = [p.grad for p in params if p.grad is not None]
-            clip_global_([g for g in grads if is_split(g)], [g for g in grads if not is_split(g)],
-                         workload.max_grad_norm, group=mesh.get_group())
+            clip_global_(
+                [g for g in grads if is_split(g)],
+                [g for g in grads if not is_split(g)],
+                workload.max_grad_norm,
+                group=mesh.get_group(),
+            )
         probe.take(lambda: torch_held(params, optimizer))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -51,8 +51,14 @@ def one_process_steps_per_s(task: AdditionGPT, steps: int) -> float:
 def measure(mode: str, servers: int, workers: int, steps: int) -> dict[str, Any]:
     """Run one job; pushes/s and server updates/s between the first applied push and the end."""
     staleness = 2 if mode == "ssp" else 0
-    config = JobConfig(servers=servers, workers=workers, steps=steps, consistency=Consistency(mode, staleness),
-                       optimizer=OPTIMIZER, log_every_s=0.0)
+    config = JobConfig(
+        servers=servers,
+        workers=workers,
+        steps=steps,
+        consistency=Consistency(mode, staleness),
+        optimizer=OPTIMIZER,
+        log_every_s=0.0,
+    )
     samples: list[tuple[float, int, int]] = []  # (time, pushes applied by server 0, server 0's version)
 
     def record(reports: list[dict[str, Any]]) -> None:
@@ -69,25 +75,38 @@ def measure(mode: str, servers: int, workers: int, steps: int) -> dict[str, Any]
     started = next(sample for sample in samples if sample[1] > 0)
     ended = samples[-1]
     seconds = ended[0] - started[0]
-    return {"mode": mode, "servers": servers, "workers": workers,
-            "pushes_per_s": (ended[1] - started[1]) / seconds, "updates_per_s": (ended[2] - started[2]) / seconds,
-            "pushes": ended[1]}
+    return {
+        "mode": mode,
+        "servers": servers,
+        "workers": workers,
+        "pushes_per_s": (ended[1] - started[1]) / seconds,
+        "updates_per_s": (ended[2] - started[2]) / seconds,
+        "pushes": ended[1],
+    }
 
 
 def markdown(rows: list[dict[str, Any]], single: float, command: str, info: dict[str, Any]) -> str:
     cores = os.cpu_count() or 1
-    lines = [f"`{command}`", "",
-             "| mode | servers | workers | pushes/s | server updates/s | ideal pushes/s | x ideal |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}`",
+        "",
+        "| mode | servers | workers | pushes/s | server updates/s | ideal pushes/s | x ideal |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         ideal = min(row["workers"], cores) * single
-        lines.append(f"| {row['mode']} | {row['servers']} | {row['workers']} | {row['pushes_per_s']:.1f} | "
-                     f"{row['updates_per_s']:.1f} | {ideal:.1f} | {row['pushes_per_s'] / ideal:.2f} |")
+        lines.append(
+            f"| {row['mode']} | {row['servers']} | {row['workers']} | {row['pushes_per_s']:.1f} | "
+            f"{row['updates_per_s']:.1f} | {ideal:.1f} | {row['pushes_per_s'] / ideal:.2f} |"
+        )
     task = AdditionGPT()
-    lines += ["", f"Workload: reference GPT {task.n_layer} layers x d_model {task.d_model} on {task.digits}-digit "
-              f"addition, {task.batch} samples per worker step, AdamW; one process alone: {single:.1f} steps/s. "
-              f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
-              f"{conditions(info)}."]
+    lines += [
+        "",
+        f"Workload: reference GPT {task.n_layer} layers x d_model {task.d_model} on {task.digits}-digit "
+        f"addition, {task.batch} samples per worker step, AdamW; one process alone: {single:.1f} steps/s. "
+        f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
+        f"{conditions(info)}.",
+    ]
     return "\n".join(lines)
 
 
@@ -104,8 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         for servers, workers in GRID:
             rows.append(measure(mode, servers, workers, args.steps))
-            log.info("%s servers=%d workers=%d: %.1f pushes/s, %.1f updates/s", mode, servers, workers,
-                     rows[-1]["pushes_per_s"], rows[-1]["updates_per_s"])
+            log.info(
+                "%s servers=%d workers=%d: %.1f pushes/s, %.1f updates/s",
+                mode,
+                servers,
+                workers,
+                rows[-1]["pushes_per_s"],
+                rows[-1]["updates_per_s"],
+            )
     text = markdown(rows, single, "python -m benchmarks.param_server " + shlex.join(sys.argv[1:]), info)
     print(text)  # noqa: T201 - the benchmark's output
     if args.out:

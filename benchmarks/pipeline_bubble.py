@@ -79,8 +79,12 @@ def _rank(schedule: str, p: int, m: int, v: int, unit_s: float, steps: int, trac
         chunk = unit_s / v
         model = nn.Sequential(*[SleepStage(4, chunk, chunk, chunk) for _ in range(p * v)])
         layout = Layout(pp=p, dp=1, microbatches=m, schedule=schedule, virtual_stages=v)
-        engine = plait.parallelize(model, layout, optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
-                                   loss_fn=lambda out, target: (out - target).square().mean())
+        engine = plait.parallelize(
+            model,
+            layout,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
+            loss_fn=lambda out, target: (out - target).square().mean(),
+        )
         batch = (torch.randn(m, 4), torch.randn(m, 4))
         runs = []
         for step in range(steps + 1):
@@ -117,8 +121,11 @@ def calibrated_costs(result: SimResult) -> Costs:
         producer = (stage - 1, "F", j) if kind == "F" else None
         if kind in ("B", "I") and stage < stages - 1:
             producer = (stage + 1, "B", j) if (stage + 1, "B", j) in spans else (stage + 1, "I", j)
-        remote = producer is not None and producer in spans and result.schedule.rank_of(
-            stage) != result.schedule.rank_of(producer[0])
+        remote = (
+            producer is not None
+            and producer in spans
+            and result.schedule.rank_of(stage) != result.schedule.rank_of(producer[0])
+        )
         ready = spans[producer].end if remote else 0.0
         if span.action not in previous_end:  # a rank's first action: no previous end to measure from
             continue
@@ -127,9 +134,14 @@ def calibrated_costs(result: SimResult) -> Costs:
         else:  # its input was there: the gap is the runtime's own overhead between actions
             gaps.append(span.start - previous_end[span.action])
     has_split = any(per_kind["I"]) or any(per_kind["W"])
-    return Costs(F=per_kind["F"], B=per_kind["B"] if not has_split else [i + w for i, w in zip(per_kind["I"],
-                 per_kind["W"])], I=per_kind["I"] if has_split else None, W=per_kind["W"] if has_split else None,
-                 p2p=statistics.median(hops) if hops else 0.0, overhead=statistics.median(gaps) if gaps else 0.0)
+    return Costs(
+        F=per_kind["F"],
+        B=per_kind["B"] if not has_split else [i + w for i, w in zip(per_kind["I"], per_kind["W"])],
+        I=per_kind["I"] if has_split else None,
+        W=per_kind["W"] if has_split else None,
+        p2p=statistics.median(hops) if hops else 0.0,
+        overhead=statistics.median(gaps) if gaps else 0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -142,8 +154,9 @@ class Replay(Costs):
         return 0.0 if action.is_comm else self.durations[action]
 
 
-def measure(schedule: str, p: int, m: int, v: int, unit_s: float, steps: int, trace: str = ""
-            ) -> tuple[float, float, float, float, Costs]:
+def measure(
+    schedule: str, p: int, m: int, v: int, unit_s: float, steps: int, trace: str = ""
+) -> tuple[float, float, float, float, Costs]:
     """(measured bubble, simulated on the nominal costs, simulated on the run's calibrated per-stage means,
     replayed with every action's own duration, the calibrated costs) for one schedule; the step with the
     smallest measured bubble is reported."""
@@ -158,8 +171,13 @@ def measure(schedule: str, p: int, m: int, v: int, unit_s: float, steps: int, tr
     costs = calibrated_costs(best)
     durations = {s.action: s.end - s.start for spans in best.timelines for s in spans}
     replay = Replay(p2p=costs.p2p, overhead=costs.overhead, durations=durations)
-    return (best.bubble_fraction, simulate(built, nominal).bubble_fraction, simulate(built, costs).bubble_fraction,
-            simulate(built, replay).bubble_fraction, costs)
+    return (
+        best.bubble_fraction,
+        simulate(built, nominal).bubble_fraction,
+        simulate(built, costs).bubble_fraction,
+        simulate(built, replay).bubble_fraction,
+        costs,
+    )
 
 
 def main() -> None:
@@ -171,15 +189,21 @@ def main() -> None:
     parser.add_argument("--trace", default="", help="write each schedule's last step as PREFIX_<schedule>.json/.png")
     args = parser.parse_args()
     print(f"p={args.p} m={args.m}, equal stages: F = I = W = {args.unit_ms:g} ms (B = 2 units)")
-    print(f"{'schedule':<13}{'v':>2}{'measured':>10}{'simulated':>11}{'rel.':>8}{'calibrated':>12}{'rel.':>8}"
-          f"{'replayed':>10}{'rel.':>8}   hop, overhead, mean F / B (ms)")
+    print(
+        f"{'schedule':<13}{'v':>2}{'measured':>10}{'simulated':>11}{'rel.':>8}{'calibrated':>12}{'rel.':>8}"
+        f"{'replayed':>10}{'rel.':>8}   hop, overhead, mean F / B (ms)"
+    )
     for schedule, v in (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)):
-        measured, *predictions, costs = measure(schedule, args.p, args.m, v, args.unit_ms / 1000, args.steps,
-                                                args.trace)
-        cells = "".join(f"{value:>{width}.2%}{(measured - value) / value:>+8.1%}"
-                        for value, width in zip(predictions, (11, 12, 10)))
-        print(f"{schedule:<13}{v:>2}{measured:>10.2%}{cells}   {costs.p2p:.2f}, {costs.overhead:.2f}, "
-              f"{statistics.fmean(costs.F):.2f} / {statistics.fmean(costs.B):.2f}")
+        measured, *predictions, costs = measure(
+            schedule, args.p, args.m, v, args.unit_ms / 1000, args.steps, args.trace
+        )
+        cells = "".join(
+            f"{value:>{width}.2%}{(measured - value) / value:>+8.1%}" for value, width in zip(predictions, (11, 12, 10))
+        )
+        print(
+            f"{schedule:<13}{v:>2}{measured:>10.2%}{cells}   {costs.p2p:.2f}, {costs.overhead:.2f}, "
+            f"{statistics.fmean(costs.F):.2f} / {statistics.fmean(costs.B):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -46,15 +46,22 @@ def main() -> None:
     for k in range(args.p):
         even.append(even[-1] + size + (1 if k < extra else 0))
     auto_measured, even_measured = measure_splits(
-        chain, tokens, [chain.layer_bounds(result.bounds), chain.layer_bounds(even)], repeats=args.repeats)
+        chain, tokens, [chain.layer_bounds(result.bounds), chain.layer_bounds(even)], repeats=args.repeats
+    )
     result = replace(result, measured_times=tuple(auto_measured))
-    print(f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, micro-batch {args.batch}x{args.seq} "
-          f"on {device}; auto partition:")
+    print(
+        f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, micro-batch {args.batch}x{args.seq} "
+        f"on {device}; auto partition:"
+    )
     print(result.summary())
-    print(f"even split cuts={even[1:-1]}: measured per stage (ms) {[round(t * 1e3, 2) for t in even_measured]}, "
-          f"slowest {max(even_measured) * 1e3:.2f} ms")
-    print(f"auto split cuts={result.cuts}: measured slowest {max(auto_measured) * 1e3:.2f} ms "
-          f"({max(even_measured) / max(auto_measured):.2f}x the even split's throughput; both measured together)")
+    print(
+        f"even split cuts={even[1:-1]}: measured per stage (ms) {[round(t * 1e3, 2) for t in even_measured]}, "
+        f"slowest {max(even_measured) * 1e3:.2f} ms"
+    )
+    print(
+        f"auto split cuts={result.cuts}: measured slowest {max(auto_measured) * 1e3:.2f} ms "
+        f"({max(even_measured) / max(auto_measured):.2f}x the even split's throughput; both measured together)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,22 +30,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.launch import launch
 from plait.layout import Layout
 from plait.models import GPT, GPTConfig, lm_loss
-
-from benchmarks.launch import launch
 
 MODEL = GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=8, d_model=256)
 GLOBAL_BATCH = 16
 LAYOUTS: dict[int, tuple[Layout, ...]] = {
     4: (
-        Layout(dp=4), Layout(dp=4, zero=3), Layout(dp=4, recompute="full"), Layout(dp=4, microbatches=4),
-        Layout(dp=2, tp=2), Layout(tp=4), Layout(pp=4, microbatches=4), Layout(pp=2, dp=2, microbatches=2),
+        Layout(dp=4),
+        Layout(dp=4, zero=3),
+        Layout(dp=4, recompute="full"),
+        Layout(dp=4, microbatches=4),
+        Layout(dp=2, tp=2),
+        Layout(tp=4),
+        Layout(pp=4, microbatches=4),
+        Layout(pp=2, dp=2, microbatches=2),
         Layout(pp=4, microbatches=16),
     ),
     8: (
-        Layout(dp=8), Layout(dp=8, zero=1), Layout(dp=4, tp=2), Layout(dp=2, tp=4), Layout(tp=8),
-        Layout(pp=2, dp=4, microbatches=2), Layout(pp=4, dp=2, microbatches=4), Layout(pp=8, microbatches=8),
+        Layout(dp=8),
+        Layout(dp=8, zero=1),
+        Layout(dp=4, tp=2),
+        Layout(dp=2, tp=4),
+        Layout(tp=8),
+        Layout(pp=2, dp=4, microbatches=2),
+        Layout(pp=4, dp=2, microbatches=4),
+        Layout(pp=8, microbatches=8),
         Layout(dp=2, tp=2, pp=2, microbatches=4),
     ),
 }
@@ -81,8 +92,9 @@ class Row:
         return " ".join(parts)
 
 
-def _train_rank(config: GPTConfig, layouts: list[Layout], global_batch: int, warmup: int, steps: int,
-                rounds: int) -> list[list[float]]:
+def _train_rank(
+    config: GPTConfig, layouts: list[Layout], global_batch: int, warmup: int, steps: int, rounds: int
+) -> list[list[float]]:
     """One rank: build an engine per layout (same seed), warm up, time alternating rounds; rank 0's step times."""
     import plait
 
@@ -95,10 +107,11 @@ def _train_rank(config: GPTConfig, layouts: list[Layout], global_batch: int, war
         engines, batches = [], []
         for layout in layouts:
             torch.manual_seed(1234)
-            engine = plait.parallelize(GPT(config), layout, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                       loss_fn=lm_loss, timeout_s=120)
+            engine = plait.parallelize(
+                GPT(config), layout, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=lm_loss, timeout_s=120
+            )
             share = global_batch // engine.mesh.size("dp")
-            rows = tokens[engine.mesh.index("dp") * share:(engine.mesh.index("dp") + 1) * share]
+            rows = tokens[engine.mesh.index("dp") * share : (engine.mesh.index("dp") + 1) * share]
             engines.append(engine)
             batches.append((rows[:, :-1], rows[:, 1:]))
         for engine, batch in zip(engines, batches):
@@ -119,15 +132,28 @@ def _train_rank(config: GPTConfig, layouts: list[Layout], global_batch: int, war
         dist.destroy_process_group()
 
 
-def measure(config: GPTConfig, world: int, layouts: list[Layout], global_batch: int, warmup: int = 1,
-            steps: int = 1, rounds: int = 5) -> list[list[float]]:
+def measure(
+    config: GPTConfig,
+    world: int,
+    layouts: list[Layout],
+    global_batch: int,
+    warmup: int = 1,
+    steps: int = 1,
+    rounds: int = 5,
+) -> list[list[float]]:
     """Step times of every layout on ``world`` local gloo ranks, measured in one launch (module docstring)."""
     return launch(_train_rank, world, config, layouts, global_batch, warmup, steps, rounds)[0]
 
 
-def validate(world: int, config: GPTConfig = MODEL, layouts: tuple[Layout, ...] | None = None,
-             global_batch: int = GLOBAL_BATCH, top: int = 4, calibration: dict[str, Any] | None = None,
-             **timing: int) -> list[Row]:
+def validate(
+    world: int,
+    config: GPTConfig = MODEL,
+    layouts: tuple[Layout, ...] | None = None,
+    global_batch: int = GLOBAL_BATCH,
+    top: int = 4,
+    calibration: dict[str, Any] | None = None,
+    **timing: int,
+) -> list[Row]:
     """Calibrate at ``world`` ranks (unless ``calibration`` is given), predict ``layouts`` and plan()'s ``top``
     layouts, measure them all; rows in the order measured."""
     from plait.planner import Hardware, plan, predict
@@ -137,13 +163,22 @@ def validate(world: int, config: GPTConfig = MODEL, layouts: tuple[Layout, ...] 
         with tempfile.TemporaryDirectory() as tmp:
             calibration = calibrate(world, out=Path(tmp) / "calibration.json")
     hw = Hardware.from_dict(calibration["hardware"])
-    ranked = plan(config, world, hw, global_batch=global_batch, precision="fp32", implementation="plait-cpu",
-                  top=top).candidates
+    ranked = plan(
+        config, world, hw, global_batch=global_batch, precision="fp32", implementation="plait-cpu", top=top
+    ).candidates
     chosen = [p.layout for p in ranked]
     extra = [lay.resolve(world) for lay in (layouts if layouts is not None else LAYOUTS[world])]
     candidates = list(dict.fromkeys([*chosen, *extra]))
-    rows = [Row(world, lay, predict(config, lay, hw, global_batch, implementation="plait-cpu").step_time, [],
-                chosen.index(lay) if lay in chosen else None) for lay in candidates]
+    rows = [
+        Row(
+            world,
+            lay,
+            predict(config, lay, hw, global_batch, implementation="plait-cpu").step_time,
+            [],
+            chosen.index(lay) if lay in chosen else None,
+        )
+        for lay in candidates
+    ]
     for row, seconds in zip(rows, steady(measure(config, world, candidates, global_batch, **timing))):
         row.measured = seconds
     return rows
@@ -175,18 +210,23 @@ def chosen_vs_fastest(rows: list[Row]) -> float:
 
 def table(rows: list[Row]) -> str:
     """A Markdown table of the rows with Spearman and chosen-vs-fastest per world size."""
-    lines = ["| ranks | layout | plan() rank | predicted (s) | measured median (s) | measured / predicted |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| ranks | layout | plan() rank | predicted (s) | measured median (s) | measured / predicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in sorted(rows, key=lambda r: (r.world, r.predicted)):
         place = "" if r.ranked is None else f"#{r.ranked + 1}"
-        lines.append(f"| {r.world} | {r.name} | {place} | {r.predicted:.3f} | {r.median:.3f} | "
-                     f"{r.median / r.predicted:.2f} |")
+        lines.append(
+            f"| {r.world} | {r.name} | {place} | {r.predicted:.3f} | {r.median:.3f} | {r.median / r.predicted:.2f} |"
+        )
     lines.append("")
     for world in sorted({r.world for r in rows}):
         of = [r for r in rows if r.world == world]
         ranked = sum(r.ranked is not None for r in of)
-        lines.append(f"- {world} ranks: Spearman {spearman(of):+.2f} over {len(of)} layouts; the planner's choice "
-                     f"is {chosen_vs_fastest(of):+.1%} vs the fastest (measured) of the {ranked} layouts it ranked.")
+        lines.append(
+            f"- {world} ranks: Spearman {spearman(of):+.2f} over {len(of)} layouts; the planner's choice "
+            f"is {chosen_vs_fastest(of):+.1%} vs the fastest (measured) of the {ranked} layouts it ranked."
+        )
     lines.append(f"- all: Spearman {spearman(rows):+.2f} over {len(rows)} layouts.")
     return "\n".join(lines)
 
@@ -209,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     rows = [row for world in args.worlds for row in validate(world, steps=args.steps, rounds=args.rounds)]
-    text = table(rows) + (f"\n- measured {time.strftime('%Y-%m-%d %H:%M')} in {time.perf_counter() - started:.0f} s "
-                          f"on {os.cpu_count()} cores; 1-minute load average {load_before:.1f} before, "
-                          f"{os.getloadavg()[0]:.1f} after (other programs share the machine).")
+    text = table(rows) + (
+        f"\n- measured {time.strftime('%Y-%m-%d %H:%M')} in {time.perf_counter() - started:.0f} s "
+        f"on {os.cpu_count()} cores; 1-minute load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after (other programs share the machine)."
+    )
     print(text)
     if args.write_docs:
         write_docs(text)

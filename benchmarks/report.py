@@ -50,8 +50,10 @@ COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("step ms", lambda r: f"{r['step_ms']:.1f}"),
     ("x peer", lambda r: f"{r['speed_vs_baseline']:.3f}"),
     ("step vs peer, paired (min..max)", _paired),
-    ("peak RSS MB (+growth)",
-     lambda r: "shared" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f} (+{r['rss_growth_mb']:.0f})"),
+    (
+        "peak RSS MB (+growth)",
+        lambda r: "shared" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f} (+{r['rss_growth_mb']:.0f})",
+    ),
     ("model states MB (x peer)", _state),
     ("saved activations MB", lambda r: _num(r.get("saved_activation_mb"), ".2f")),
     ("grad buckets MB", lambda r: "+".join(f"{b / 1e6:.2f}" for b in r["info"].get("bucket_bytes", [])) or "-"),
@@ -117,9 +119,11 @@ def conditions(info: dict[str, Any]) -> str:
     """The load before the run and the CPU other processes took during it, in words."""
     text = f"1-minute load {info['load_1m']:.2f} before the run"
     if "foreign_cpu_s" in info:
-        text += (f"; other processes (and hypervisor steal) took {info['foreign_cpu_s']:.1f} CPU-s during its "
-                 f"{info['wall_s']:.0f} s "
-                 f"({100 * info['foreign_cpu_s'] / info['wall_s']:.0f}% of one core)")
+        text += (
+            f"; other processes (and hypervisor steal) took {info['foreign_cpu_s']:.1f} CPU-s during its "
+            f"{info['wall_s']:.0f} s "
+            f"({100 * info['foreign_cpu_s'] / info['wall_s']:.0f}% of one core)"
+        )
     return text
 
 
@@ -138,10 +142,14 @@ def print_tables(console: Console, titles: dict[str, str], rows: list[Row], info
     for suite, world in dict.fromkeys((r["suite"], r["world"]) for r in rows):
         mine = [r for r in rows if r["suite"] == suite and r["world"] == world]
         console.print(table(f"{titles.get(suite, suite)} ({world} rank{'s' if world > 1 else ''})", mine))
-        console.print(f"  workload: {mine[0]['workload']}; world {mine[0]['world']}; {mine[0]['timed_steps']} timed "
-                      f"steps per contender in {mine[0]['rounds']} rounds ({mine[0]['interleave']} interleave)")
-    console.print(f"  plait {info['plait']}; machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
-                  f"{conditions(info)}")
+        console.print(
+            f"  workload: {mine[0]['workload']}; world {mine[0]['world']}; {mine[0]['timed_steps']} timed "
+            f"steps per contender in {mine[0]['rounds']} rounds ({mine[0]['interleave']} interleave)"
+        )
+    console.print(
+        f"  plait {info['plait']}; machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
+        f"{conditions(info)}"
+    )
 
 
 def markdown(suite: str, rows: list[Row], command: str, info: dict[str, Any]) -> str:
@@ -152,10 +160,16 @@ def markdown(suite: str, rows: list[Row], command: str, info: dict[str, Any]) ->
         lines += ["", "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
         lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in mine]
         first = mine[0]
-        lines += ["", f"World size {world}: {first['workload']}; {first['timed_steps']} timed steps per contender in "
-                  f"{first['rounds']} rounds ({first['interleave']} interleave)."]
-    lines += ["", f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
-              f"{conditions(info)}."]
+        lines += [
+            "",
+            f"World size {world}: {first['workload']}; {first['timed_steps']} timed steps per contender in "
+            f"{first['rounds']} rounds ({first['interleave']} interleave).",
+        ]
+    lines += [
+        "",
+        f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
+        f"{conditions(info)}.",
+    ]
     return "\n".join(lines)
 
 

@@ -49,19 +49,28 @@ def worlds_of(suite: Suite, world: int | None) -> list[int]:
 def _resolve_world(suite: Suite, world: int | None) -> int:
     if suite.fixed_world or world is None:
         if world is not None and world not in suite.worlds:
-            log.info("suite %s runs at world size %d (--world %d applies to the distributed suites)",
-                     suite.name, suite.worlds[0], world)
+            log.info(
+                "suite %s runs at world size %d (--world %d applies to the distributed suites)",
+                suite.name,
+                suite.worlds[0],
+                world,
+            )
         return suite.worlds[0]
     if world < suite.min_world:
         raise ValueError(f"suite {suite.name!r} needs at least {suite.min_world} ranks, got world={world}")
     if suite.workload.global_batch % world:
-        raise ValueError(f"suite {suite.name!r}: global batch {suite.workload.global_batch} does not split over "
-                         f"world={world}; use a divisor of it (e.g. 2 or 4)")
+        raise ValueError(
+            f"suite {suite.name!r}: global batch {suite.workload.global_batch} does not split over "
+            f"world={world}; use a divisor of it (e.g. 2 or 4)"
+        )
     return world
 
 
 def run_suite(
-    name: str, world: int | None = None, steps: int | None = None, warmup: int | None = None,
+    name: str,
+    world: int | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
     rounds: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run suite ``name`` and return one row (a dict) per contender, plait first; see ``measure.summarise``.
@@ -90,8 +99,7 @@ def run_suite(
                 order = suite.contenders if r % 2 == 0 else tuple(reversed(suite.contenders))
                 for contender in order:
                     log.info("%s round %d/%d: %s on %d ranks", name, r + 1, rounds, contender, world)
-                    spec = RunSpec((contender,), workload, warmup, steps,
-                                   saved_activations=suite.saved_activations)
+                    spec = RunSpec((contender,), workload, warmup, steps, saved_activations=suite.saved_activations)
                     launches.append(launch(run_rank, world, spec))
     return summarise(suite, world, launches)
 
@@ -113,15 +121,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[1])
     parser.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which pair to run (default all)")
     parser.add_argument("--world", type=int, help="ranks for the distributed suites (default: each of 2 and 4)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 timed steps, 1 warm-up, 1 round (overrides --steps/--warmup/--rounds)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 timed steps, 1 warm-up, 1 round (overrides --steps/--warmup/--rounds)",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per round (default: the suite's)")
     parser.add_argument("--warmup", type=int, help="untimed steps per contender and launch (default: the suite's)")
     parser.add_argument("--rounds", type=int, help="alternations per contender (default: the suite's)")
     parser.add_argument("--out", type=Path, help="markdown file whose result blocks to rewrite (e.g. BENCHMARKS.md)")
     parser.add_argument("--json", type=Path, help="also write the rows and the machine facts to this JSON file")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="wait until the 1-minute load is at most this before measuring (e.g. 0.5)")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="wait until the 1-minute load is at most this before measuring (e.g. 0.5)",
+    )
     parser.add_argument("--patience", type=float, default=600.0, help="longest wait for --max-load, seconds")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -130,8 +145,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if args.max_load is not None:
         wait_for_quiet(args.max_load, args.patience)
     info = machine()
@@ -145,8 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine_after, own_after = busy_cpu_seconds()
     info["wall_s"] = time.monotonic() - started
     info["foreign_cpu_s"] = max(0.0, (machine_after - machine_before) - (own_after - own_before))
-    log.info("done in %.0f s; 1-minute load %.2f before; other processes took %.1f CPU-s meanwhile",
-             info["wall_s"], info["load_1m"], info["foreign_cpu_s"])
+    log.info(
+        "done in %.0f s; 1-minute load %.2f before; other processes took %.1f CPU-s meanwhile",
+        info["wall_s"],
+        info["load_1m"],
+        info["foreign_cpu_s"],
+    )
     console = Console(width=max(Console().width, 200))
     print_tables(console, {n: SUITES[n].title for n in names}, rows, info)
     if args.json is not None:

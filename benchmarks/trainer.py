@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.observe.memory import storage_bytes
-
 from benchmarks.workload import Batch, Workload
+from plait.observe.memory import storage_bytes
 
 StepOut = tuple[float, float | None]
 """What one step returns: (loss as this rank sees it, bytes this rank sent or None)."""
@@ -93,7 +92,9 @@ def torch_held(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> 
 
 
 def clip_global_(
-    sharded: Iterable[torch.Tensor], replicated: Iterable[torch.Tensor], max_norm: float,
+    sharded: Iterable[torch.Tensor],
+    replicated: Iterable[torch.Tensor],
+    max_norm: float,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip gradients spread over the ranks of ``group`` to a global L2 norm, as ``clip_grad_norm_`` would on
@@ -128,15 +129,17 @@ def gather_named(named: dict[str, torch.Tensor], order: list[str]) -> list[torch
 
 
 def plait_trainer(
-    model: nn.Module, workload: Workload, layout: Any,
+    model: nn.Module,
+    workload: Workload,
+    layout: Any,
     full_params: Callable[[Any], Callable[[], list[torch.Tensor]]] | None = None,
 ) -> Trainer:
     """``plait.parallelize(model, layout, ...)`` and ``Engine.train_step``: the loss plait reports (the batch's
     mean, the same on every rank) and the bytes its comm layer counted in the step (ring model).
     ``full_params(engine)`` gives the whole-parameter gather for layouts whose ranks hold pieces."""
     import plait
-    from plait.observe.memory import measure_held
     from plait.models import lm_loss
+    from plait.observe.memory import measure_held
 
     engine = plait.parallelize(
         model, layout, optimizer=workload.optimizer, loss_fn=lm_loss, max_grad_norm=workload.max_grad_norm

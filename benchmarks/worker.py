@@ -25,10 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from plait.observe.memory import SavedActivations
-
 from benchmarks.contenders import CONTENDERS, Trainer
 from benchmarks.workload import Workload
+from plait.observe.memory import SavedActivations
 
 log = logging.getLogger("benchmarks.worker")
 

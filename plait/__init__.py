@@ -1,21 +1,21 @@
 """plait: every paradigm of multi-device training in one small codebase.
 
-    import plait, torch
-    plait.init()
-    engine = plait.parallelize(model, plait.Layout(dp=2), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4))
-    stats = engine.train_step((inputs, targets))
+import plait, torch
+plait.init()
+engine = plait.parallelize(model, plait.Layout(dp=2), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4))
+stats = engine.train_step((inputs, targets))
 """
 
 from plait.comm import Comm, CommStats
-from plait.layout import AXES, Layout
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
 from plait.errors import CommError, ConfigError, LayoutError, PlaitError, ScheduleError
-from plait.planner.memory import MemoryEstimate, estimate_memory
-from plait.observe.memory import measure_held
+from plait.layout import AXES, Layout
 from plait.mesh import Mesh
+from plait.observe.memory import measure_held
 from plait.parallelize import parallelize
 from plait.planner import plan
+from plait.planner.memory import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
 

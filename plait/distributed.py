@@ -45,7 +45,9 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     """Initialise torch.distributed from torchrun's environment (idempotent), or describe a single process."""
     if dist.is_available() and dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        world = World(dist.get_rank(), dist.get_world_size(), local_rank, default_device(local_rank), dist.get_backend())
+        world = World(
+            dist.get_rank(), dist.get_world_size(), local_rank, default_device(local_rank), dist.get_backend()
+        )
         plait_logging.configure(world.rank)
         return world
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -57,9 +59,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     plait_logging.configure(rank)
     return World(rank, world_size, local_rank, device, backend)
 

@@ -24,13 +24,13 @@ from torch import nn
 
 from plait import checkpoint
 from plait.comm import Comm, CommStats
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.mesh import Mesh
 from plait.models.loss import LossFn, apply_loss
+from plait.observe.trace import no_span
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
-from plait.observe.trace import no_span
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
@@ -225,8 +225,9 @@ class Engine:
         """The last ``train_step`` as measured on every rank of this rank's pp group (ms; a collective over
         "pp"): a ``SimResult`` with real timelines, busy/idle times and bubble fraction."""
         if self.pipeline is None:
-            raise LayoutError("pipeline_timeline needs pipeline parallelism, but the layout has pp=1. Fix: train "
-                              "with Layout(pp > 1).")
+            raise LayoutError(
+                "pipeline_timeline needs pipeline parallelism, but the layout has pp=1. Fix: train with Layout(pp > 1)."
+            )
         from plait.parallel.pipeline.measured import gather_timeline
 
         return gather_timeline(self.pipeline)

@@ -90,7 +90,9 @@ class Layout:
         for axis in AXES:
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise LayoutError(f"{axis}={value!r} is not an integer. Fix: give {axis} as a whole number >= 1 (or -1).")
+                raise LayoutError(
+                    f"{axis}={value!r} is not an integer. Fix: give {axis} as a whole number >= 1 (or -1)."
+                )
             if value == 0 or value < -1:
                 raise LayoutError(
                     f"{axis}={value} is not a valid degree. Fix: use {axis} >= 1, or {axis}=-1 for 'the rest of the ranks'."
@@ -152,7 +154,9 @@ class Layout:
                 f"Fix: set sequence_parallel=False or tp_mode='1d'."
             )
         if self.sequence_parallel and self.tp == 1:
-            raise LayoutError("sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2.")
+            raise LayoutError(
+                "sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2."
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -177,7 +181,9 @@ class Layout:
     def resolve(self, world_size: int) -> Layout:
         """Fill a -1 degree with ``world_size / (product of the others)`` and check the product is ``world_size``."""
         if not isinstance(world_size, int) or world_size < 1:
-            raise LayoutError(f"world size {world_size!r} must be a positive integer. Fix: launch at least one process.")
+            raise LayoutError(
+                f"world size {world_size!r} must be a positive integer. Fix: launch at least one process."
+            )
         known = 1
         for degree in self.degrees.values():
             known *= degree if degree > 0 else 1
@@ -257,18 +263,23 @@ def tp_grid_dims(tp: int, tp_mode: str, tp_depth: int = 1) -> dict[str, int]:
     if tp_mode == "3d":
         q = round(tp ** (1.0 / 3.0))
         if q**3 != tp:
-            raise LayoutError(f"tp={tp} is not a cube, which tp_mode='3d' needs (q x q x q ranks). "
-                              f"Fix: use {_nearest(tp, 3)}.")
+            raise LayoutError(
+                f"tp={tp} is not a cube, which tp_mode='3d' needs (q x q x q ranks). Fix: use {_nearest(tp, 3)}."
+            )
         return {"tp_dep": q, "tp_row": q, "tp_col": q}
     depth = tp_depth if tp_mode == "2.5d" else 1
     if tp % depth:
-        raise LayoutError(f"tp={tp} does not split into tp_depth={depth} layers (2.5D needs tp = q^2 x depth). "
-                          f"Fix: use {_nearest(tp, 2, depth)}, or another tp_depth.")
+        raise LayoutError(
+            f"tp={tp} does not split into tp_depth={depth} layers (2.5D needs tp = q^2 x depth). "
+            f"Fix: use {_nearest(tp, 2, depth)}, or another tp_depth."
+        )
     q = round((tp // depth) ** 0.5)
     if q * q * depth != tp:
         shape = "a square" if depth == 1 else f"{depth} x a square"
-        raise LayoutError(f"tp={tp} is not {shape}, which tp_mode={tp_mode!r} needs (q x q"
-                          f"{' x depth' if depth > 1 else ''} ranks). Fix: use {_nearest(tp, 2, depth)}.")
+        raise LayoutError(
+            f"tp={tp} is not {shape}, which tp_mode={tp_mode!r} needs (q x q"
+            f"{' x depth' if depth > 1 else ''} ranks). Fix: use {_nearest(tp, 2, depth)}."
+        )
     return {"tp_dep": depth, "tp_row": q, "tp_col": q}
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from plait.layout import AXES, Layout, tp_grid_dims
 from plait.errors import LayoutError
+from plait.layout import AXES, Layout, tp_grid_dims
 
 COMBINED_AXES: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "world": AXES}
 """Axes made of several mesh axes: name -> the axes they span."""
@@ -196,8 +196,9 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         axis_members(axis)
         if axis not in self._groups:
-            raise KeyError(f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: "
-                           f"{self.layout.tp_mode!r})")
+            raise KeyError(
+                f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: {self.layout.tp_mode!r})"
+            )
         return self._groups[axis]
 
     def peer(self, axis: str, offset: int) -> int:

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import Comm, CommStats
-from plait.layout import Layout
 from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine, LossFn
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
@@ -30,15 +30,18 @@ from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner,
 from plait.parallel.pipeline.runtime import PipelineRunner
 from plait.parallel.pipeline.schedule import Schedule
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.tensor.sequence import hand_stage_positions
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
+from plait.parallel.tensor.sequence import hand_stage_positions
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 
 AVAILABLE = {
-    "offload": (lambda l: l.offload == "none" or l.zero >= 1, "offload without ZeRO (offload needs zero=1, 2 or 3)"),
+    "offload": (
+        lambda layout: layout.offload == "none" or layout.zero >= 1,
+        "offload without ZeRO (offload needs zero=1, 2 or 3)",
+    ),
 }
 """What this version of plait can run: a layout asking for more raises LayoutError naming the field."""
 
@@ -118,7 +121,9 @@ def parallelize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
-        raise TypeError("optimizer must be a factory params -> torch.optim.Optimizer (e.g. lambda p: AdamW(p)) or an optimizer")
+        raise TypeError(
+            "optimizer must be a factory params -> torch.optim.Optimizer (e.g. lambda p: AdamW(p)) or an optimizer"
+        )
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(output, target)")
     if max_grad_norm is not None and not max_grad_norm > 0:
@@ -171,4 +176,3 @@ def parallelize(
         roles = [(stage.module, stage.is_first) for stage in stages]
         engine.pipeline.input_checks.append(hand_stage_positions(roles, layout.tp))
     return engine
-

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from reference import Trajectory, assert_tensors_close, train_reference
 
 import plait
 from plait import Layout
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
 from plait.models.loss import apply_loss
-from reference import Trajectory, assert_tensors_close, train_reference
 
 AXES = ("dp", "tp", "pp", "cp")
 ZERO_STAGES = (0, 1, 3)
@@ -77,8 +77,15 @@ class Combo:
         return self.dp * self.tp * self.pp * self.cp
 
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero, cp_mode=self.cp_mode,
-                      microbatches=2 if self.pp > 1 else 1)
+        return Layout(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            zero=self.zero,
+            cp_mode=self.cp_mode,
+            microbatches=2 if self.pp > 1 else 1,
+        )
 
 
 ALL_COMBOS = [Combo(*degrees, zero) for degrees in itertools.product((1, 2), repeat=4) for zero in ZERO_STAGES]
@@ -98,9 +105,16 @@ TRAINABLE = [combo for combo in ALL_COMBOS if combo.world <= MAX_WORLD]
 SAMPLE = [
     BY_NAME[name]
     for name in (
-        "dp2-zero3", "tp2-zero1", "pp2-zero1", "cp2-zero0",  # world 2: each axis alone
-        "dp2-cp2-zero3", "tp2-cp2-zero1", "tp2-pp2-zero0", "dp2-pp2-zero1",  # world 4: pairs of axes
-        "dp2-tp2-zero3", "dp2-pp2-zero3",  # world 4: ZeRO-3 sharding tp slices, ZeRO-3 gathered per pipeline action
+        "dp2-zero3",
+        "tp2-zero1",
+        "pp2-zero1",
+        "cp2-zero0",  # world 2: each axis alone
+        "dp2-cp2-zero3",
+        "tp2-cp2-zero1",
+        "tp2-pp2-zero0",
+        "dp2-pp2-zero1",  # world 4: pairs of axes
+        "dp2-tp2-zero3",
+        "dp2-pp2-zero3",  # world 4: ZeRO-3 sharding tp slices, ZeRO-3 gathered per pipeline action
     )
 ]
 """A test each (the whole matrix is trained and compared too): 10 cells, world <= 4, covering every axis and every ZeRO stage (checked by a test);
@@ -123,8 +137,9 @@ def reference_trajectory() -> Trajectory:
     ``evaluation``: the trained model's loss on the next global batch."""
     model, task = make_model()
     loader = ShardedBatches(task, GLOBAL_BATCH)
-    trajectory = train_reference(model, [loader.global_batch_at(step) for step in range(STEPS)], optimizer,
-                                 max_grad_norm=CLIP)
+    trajectory = train_reference(
+        model, [loader.global_batch_at(step) for step in range(STEPS)], optimizer, max_grad_norm=CLIP
+    )
     model.load_state_dict(trajectory.params[-1])
     inputs, targets = loader.global_batch_at(STEPS)
     with torch.no_grad():
@@ -199,8 +214,10 @@ def max_errors(per_rank: list[dict], expected: Trajectory) -> dict[str, float]:
     grads = merge_ranks([r["grads"] for r in per_rank], "grads")
     params = merge_ranks([r["params"] for r in per_rank], "params")
     return {
-        "loss": max([abs(a - e) for a, e in zip(per_rank[0]["losses"], expected.losses)]
-                    + [abs(per_rank[0]["eval"] - expected.evaluation)]),
+        "loss": max(
+            [abs(a - e) for a, e in zip(per_rank[0]["losses"], expected.losses)]
+            + [abs(per_rank[0]["eval"] - expected.evaluation)]
+        ),
         "grad": max(float((grads[n] - expected.grads[0][n]).abs().max()) for n in grads),
         "param": max(float((params[n] - expected.params[-1][n]).abs().max()) for n in params),
     }
@@ -219,8 +236,9 @@ def assert_combo_matches(combo: Combo, per_rank: list[dict], expected: Trajector
     assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{what}: evaluation loss {actual!r} != {wanted!r}"
     grads = merge_ranks([r["grads"] for r in per_rank], f"{what} step-0 grads")
     params = merge_ranks([r["params"] for r in per_rank], f"{what} final params")
-    assert params.keys() == expected.params[-1].keys(), f"{what}: parameters on no rank or unknown: " \
-        f"{sorted(params.keys() ^ expected.params[-1].keys())}"
+    assert params.keys() == expected.params[-1].keys(), (
+        f"{what}: parameters on no rank or unknown: {sorted(params.keys() ^ expected.params[-1].keys())}"
+    )
     assert_tensors_close(grads, expected.grads[0], f"{what} step 0 grad", GRAD_TOL)
     assert_tensors_close(params, expected.params[-1], f"{what} final param", PARAM_TOL)
 
@@ -235,9 +253,11 @@ def check_in_one_process(world: int, layout: Layout) -> None:
     layout is accepted (parallelize reached ``Mesh.build``, where the first process groups would be created),
     raises its LayoutError when refused. A refusal thus provably comes before any collective."""
     model, _ = make_model()
-    with mock.patch("plait.parallelize.dist.is_initialized", return_value=True), \
-            mock.patch("plait.parallelize.dist.get_world_size", return_value=world), \
-            mock.patch("plait.parallelize.Mesh.build", side_effect=ChecksPassed):
+    with (
+        mock.patch("plait.parallelize.dist.is_initialized", return_value=True),
+        mock.patch("plait.parallelize.dist.get_world_size", return_value=world),
+        mock.patch("plait.parallelize.Mesh.build", side_effect=ChecksPassed),
+    ):
         try:
             plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=CLIP)
         except ChecksPassed:
@@ -260,4 +280,3 @@ def markdown_table(outcomes: dict[str, str]) -> str:
         world = BY_NAME[f"{layout}-zero0"].world
         lines.append(f"| {layout} | {world} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-

@@ -56,11 +56,23 @@ def _from_bytes(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload), weights_only=False)  # our own workers' results, not a user file
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, comm_timeout_s: float,
-            results: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    comm_timeout_s: float,
+    results: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1", PLAIT_TIMEOUT_S=str(comm_timeout_s),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        PLAIT_TIMEOUT_S=str(comm_timeout_s),
     )
     try:
         import torch
@@ -68,7 +80,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, 
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=comm_timeout_s),
         )
         value = fn(*args, **kwargs)
@@ -95,8 +110,9 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="plait-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, comm_timeout_s, results, args, kwargs),
-                        daemon=True)
+            ctx.Process(
+                target=_worker, args=(fn, r, world_size, init_file, comm_timeout_s, results, args, kwargs), daemon=True
+            )
             for r in range(world_size)
         ]
         for proc in procs:

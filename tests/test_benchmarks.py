@@ -45,8 +45,12 @@ def test_benchmark_suite_runs_and_contenders_agree(suite, tmp_path):
         assert (ulysses - ring) * 2**20 == pytest.approx(layers * tokens * width * 4, rel=1e-6), rows
     out = tmp_path / "BENCH.md"
     out.write_text(f"# B\n\n<!-- bench:{suite} -->\nold\n<!-- /bench:{suite} -->\n\nprose stays\n")
-    write_markdown(out, rows, "python -m benchmarks.run --quick", {"plait": "x", "nproc": 2, "cpu": "c",
-                                                                    "torch": "t", "load_1m": 0.0})
+    write_markdown(
+        out,
+        rows,
+        "python -m benchmarks.run --quick",
+        {"plait": "x", "nproc": 2, "cpu": "c", "torch": "t", "load_1m": 0.0},
+    )
     text = out.read_text()
     assert "old" not in text and "prose stays" in text and rows[1]["contender"] in text
 
@@ -56,14 +60,16 @@ def test_suite_all_covers_every_pair_at_two_and_four_ranks():
     from benchmarks.run import worlds_of
 
     covered = {(name, world) for name, suite in SUITES.items() for world in worlds_of(suite, None)}
-    assert covered >= ({(name, world) for name in ("ddp", "zero1", "zero3", "pp") for world in (2, 4)}
-                       | {("overhead", 1), ("tp", 2), ("cp", 4)})
+    assert covered >= (
+        {(name, world) for name in ("ddp", "zero1", "zero3", "pp") for world in (2, 4)}
+        | {("overhead", 1), ("tp", 2), ("cp", 4)}
+    )
     assert worlds_of(SUITES["zero3"], 4) == [4] and worlds_of(SUITES["overhead"], 4) == [1]
 
 
 @pytest.mark.timeout(120)
 def test_param_server_benchmark_measures_pushes_and_writes_its_block(tmp_path):
-    from benchmarks.param_server import measure, markdown
+    from benchmarks.param_server import markdown, measure
     from benchmarks.report import machine, replace_block
 
     rows = [measure("asp", servers=2, workers=2, steps=6), measure("bsp", servers=1, workers=2, steps=6)]

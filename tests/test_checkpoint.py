@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
+from harness import DistributedTestError, run_distributed
+from test_engine import OPTIMIZERS, make_model
 
 import plait
-from harness import DistributedTestError, run_distributed
 from plait import Layout
 from plait.checkpoint import CheckpointError, latest, load_full_state
 from plait.data import ShardedBatches
-from test_engine import OPTIMIZERS, make_model
 
 
 def _engine(layout: Layout):
@@ -176,6 +176,7 @@ def test_tensor_parallel_non_elementwise_state_is_refused_clearly():
 def test_fp32_masters_of_16_bit_parameters_are_kept(tmp_path):
     """ZeRO over bf16 parameters keeps fp32 masters: saved as ``master/<name>`` and loaded back bitwise (not
     re-derived from the rounded bf16 values); a zero=0 engine loads the bf16 parameters and ignores them."""
+
     def bf16_engine(zero: int):
         model, task = make_model()
         engine = plait.parallelize(model.to(torch.bfloat16), Layout(zero=zero), optimizer=OPTIMIZERS["adamw"])

@@ -14,15 +14,15 @@ import random
 
 import pytest
 import torch
-
-import plait
 from composition import CLIP, GLOBAL_BATCH, LOSS_RTOL, PARAM_TOL, _parameters, make_model, merge_ranks, optimizer
 from harness import run_distributed
+from reference import assert_tensors_close
+
+import plait
 from plait import Layout
 from plait.checkpoint import load_full_state, save_model_state
 from plait.checkpoint.chunks import flat_range_boxes, global_shape, tp_pieces
 from plait.data import ShardedBatches
-from reference import assert_tensors_close
 
 SAVE_AT, STEPS = 5, 10
 
@@ -88,8 +88,12 @@ def _run_b(pairs: list[tuple[str, str]], root: str) -> dict:
         assert engine.load(f"{root}/{a}") == SAVE_AT
         loaded = _parameters(engine)
         losses = [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT, STEPS)]
-        out[(a, b)] = {"losses": losses, "loaded": loaded, "final": _parameters(engine),
-                       "lr": engine.optimizer.param_groups[0]["lr"]}
+        out[(a, b)] = {
+            "losses": losses,
+            "loaded": loaded,
+            "final": _parameters(engine),
+            "lr": engine.optimizer.param_groups[0]["lr"],
+        }
     return out
 
 
@@ -107,16 +111,21 @@ def resharded(tmp_path_factory) -> dict:
     for world in (4, 2):
         per_rank = run_distributed(_run_a, world, a_names, root, timeout=240)
         for name in per_rank[0]:
-            runs_a[name] = {"losses": per_rank[0][name]["losses"],
-                            "saved": merge_ranks([r[name]["saved"] for r in per_rank], f"{name} saved"),
-                            "final": merge_ranks([r[name]["final"] for r in per_rank], f"{name} final")}
+            runs_a[name] = {
+                "losses": per_rank[0][name]["losses"],
+                "saved": merge_ranks([r[name]["saved"] for r in per_rank], f"{name} saved"),
+                "final": merge_ranks([r[name]["final"] for r in per_rank], f"{name} final"),
+            }
     runs_b: dict = {}
     for world in (4, 2):
         per_rank = run_distributed(_run_b, world, PAIRS, root, timeout=240)
         for pair in per_rank[0]:
-            runs_b[pair] = {"losses": per_rank[0][pair]["losses"], "lr": per_rank[0][pair]["lr"],
-                            "loaded": merge_ranks([r[pair]["loaded"] for r in per_rank], f"{pair} loaded"),
-                            "final": merge_ranks([r[pair]["final"] for r in per_rank], f"{pair} final")}
+            runs_b[pair] = {
+                "losses": per_rank[0][pair]["losses"],
+                "lr": per_rank[0][pair]["lr"],
+                "loaded": merge_ranks([r[pair]["loaded"] for r in per_rank], f"{pair} loaded"),
+                "final": merge_ranks([r[pair]["final"] for r in per_rank], f"{pair} final"),
+            }
     runs_b.update(_run_b(PAIRS, root))  # B = one process, no process group
     return {"root": root, "a": runs_a, "b": runs_b}
 
@@ -160,14 +169,15 @@ def test_whole_model_of_a_sharded_checkpoint_in_one_process(resharded, tmp_path)
 
 # ----------------------------------------------------------------- random states (dropout)
 def _dropout_engine(layout: Layout) -> tuple[plait.Engine, ShardedBatches]:
-    from plait.models import GPT, GPTConfig
     from plait.data import AdditionTask
+    from plait.models import GPT, GPTConfig
 
     task = AdditionTask(digits=2, seed=1)
     torch.manual_seed(1234)
     random.seed(99)
-    config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=2, n_head=2, d_model=16, bias=False,
-                       dropout=0.2)
+    config = GPTConfig(
+        vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=2, n_head=2, d_model=16, bias=False, dropout=0.2
+    )
     engine = plait.parallelize(GPT(config), layout, optimizer=optimizer, max_grad_norm=CLIP)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     return engine, loader

@@ -17,8 +17,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def plait(*args: str, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "plait", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def records(run_dir):
@@ -27,8 +28,18 @@ def records(run_dir):
 
 def test_train_launches_learns_and_writes_the_run_folder(tmp_path):
     out = tmp_path / "run"
-    result = plait("train", "--nproc", "2", "--out", str(out), "--set", "train.steps=40", "--set",
-                   "train.eval_every=20", cwd=tmp_path)
+    result = plait(
+        "train",
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        "--set",
+        "train.steps=40",
+        "--set",
+        "train.eval_every=20",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eval accuracy" in result.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -57,8 +68,10 @@ def test_worker_failure_names_the_rank(tmp_path):
     assert "n_head" in result.stderr  # the cause, from the failing rank's own error
     # the launcher's last word names the failed rank(s) and their exit codes; the agent may list first a peer it
     # stopped itself ("rank 0 (exit code -15: killed by SIGTERM), rank 1 (exit code 2)"), in either order
-    assert re.search(r"plait: error: training failed on (rank \d+ \(exit code -?\d+[^)]*\), )*rank \d+ \(exit code [1-9]\d*\)",
-                     result.stderr), result.stderr[-2000:]
+    assert re.search(
+        r"plait: error: training failed on (rank \d+ \(exit code -?\d+[^)]*\), )*rank \d+ \(exit code [1-9]\d*\)",
+        result.stderr,
+    ), result.stderr[-2000:]
 
 
 def _free_port() -> int:
@@ -71,11 +84,32 @@ def test_two_nodes_on_loopback(tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one process each: the cluster recipe."""
     port = _free_port()
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "plait-test",
-               "-m", "plait", "train", "--out", str(out), "--set", "train.steps=6"]
-    agents = [subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True) for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "plait-test",
+        "-m",
+        "plait",
+        "train",
+        "--out",
+        str(out),
+        "--set",
+        "train.steps=6",
+    ]
+    agents = [
+        subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     summary = json.loads((out / "summary.json").read_text())

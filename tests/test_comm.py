@@ -6,11 +6,21 @@ import time
 
 import pytest
 import torch
-
 from harness import DistributedTestError, run_distributed
+
 from plait import CommError, Layout
-from plait.comm import Comm, CommStats, all_gather, all_to_all, copy_to, gather_from, reduce_from, reduce_scatter
-from plait.comm import scatter_to, wire_bytes
+from plait.comm import (
+    Comm,
+    CommStats,
+    all_gather,
+    all_to_all,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter,
+    scatter_to,
+    wire_bytes,
+)
 from plait.mesh import Mesh
 
 pytestmark = pytest.mark.distributed
@@ -27,8 +37,9 @@ def _collectives(world: int):
     out["max"] = comm.all_reduce(x.clone(), "dp", op="max").tolist()
     out["gather_dim1"] = comm.all_gather(torch.full((2, 1), float(r)), "dp", dim=1).tolist()
     out["rs"] = comm.reduce_scatter(torch.arange(2.0 * world), "dp").tolist()
-    out["a2a"] = comm.all_to_all(torch.full((world, 1), float(r)) + torch.arange(world).view(-1, 1) / 10, "dp",
-                                 scatter_dim=0, gather_dim=1).tolist()
+    out["a2a"] = comm.all_to_all(
+        torch.full((world, 1), float(r)) + torch.arange(world).view(-1, 1) / 10, "dp", scatter_dim=0, gather_dim=1
+    ).tolist()
     b = torch.full((3,), float(r))
     out["bcast"] = comm.broadcast(b, "dp", src=1).tolist()
     # ring exchange with batched p2p
@@ -110,8 +121,7 @@ def _differentiable_ops():
     grads["scatter_to"] = grad_of(lambda x: scatter_to(x, comm, "dp", dim=1), full)
     grads["reduce_scatter"] = grad_of(lambda x: reduce_scatter(x, comm, "dp", dim=0), full)
     grads["all_gather"] = grad_of(lambda x: all_gather(x, comm, "dp", dim=0), full.chunk(n, 0)[r])
-    grads["all_to_all"] = grad_of(lambda x: all_to_all(x, comm, "dp", scatter_dim=1, gather_dim=0),
-                                  full.chunk(n, 0)[r])
+    grads["all_to_all"] = grad_of(lambda x: all_to_all(x, comm, "dp", scatter_dim=1, gather_dim=0), full.chunk(n, 0)[r])
     return {k: (y.tolist(), g.tolist()) for k, (y, g) in grads.items()}
 
 
@@ -120,7 +130,10 @@ def test_differentiable_ops_match_autograd_of_the_whole():
     results = run_distributed(_differentiable_ops, n)
     torch.manual_seed(0)
     full = torch.randn(4, 6)
-    weight = lambda shape: torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).view(shape)
+
+    def weight(shape):
+        return torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).view(shape)
+
     for r, out in enumerate(results):
         y, g = out["copy_to"]
         assert torch.equal(torch.tensor(y), full) and torch.equal(torch.tensor(g), n * weight((4, 6)))
@@ -131,7 +144,7 @@ def test_differentiable_ops_match_autograd_of_the_whole():
         y, g = out["scatter_to"]
         expected = torch.zeros(4, 6)
         for s in range(n):  # every rank's slice-gradient lands in its own columns
-            expected[:, s * 3:(s + 1) * 3] = weight((4, 3))
+            expected[:, s * 3 : (s + 1) * 3] = weight((4, 3))
         assert torch.equal(torch.tensor(y), full.chunk(n, 1)[r]) and torch.equal(torch.tensor(g), expected)
         y, g = out["reduce_scatter"]
         assert torch.allclose(torch.tensor(y), n * full.chunk(n, 0)[r])

@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from composition import (
     ALL_COMBOS,
     AXES,
     CLIP,
     EXTRA,
     MAX_WORLD,
-    TRAINABLE,
     SAMPLE,
+    TRAINABLE,
     ZERO_STAGES,
     Combo,
     assert_combo_matches,
@@ -35,6 +34,7 @@ from composition import (
     train_combos,
 )
 from harness import run_distributed
+
 from plait.logging import get_logger
 
 log = get_logger(__name__)

@@ -23,7 +23,7 @@ def test_overrides_are_toml_values():
 
 def test_file_then_overrides(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[layout]\ndp = 4\n[train]\nsteps = 7\n[model]\nn_layer = 3\n')
+    path.write_text("[layout]\ndp = 4\n[train]\nsteps = 7\n[model]\nn_layer = 3\n")
     config = load_config(path, ["train.steps=9"])
     assert (config.layout.dp, config.train.steps, config.model["n_layer"], config.model["d_model"]) == (4, 9, 3, 64)
 

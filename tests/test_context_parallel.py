@@ -11,19 +11,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-
-import plait
 from composition import Combo, assert_combo_matches, reference_trajectory, train_combo
 from harness import run_distributed
-from plait import Layout, LayoutError
-from plait.comm import Comm
-from plait.mesh import Mesh
-from plait.models import GPT, GPTConfig
-from plait.parallel.context import ring as ring_module
-from plait.parallel.context import RingAttention, SequenceSharding, UlyssesAttention, plan_context_parallel
-from benchmarks.context_memory import gpt_saved_bytes, longest_sequence
-from plait.observe.memory import SavedActivations
-from plait.parallel.context.traffic import measure_wire_bytes, theory_wire_bytes
 from reference import (
     Trajectory,
     assert_trajectories_match,
@@ -32,6 +21,17 @@ from reference import (
     snapshot_params,
     train_reference,
 )
+
+import plait
+from benchmarks.context_memory import gpt_saved_bytes, longest_sequence
+from plait import Layout, LayoutError
+from plait.comm import Comm
+from plait.mesh import Mesh
+from plait.models import GPT, GPTConfig
+from plait.observe.memory import SavedActivations
+from plait.parallel.context import RingAttention, SequenceSharding, UlyssesAttention, plan_context_parallel
+from plait.parallel.context import ring as ring_module
+from plait.parallel.context.traffic import measure_wire_bytes, theory_wire_bytes
 
 BATCH, HEADS, LENGTH, HEAD_DIM = 2, 4, 16, 8
 CORES = {"ring": RingAttention, "ulysses": UlyssesAttention}
@@ -45,8 +45,10 @@ def _qkv(group: int, length: int = LENGTH) -> tuple[torch.Tensor, torch.Tensor, 
     """Full-sequence q [B, H, T, D] and k, v as the Attention layer hands them over (kv heads repeated)."""
     generator = torch.Generator().manual_seed(7 + group)
     q = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=generator)
-    k, v = (torch.randn(BATCH, HEADS // group, length, HEAD_DIM, generator=generator).repeat_interleave(group, 1)
-            for _ in range(2))
+    k, v = (
+        torch.randn(BATCH, HEADS // group, length, HEAD_DIM, generator=generator).repeat_interleave(group, 1)
+        for _ in range(2)
+    )
     return q, k, v
 
 
@@ -107,7 +109,9 @@ def _attention_on_rank(cp: int) -> dict:
         results[(mode, causal, group)] = {
             "close": {name: torch.allclose(a, e, **FP32_ATTENTION_TOL) for name, (a, e) in errors.items()},
             "worst": {name: float((a - e).detach().abs().max()) for name, (a, e) in errors.items()},
-            "traffic": traffic.to_dict(), "saved": saved.bytes, "forward_events": events,
+            "traffic": traffic.to_dict(),
+            "saved": saved.bytes,
+            "forward_events": events,
         }
     return results
 
@@ -143,8 +147,9 @@ def _uneven_length_on_rank(cp: int) -> dict:
 def test_ulysses_runs_lengths_that_are_not_multiples_of_2cp_and_ring_refuses_them(cp):
     for rank, result in enumerate(run_distributed(_uneven_length_on_rank, cp, cp)):
         for causal in (True, False):
-            assert result[f"close {causal}"], f"cp={cp} rank {rank} causal={causal}: worst |out, dq, dk, dv| errors " \
-                                              f"{result[causal]}"
+            assert result[f"close {causal}"], (
+                f"cp={cp} rank {rank} causal={causal}: worst |out, dq, dk, dv| errors {result[causal]}"
+            )
         assert f"2*cp = {2 * cp} chunks" in result["ring"] and f"{3 * cp} tokens" in result["ring"], result["ring"]
         assert "Fix:" in result["ring"] and "pad the batch" in result["ring"], result["ring"]
 
@@ -228,8 +233,16 @@ GPT_CASES = {
 
 def make_gpt(position: str, kv_heads: int | None) -> GPT:
     torch.manual_seed(1234)
-    config = GPTConfig(vocab_size=VOCAB, seq_len=LENGTH, n_layer=2, n_head=HEADS, n_kv_head=kv_heads, d_model=32,
-                       position=position, bias=False)  # no bias: see docs/testing.md
+    config = GPTConfig(
+        vocab_size=VOCAB,
+        seq_len=LENGTH,
+        n_layer=2,
+        n_head=HEADS,
+        n_kv_head=kv_heads,
+        d_model=32,
+        position=position,
+        bias=False,
+    )  # no bias: see docs/testing.md
     return GPT(config)
 
 
@@ -241,8 +254,10 @@ def global_batch(step: int, length: int = LENGTH) -> tuple[torch.Tensor, torch.T
 
 def _train_on_rank(names: list[str]) -> dict:
     world = torch.distributed.get_world_size()
-    results = {f"memory-cp{world}": {mode: gpt_saved_bytes(world, mode, MEMORY_LENGTHS) for mode in CORES},
-               f"longest-cp{world}": {mode: longest_sequence(world, mode, MEMORY_LIMIT) for mode in CORES}}
+    results = {
+        f"memory-cp{world}": {mode: gpt_saved_bytes(world, mode, MEMORY_LENGTHS) for mode in CORES},
+        f"longest-cp{world}": {mode: longest_sequence(world, mode, MEMORY_LIMIT) for mode in CORES},
+    }
     for name in names:
         layout, position, kv_heads = GPT_CASES[name]
         if layout.world_size != torch.distributed.get_world_size():
@@ -251,7 +266,7 @@ def _train_on_rank(names: list[str]) -> dict:
         engine = plait.parallelize(model, layout, optimizer=ADAMW)
         dp_index, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
         trajectory, traffic = Trajectory(), []
-        engine.before_optimizer_step.append(lambda e: trajectory.grads.append(snapshot_grads(e.model)))
+        engine.before_optimizer_step.append(lambda e: trajectory.grads.append(snapshot_grads(e.model)))  # noqa: B023 - called within this iteration
         for step in range(STEPS):
             inputs, targets = global_batch(step)
             rows = slice(dp_index * GLOBAL_BATCH // dp, (dp_index + 1) * GLOBAL_BATCH // dp)
@@ -263,8 +278,13 @@ def _train_on_rank(names: list[str]) -> dict:
         evaluation = engine.evaluate([global_batch(STEPS)], metric=lambda output, target: (0, target.shape[0]))
         with pytest.raises(LayoutError) as bad_length:  # raised in the forward pre-hook, before any collective
             engine.train_step(global_batch(0, length=LENGTH - 3))
-        results[name] = {"trajectory": trajectory, "traffic": traffic, "eval": evaluation.loss, "eval_total": evaluation.total,
-                         "bad_length": str(bad_length.value)}
+        results[name] = {
+            "trajectory": trajectory,
+            "traffic": traffic,
+            "eval": evaluation.loss,
+            "eval_total": evaluation.total,
+            "bad_length": str(bad_length.value),
+        }
         uneven = [global_batch(STEPS, length=LENGTH - layout.cp)]  # a multiple of cp, not of 2 cp
         if layout.cp_mode == "ulysses":
             results[name]["eval_uneven"] = engine.evaluate(uneven).loss

@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from harness import run_distributed  # noqa: E402
+from test_hf import check, check_split, global_batch, make_model, optimizer, run_cases  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import plait  # noqa: E402
-from harness import run_distributed  # noqa: E402
 from plait import Layout, LayoutError  # noqa: E402
 from plait.comm import Comm  # noqa: E402
 from plait.mesh import Mesh  # noqa: E402
@@ -26,13 +27,20 @@ from plait.parallel.context import (  # noqa: E402
     plan_context_parallel,
 )
 from plait.parallel.context.hf import ATTENTION_NAME, context_parallel_attention  # noqa: E402
-from test_hf import check, check_split, global_batch, make_model, optimizer, run_cases  # noqa: E402
 
 CORES = {"ring": RingAttention, "ulysses": UlyssesAttention}
-TWO_RANKS = [("llama", Layout(dp=1, cp=2, cp_mode="ring")), ("llama", Layout(dp=1, cp=2, cp_mode="ulysses")),
-             ("gpt2", Layout(dp=1, cp=2, cp_mode="ring")), ("gpt2", Layout(dp=1, cp=2, cp_mode="ulysses"))]
-FOUR_RANKS = [("llama", Layout(dp=2, cp=2, cp_mode="ring")), ("gpt2", Layout(dp=2, cp=2, cp_mode="ulysses")),
-              ("llama", Layout(dp=1, tp=2, cp=2, cp_mode="ring")), ("gpt2", Layout(dp=1, tp=2, cp=2, cp_mode="ulysses"))]
+TWO_RANKS = [
+    ("llama", Layout(dp=1, cp=2, cp_mode="ring")),
+    ("llama", Layout(dp=1, cp=2, cp_mode="ulysses")),
+    ("gpt2", Layout(dp=1, cp=2, cp_mode="ring")),
+    ("gpt2", Layout(dp=1, cp=2, cp_mode="ulysses")),
+]
+FOUR_RANKS = [
+    ("llama", Layout(dp=2, cp=2, cp_mode="ring")),
+    ("gpt2", Layout(dp=2, cp=2, cp_mode="ulysses")),
+    ("llama", Layout(dp=1, tp=2, cp=2, cp_mode="ring")),
+    ("gpt2", Layout(dp=1, tp=2, cp=2, cp_mode="ulysses")),
+]
 
 
 @pytest.mark.distributed
@@ -70,8 +78,9 @@ def test_what_cannot_run_is_refused_with_the_fix():
     with pytest.raises(LayoutError, match=r"model.layers.0.self_attn has 4 query and 2 key/value heads.*tp\*cp = 1\*4"):
         plan_context_parallel(make_model("llama"), Layout(cp=4, cp_mode="ulysses").resolve(4))
     torch.manual_seed(0)
-    cross = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
-                                       add_cross_attention=True))
+    cross = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16, add_cross_attention=True)
+    )
     with pytest.raises(LayoutError, match=r"cross-attention .*Fix: a decoder-only model"):
         plan_context_parallel(cross, Layout(cp=2).resolve(2))
     plan = plan_context_parallel(make_model("llama"), Layout(cp=2, cp_mode="ulysses").resolve(2))

@@ -15,17 +15,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import plait
 from composition import _gradients as whole_gradients  # the matrix's helpers: ZeRO shards, tp slices
 from composition import _parameters as whole_parameters
 from composition import merge_ranks
 from harness import run_distributed
-from plait import Layout, LayoutError
-from plait.models.loss import apply_loss
-from plait.models import GPT, GPTConfig
-from plait.parallel.context import plan_context_parallel
 from reference import assert_tensors_close, masked_lm_batch, train_reference
+
+import plait
+from plait import Layout, LayoutError
+from plait.models import GPT, GPTConfig
+from plait.models.loss import apply_loss
+from plait.parallel.context import plan_context_parallel
 
 STEPS, GLOBAL_BATCH, LENGTH, VOCAB = 3, 4, 16, 32
 CLIP = 0.05
@@ -40,11 +40,13 @@ PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 CASES = {
     "pp2-cp2-ring-1f1b": Layout(dp=1, pp=2, cp=2, cp_mode="ring", schedule="1f1b", microbatches=2),
-    "pp2-cp2-ulysses-gpipe-zero1": Layout(dp=1, pp=2, cp=2, cp_mode="ulysses", schedule="gpipe", microbatches=2,
-                                          zero=1),
+    "pp2-cp2-ulysses-gpipe-zero1": Layout(
+        dp=1, pp=2, cp=2, cp_mode="ulysses", schedule="gpipe", microbatches=2, zero=1
+    ),
     "pp2v2-cp2-ring-interleaved": Layout(dp=1, pp=2, cp=2, schedule="interleaved", virtual_stages=2, microbatches=2),
-    "pp2-cp2-ring-zero-bubble-recompute": Layout(dp=1, pp=2, cp=2, schedule="zero-bubble", microbatches=2,
-                                                 recompute="full"),
+    "pp2-cp2-ring-zero-bubble-recompute": Layout(
+        dp=1, pp=2, cp=2, schedule="zero-bubble", microbatches=2, recompute="full"
+    ),
     "tp2-pp2-sp": Layout(dp=1, tp=2, pp=2, sequence_parallel=True, microbatches=2),
     "dp2-pp2-cp2-ring-zero1": Layout(dp=2, pp=2, cp=2, zero=1, microbatches=2),
     "tp2-pp2-cp2-sp-ring": Layout(dp=1, tp=2, pp=2, cp=2, sequence_parallel=True, microbatches=2),
@@ -59,8 +61,9 @@ def optimizer(params):  # noqa: ANN001, ANN201 - a factory, as users pass it
 
 def make_model() -> GPT:
     torch.manual_seed(4321)
-    config = GPTConfig(vocab_size=VOCAB, seq_len=LENGTH, n_layer=4, n_head=4, n_kv_head=2, d_model=16,
-                       position="rope", bias=False)  # no bias: see docs/testing.md
+    config = GPTConfig(
+        vocab_size=VOCAB, seq_len=LENGTH, n_layer=4, n_head=4, n_kv_head=2, d_model=16, position="rope", bias=False
+    )  # no bias: see docs/testing.md
     return GPT(config)
 
 
@@ -76,15 +79,15 @@ def _train_on_rank(names: list[str]) -> dict:
             continue
         engine = plait.parallelize(make_model(), CASES[name], optimizer=optimizer, max_grad_norm=CLIP)
         grads: list[dict[str, torch.Tensor]] = []  # step 0's synchronised gradients, whole (tp slices gathered)
-        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
+        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)  # noqa: B023 - called within this iteration
         dp_index, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
         rows = slice(dp_index * GLOBAL_BATCH // dp, (dp_index + 1) * GLOBAL_BATCH // dp)
         losses = [engine.train_step(tuple(t[rows] for t in global_batch(step))).loss for step in range(STEPS)]
-        result = {"losses": losses, "grads": grads[0], "params": whole_parameters(engine),
-                  "layout": CASES[name]}
+        result = {"losses": losses, "grads": grads[0], "params": whole_parameters(engine), "layout": CASES[name]}
         # the metric counts the positions of the output it is given: the last stage's, gathered over cp
-        evaluation = engine.evaluate([tuple(t[rows] for t in global_batch(STEPS))],
-                                     metric=lambda output, target: (0, output.shape[1]))
+        evaluation = engine.evaluate(
+            [tuple(t[rows] for t in global_batch(STEPS))], metric=lambda output, target: (0, output.shape[1])
+        )
         result.update({"eval": evaluation.loss, "eval_tokens": evaluation.total})
         with pytest.raises(LayoutError) as refused:  # 15 tokens: every rank, the later stage's included, refuses
             engine.train_step(global_batch(0, length=LENGTH - 1))
@@ -122,8 +125,9 @@ def test_pipeline_with_context_parallel_matches_single_device(name, runs, refere
         assert result["eval"] == per_rank[0]["eval"], f"{name}: rank {rank} reports another evaluation loss"
         # the evaluation gathers the last stage's outputs over cp: the metric sees all 16 positions on each dp rank
         assert result["eval_tokens"] == LENGTH * result["layout"].dp, f"{name}: rank {rank}: {result['eval_tokens']}"
-        assert "15 tokens" in result["refused"] and "Fix: use a sequence length that is a multiple of" \
-            in result["refused"], f"{name} rank {rank}: {result['refused']}"  # (SP: "has 15 tokens per sample")
+        assert (
+            "15 tokens" in result["refused"] and "Fix: use a sequence length that is a multiple of" in result["refused"]
+        ), f"{name} rank {rank}: {result['refused']}"  # (SP: "has 15 tokens per sample")
     for step, (actual, wanted) in enumerate(zip(per_rank[0]["losses"], reference.losses)):
         assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{name} step {step}: loss {actual!r} != {wanted!r}"
     actual, wanted = per_rank[0]["eval"], reference.evaluation
@@ -139,8 +143,15 @@ def test_context_parallel_with_pipedream_or_hugging_face_stages_is_refused_with_
     with pytest.raises(LayoutError, match=r"schedule='pipedream' is not implemented.*Fix: use a synchronous"):
         plan_context_parallel(make_model(), Layout(dp=1, pp=2, cp=2, schedule="pipedream"))
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=LENGTH)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+    )
     llama = transformers.LlamaForCausalLM(config)
     with pytest.raises(LayoutError, match=r"not for Hugging Face models.*Fix: use pp=1 with cp > 1"):
         plan_context_parallel(llama, Layout(dp=1, pp=2, cp=2))

@@ -17,12 +17,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from harness import run_distributed  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import plait  # noqa: E402
-from harness import run_distributed  # noqa: E402
 from plait import Layout  # noqa: E402
 from plait.checkpoint.convert import convert  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
@@ -49,11 +49,29 @@ def tiny_gpt(seed: int = 0) -> GPT:
 def tiny_hf(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "gpt2":  # tied input and output embeddings
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ))
+        return GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=16,
+                n_head=2,
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+        )
+    )
 
 
 def trained(model: torch.nn.Module, root, layout: Layout | None = None) -> plait.Engine:  # noqa: ANN001
@@ -143,10 +161,18 @@ def test_bad_conversions_are_clear_errors(tmp_path):
 @pytest.mark.cli
 def test_plait_convert_command(tmp_path):
     trained(tiny_gpt(), tmp_path / "ckpt")
-    ok = subprocess.run([sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors")],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "m.safetensors").is_file()
-    bad = subprocess.run([sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "does not record a Hugging Face model config" in bad.stderr

@@ -6,18 +6,18 @@ import os
 
 import pytest
 import torch
+from harness import run_distributed
+from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
+from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference, train_plait
 from torch import nn
 
 import plait
-from harness import run_distributed
 from plait import Layout
 from plait.comm import Comm
 from plait.data import ShardedBatches
 from plait.mesh import Mesh
 from plait.parallel.buckets import assign_buckets
 from plait.parallel.ddp import FIND_UNUSED_ENV, DistributedDataParallel
-from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference, train_plait
 
 TINY_MB = 0.001
 """1048 bytes: about one weight matrix of the test GPT per bucket (~15 buckets)."""
@@ -53,7 +53,9 @@ def test_ddp_matches_single_device(world):
             try:
                 assert_trajectories_match(actual, expected)
             except AssertionError as error:
-                raise AssertionError(f"dp={world} mb={microbatches} {optimizer} clip={clip} rank {rank}: {error}")
+                raise AssertionError(
+                    f"dp={world} mb={microbatches} {optimizer} clip={clip} rank {rank}: {error}"
+                ) from error
             assert actual.losses == results[0].losses, f"rank {rank} reports a different loss"
 
 
@@ -78,13 +80,19 @@ def _traffic(world: int) -> dict:
     buckets = len(engine.strategy.buckets)
 
     model4, _ = make_model()
-    engine4 = plait.parallelize(model4, Layout(dp=world, microbatches=4, bucket_mb=TINY_MB), optimizer=OPTIMIZERS["sgd"])
+    engine4 = plait.parallelize(
+        model4, Layout(dp=world, microbatches=4, bucket_mb=TINY_MB), optimizer=OPTIMIZERS["sgd"]
+    )
     four = engine4.train_step(loader.batch_at(0))
     return {
-        "events": events, "buckets": buckets, "buckets4": len(engine4.strategy.buckets),
+        "events": events,
+        "buckets": buckets,
+        "buckets4": len(engine4.strategy.buckets),
         "n_params": sum(p.numel() for p in model.parameters()),
-        "stats": one.comm.to_dict(), "wire": one.comm.wire("dp_cp", "all_reduce"),
-        "stats4": four.comm.to_dict(), "wire4": four.comm.wire("dp_cp", "all_reduce"),
+        "stats": one.comm.to_dict(),
+        "wire": one.comm.wire("dp_cp", "all_reduce"),
+        "stats4": four.comm.to_dict(),
+        "wire4": four.comm.wire("dp_cp", "all_reduce"),
     }
 
 
@@ -125,7 +133,9 @@ def test_bytes_per_step_equal_the_ring_theory(traffic):
     n = TRAFFIC_WORLD
     theory = 2 * (n - 1) / n * (traffic["n_params"] * 4 + 4)  # fp32 gradients + the 4-byte loss average
     measured = traffic["wire"]
-    assert measured == pytest.approx(theory, rel=1e-12), f"measured/theory = {measured / theory:.6f}: {traffic['stats']}"
+    assert measured == pytest.approx(theory, rel=1e-12), (
+        f"measured/theory = {measured / theory:.6f}: {traffic['stats']}"
+    )
 
 
 # ----------------------------------------------------------------- unused parameters
@@ -169,8 +179,9 @@ def _unused(world: int) -> dict:
 
     rank = torch.distributed.get_rank()
     model = PartlyUsed()
-    ddp = DistributedDataParallel(model, Comm(Mesh.build(Layout(dp=world))), OPTIMIZERS["sgd"],
-                                  find_unused_parameters=True)
+    ddp = DistributedDataParallel(
+        model, Comm(Mesh.build(Layout(dp=world))), OPTIMIZERS["sgd"], find_unused_parameters=True
+    )
     model(torch.full((2, 4), rank + 1.0), use_b=rank == 0).backward()
     ddp.finish_backward()
     partly = {name: None if p.grad is None else p.grad.tolist() for name, p in model.named_parameters()}
@@ -183,7 +194,9 @@ def test_unused_parameters():
     results = run_distributed(_unused, world, world)
     _, task = make_model()
     loader = ShardedBatches(task, GLOBAL_BATCH)
-    expected = train_reference(WithUnusedBranch(), [loader.global_batch_at(s) for s in range(STEPS)], OPTIMIZERS["adamw"])
+    expected = train_reference(
+        WithUnusedBranch(), [loader.global_batch_at(s) for s in range(STEPS)], OPTIMIZERS["adamw"]
+    )
     for rank, result in enumerate(results):
         error = result["error"]
         assert "unused.weight" in error and "find_unused_parameters=True" in error and "gpt." not in error, error

@@ -3,13 +3,13 @@ on the global batch, step by step (loss, gradients, parameters); evaluate and ba
 
 import pytest
 import torch
+from harness import run_distributed
+from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 import plait
-from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
-from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -24,8 +24,9 @@ def make_model(position: str = "learned") -> tuple[GPT, AdditionTask]:
     torch.manual_seed(1234)
     # bias=False: the key projection's bias has an analytically zero gradient (softmax ignores a shift shared
     # by every score), so its gradient is pure rounding noise that Adam normalises to +-lr: not a parity signal.
-    config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=2, n_head=2, d_model=16,
-                       position=position, bias=False)
+    config = GPTConfig(
+        vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=2, n_head=2, d_model=16, position=position, bias=False
+    )
     return GPT(config), task
 
 

@@ -18,6 +18,7 @@ import torch
 from plait.cli.main import main
 from plait.distributed import World
 from plait.errors import ConfigError
+from plait.train.config import load_config
 from plait.train.fault import (
     WATCHDOG_EXIT_CODE,
     Fault,
@@ -27,20 +28,43 @@ from plait.train.fault import (
     resume_metrics,
     watchdog_seconds,
 )
-from plait.train.config import load_config
 from plait.train.loop import build
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
 # A tiny job: 2 ranks (dp=2), 9 steps, a checkpoint every 3 steps. Killed before step 8 it resumes from step 6 and
 # replays step 7, which rank 0 had already recorded: metrics.jsonl must hold it once.
-TINY = ["--nproc", "2", "--set", "train.steps=9", "--set", "train.save_every=3", "--set", "train.eval_every=0",
-        "--set", "train.global_batch=8", "--set", "model.n_layer=1", "--set", "model.d_model=32"]
+TINY = [
+    "--nproc",
+    "2",
+    "--set",
+    "train.steps=9",
+    "--set",
+    "train.save_every=3",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.global_batch=8",
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.d_model=32",
+]
 
 
-def plait(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 240,
-          ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait", *args], cwd=cwd, env={**ENV, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def plait(
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "plait", *args],
+        cwd=cwd,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -69,8 +93,16 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_p
     reference = plait("train", *job, "--out", str(tmp_path / "reference"), cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     started = time.monotonic()
-    result = plait("train", *job, "--max-restarts", "1", "--out", str(tmp_path / "killed"), cwd=tmp_path,
-                   env={"PLAIT_FAULT_INJECT": "rank=1,step=8,action=kill"})
+    result = plait(
+        "train",
+        *job,
+        "--max-restarts",
+        "1",
+        "--out",
+        str(tmp_path / "killed"),
+        cwd=tmp_path,
+        env={"PLAIT_FAULT_INJECT": "rank=1,step=8,action=kill"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "rank 1: PLAIT_FAULT_INJECT injects 'kill' before step 8 (attempt 0)" in result.stderr
     assert "restart 1 of 1: resuming at step 6" in result.stderr  # the kill happened and the job came back
@@ -94,8 +126,9 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_p
 @pytest.mark.distributed
 def test_killed_rank_without_restarts_fails_fast_naming_it(tmp_path):
     started = time.monotonic()
-    result = plait("train", *TINY, "--out", str(tmp_path / "r"), cwd=tmp_path,
-                   env={"PLAIT_FAULT_INJECT": "rank=1,step=5,code=7"})
+    result = plait(
+        "train", *TINY, "--out", str(tmp_path / "r"), cwd=tmp_path, env={"PLAIT_FAULT_INJECT": "rank=1,step=5,code=7"}
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]
     assert re.search(r"plait: error: training failed on .*rank 1 \(exit code 7\)", result.stderr), result.stderr[-3000:]
@@ -109,12 +142,21 @@ def test_killed_rank_without_restarts_fails_fast_naming_it(tmp_path):
 @pytest.mark.distributed
 def test_rank_hung_outside_collectives_is_named_by_the_watchdog(tmp_path):
     started = time.monotonic()
-    result = plait("train", *TINY, "--out", str(tmp_path / "r"), cwd=tmp_path,
-                   env={"PLAIT_FAULT_INJECT": "rank=1,step=5,action=hang", "PLAIT_WATCHDOG_S": "4"})
+    result = plait(
+        "train",
+        *TINY,
+        "--out",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
+        env={"PLAIT_FAULT_INJECT": "rank=1,step=5,action=hang", "PLAIT_WATCHDOG_S": "4"},
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]
-    report = re.search(r"rank 1: hang watchdog: no progress for [\d.]+ s outside any collective "
-                       r"\(PLAIT_WATCHDOG_S=4\); last operation: step 5: loading the batch", result.stderr)
+    report = re.search(
+        r"rank 1: hang watchdog: no progress for [\d.]+ s outside any collective "
+        r"\(PLAIT_WATCHDOG_S=4\); last operation: step 5: loading the batch",
+        result.stderr,
+    )
     assert report, result.stderr[-3000:]
     assert "fire_if_due" in result.stderr  # where rank 1's main thread was stuck
     assert "rank 0: hang watchdog" not in result.stderr  # rank 0 waited as long, but inside a collective
@@ -147,9 +189,13 @@ def test_cli_refuses_bad_restart_settings_before_launch(tmp_path, monkeypatch, c
 def test_fault_parse_and_when_it_fires():
     assert Fault.parse("rank=1,step=8") == Fault(rank=1, step=8)
     assert Fault.parse(" rank=0, step=3, action=hang, code=9, attempt=1 ") == Fault(0, 3, "hang", 9, 1)
-    for bad, message in [("rank=1", "needs both rank= and step="), ("rank=1,step=x", "step='x' is not an integer"),
-                         ("rank=1,step=2,action=explode", "action='explode' is not one of"),
-                         ("rank=1,step=0", "step >= 1"), ("step", "'step' is not rank=")]:
+    for bad, message in [
+        ("rank=1", "needs both rank= and step="),
+        ("rank=1,step=x", "step='x' is not an integer"),
+        ("rank=1,step=2,action=explode", "action='explode' is not one of"),
+        ("rank=1,step=0", "step >= 1"),
+        ("step", "'step' is not rank="),
+    ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             Fault.parse(bad)
     assert Fault.from_env({}) is None and Fault.from_env({"PLAIT_FAULT_INJECT": "rank=0,step=1"}) == Fault(0, 1)
@@ -208,7 +254,8 @@ def test_resume_metrics_drops_what_the_resumed_run_writes_again(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "st')  # torn last line
     assert resume_metrics(path, step=6, total_steps=9) == 2
     assert [(r["kind"], r["step"]) for r in map(json.loads, path.read_text().splitlines())] == (
-        [("train", s) for s in range(1, 7)] + [("eval", 6)])
+        [("train", s) for s in range(1, 7)] + [("eval", 6)]
+    )
     # a finished run resumed at its last step repeats only the final evaluation
     path.write_text("".join(json.dumps(r) + "\n" for r in [{"kind": "train", "step": 9}, {"kind": "eval", "step": 9}]))
     assert resume_metrics(path, step=9, total_steps=9) == 1

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from harness import run_distributed  # noqa: E402
+from reference import assert_tensors_close, train_reference  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
@@ -26,14 +28,12 @@ from transformers import (  # noqa: E402
 )
 
 import plait  # noqa: E402
-from harness import run_distributed  # noqa: E402
 from plait import Layout, LayoutError  # noqa: E402
 from plait.models.hf import return_logits  # noqa: E402
 from plait.parallel.pipeline.apply import plan_pipeline  # noqa: E402
 from plait.parallel.tensor import plan_tensor_parallel  # noqa: E402
 from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded  # noqa: E402
 from plait.parallel.tensor.plan import default_plan, resolve_plan  # noqa: E402
-from reference import assert_tensors_close, train_reference  # noqa: E402
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -47,12 +47,30 @@ def make_model(kind: str, **overrides: int) -> torch.nn.Module:
     """A tiny transformers causal LM with seeded random weights, eager attention and no dropout."""
     torch.manual_seed(1234)
     if kind == "gpt2":
-        fields = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        fields = dict(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return GPT2LMHeadModel(GPT2Config(**{**fields, **overrides}, attn_implementation="eager"))
-    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
-                  eos_token_id=0)
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides}, attn_implementation="eager"))
 
 
@@ -74,10 +92,15 @@ def optimizer(params):  # noqa: ANN001, ANN201 - a factory, as users pass it
 def gather_grads(engine: plait.Engine) -> dict[str, torch.Tensor]:
     """Every parameter's synchronised gradient, whole, by name (ZeRO shards gathered over dp, tp slices over tp)."""
     strategy = engine.strategy
-    local = strategy.full_gradients() if hasattr(strategy, "full_gradients") else {
-        name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
-    return {name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name].detach()).clone()
-            for name, p in engine.model.named_parameters()}
+    local = (
+        strategy.full_gradients()
+        if hasattr(strategy, "full_gradients")
+        else {name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
+    )
+    return {
+        name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name].detach()).clone()
+        for name, p in engine.model.named_parameters()
+    }
 
 
 def train_plait(kind: str, layout: Layout) -> dict:
@@ -86,8 +109,9 @@ def train_plait(kind: str, layout: Layout) -> dict:
     dp_rank, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
     engine.model.eval()
     with torch.no_grad():  # with pp: through the stages, the logits on the last stage's rank (None elsewhere)
-        logits = engine.model(global_batch(0)[0]) if engine.pipeline is None else engine.pipeline.forward(
-            global_batch(0)[0])
+        logits = (
+            engine.model(global_batch(0)[0]) if engine.pipeline is None else engine.pipeline.forward(global_batch(0)[0])
+        )
     engine.model.train()
     grads: list[dict[str, torch.Tensor]] = []
     engine.before_optimizer_step.append(lambda e: grads.append(gather_grads(e)) if not grads else None)
@@ -95,12 +119,21 @@ def train_plait(kind: str, layout: Layout) -> dict:
     for step in range(STEPS):
         inputs, targets = global_batch(step)
         share = GLOBAL_BATCH // dp
-        losses.append(engine.train_step((inputs[dp_rank * share:(dp_rank + 1) * share],
-                                         targets[dp_rank * share:(dp_rank + 1) * share])).loss)
+        losses.append(
+            engine.train_step(
+                (inputs[dp_rank * share : (dp_rank + 1) * share], targets[dp_rank * share : (dp_rank + 1) * share])
+            ).loss
+        )
     local = {name: p.numel() for name, p in engine.model.named_parameters()}
     sharded = {name for name, p in engine.model.named_parameters() if is_tp_sharded(p)}
-    return {"logits": logits, "losses": losses, "grads": grads[0], "params": gather_parameters(engine.model, engine.comm),
-            "local_numel": local, "sharded": sharded}
+    return {
+        "logits": logits,
+        "losses": losses,
+        "grads": grads[0],
+        "params": gather_parameters(engine.model, engine.comm),
+        "local_numel": local,
+        "sharded": sharded,
+    }
 
 
 def run_cases(cases: list[tuple[str, Layout]]) -> list[dict]:
@@ -115,8 +148,9 @@ def reference(kind: str):  # noqa: ANN201 - a tests/reference.py Trajectory with
         model = return_logits(make_model(kind))
         with torch.no_grad():
             logits = model.eval()(global_batch(0)[0])
-        trajectory = train_reference(model.train(), [global_batch(s) for s in range(STEPS)], optimizer,
-                                     max_grad_norm=CLIP)
+        trajectory = train_reference(
+            model.train(), [global_batch(s) for s in range(STEPS)], optimizer, max_grad_norm=CLIP
+        )
         trajectory.logits = logits
         _REFERENCES[kind] = trajectory
     return _REFERENCES[kind]
@@ -155,13 +189,21 @@ def merge_stages(results: list[dict]) -> dict:
     return whole
 
 
-TWO_RANKS = [("gpt2", Layout(dp=2)), ("gpt2", Layout(tp=2)), ("llama", Layout(dp=2, zero=1)), ("llama", Layout(tp=2)),
-             ("gpt2", Layout(pp=2, microbatches=4, schedule="1f1b")),  # tied wte / lm_head across the stages
-             ("llama", Layout(pp=2, microbatches=4, schedule="1f1b"))]
-FOUR_RANKS = [("gpt2", Layout(dp=2, tp=2)), ("llama", Layout(dp=2, tp=2, zero=1)),
-              ("gpt2", Layout(pp=2, dp=2, microbatches=2, schedule="zero-bubble", zero=1)),  # the copy's grad in W
-              ("llama", Layout(pp=2, dp=2, microbatches=2, schedule="1f1b")),
-              ("llama", Layout(pp=2, tp=2, microbatches=2, schedule="gpipe"))]
+TWO_RANKS = [
+    ("gpt2", Layout(dp=2)),
+    ("gpt2", Layout(tp=2)),
+    ("llama", Layout(dp=2, zero=1)),
+    ("llama", Layout(tp=2)),
+    ("gpt2", Layout(pp=2, microbatches=4, schedule="1f1b")),  # tied wte / lm_head across the stages
+    ("llama", Layout(pp=2, microbatches=4, schedule="1f1b")),
+]
+FOUR_RANKS = [
+    ("gpt2", Layout(dp=2, tp=2)),
+    ("llama", Layout(dp=2, tp=2, zero=1)),
+    ("gpt2", Layout(pp=2, dp=2, microbatches=2, schedule="zero-bubble", zero=1)),  # the copy's grad in W
+    ("llama", Layout(pp=2, dp=2, microbatches=2, schedule="1f1b")),
+    ("llama", Layout(pp=2, tp=2, microbatches=2, schedule="gpipe")),
+]
 
 
 @pytest.mark.distributed
@@ -182,8 +224,10 @@ def test_hf_models_match_single_device(world, cases):
         check_split(results, kind, layout.tp if layout.tp > 1 else 1, what)
 
 
-SPLIT = {"gpt2": ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"),
-         "llama": ("embed_tokens.weight", "_proj.weight", "lm_head.weight")}
+SPLIT = {
+    "gpt2": ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"),
+    "llama": ("embed_tokens.weight", "_proj.weight", "lm_head.weight"),
+}
 """Name endings of the parameters the built-in plans split (GPT-2's lm_head.weight is wte.weight, tied)."""
 
 
@@ -240,25 +284,30 @@ def test_sequence_parallel_is_refused_for_hf_models():
 
 
 def test_pipeline_refusals_name_the_fix():
-    tied_with_tp = (r"transformer.wte.weight = lm_head.weight tie the first and the last pipeline stage.*tp=2.*"
-                    r"Fix:.*tie_word_embeddings=False")
+    tied_with_tp = (
+        r"transformer.wte.weight = lm_head.weight tie the first and the last pipeline stage.*tp=2.*"
+        r"Fix:.*tie_word_embeddings=False"
+    )
     with pytest.raises(LayoutError, match=tied_with_tp):
         plan_pipeline(make_model("gpt2"), Layout(pp=2, tp=2, microbatches=2).resolve(4))
     with pytest.raises(LayoutError, match=r"schedule=\"pipedream\".*Fix:.*tie_word_embeddings=False"):
         plan_pipeline(make_model("gpt2"), Layout(pp=2, microbatches=2, schedule="pipedream").resolve(2))
     assert plan_pipeline(make_model("gpt2", tie_word_embeddings=False), Layout(pp=2, tp=2, microbatches=2).resolve(4))
-    bert = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64))
+    bert = BertForMaskedLM(
+        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    )
     with pytest.raises(LayoutError, match=r"BertForMaskedLM \(model_type='bert'\) is not supported.*Fix:"):
         plan_pipeline(bert, Layout(pp=2, microbatches=2).resolve(2))
 
 
 def test_plait_imports_and_plans_without_transformers():
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import plait\n"
-            "from plait.models import GPT, GPTConfig\n"
-            "from plait.parallel.tensor.plan import default_plan\n"
-            "plan = default_plan(GPT(GPTConfig(vocab_size=12, seq_len=8, n_layer=1, n_head=2, d_model=8)))\n"
-            "assert plan['lm_head'] == 'colwise_vocab' and 'transformers' not in [m for m in sys.modules if sys.modules[m]]\n")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import plait\n"
+        "from plait.models import GPT, GPTConfig\n"
+        "from plait.parallel.tensor.plan import default_plan\n"
+        "plan = default_plan(GPT(GPTConfig(vocab_size=12, seq_len=8, n_layer=1, n_head=2, d_model=8)))\n"
+        "assert plan['lm_head'] == 'colwise_vocab' and 'transformers' not in [m for m in sys.modules if sys.modules[m]]\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -144,6 +144,8 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     assert len(problems) == 1 and "imports plait.engine" in problems[0], problems
 
 
-@pytest.mark.parametrize("module, layer", [("plait.parallel.zero.fsdp", 6), ("plait.cli.main", 11), ("plait.layout", 1)])
+@pytest.mark.parametrize(
+    "module, layer", [("plait.parallel.zero.fsdp", 6), ("plait.cli.main", 11), ("plait.layout", 1)]
+)
 def test_layers_of_known_modules(module, layer):
     assert _layer(module) == layer

@@ -67,7 +67,7 @@ def test_batch_must_split():
 
 def test_unresolved_layout_has_no_world_size():
     with pytest.raises(LayoutError, match="resolve"):
-        Layout().world_size
+        _ = Layout().world_size
 
 
 def test_dict_round_trip_and_unknown_keys():

@@ -4,13 +4,13 @@ import functools
 
 import pytest
 import torch
+from harness import run_distributed
+from test_engine import OPTIMIZERS, make_model
 
 import plait
 from plait import Layout, estimate_memory, measure_held
-from harness import run_distributed
 from plait.data import ShardedBatches
 from plait.planner.memory import activation_bytes, zero_paper_bytes
-from test_engine import OPTIMIZERS, make_model
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -35,8 +35,9 @@ def test_activation_formula_and_recompute():
     full = activation_bytes(seq=2048, batch=1, hidden=4096, heads=32, layers=1)
     assert full == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)  # Korthikanti et al. 2022, eq. 2
     assert activation_bytes(2048, 1, 4096, 32, 1, recompute_layers=1) == 2 * 2048 * 4096
-    estimate = estimate_memory(100, Layout(dp=1, recompute="full"),
-                               activations={"seq": 8, "batch": 2, "hidden": 16, "heads": 2, "layers": 2})
+    estimate = estimate_memory(
+        100, Layout(dp=1, recompute="full"), activations={"seq": 8, "batch": 2, "hidden": 16, "heads": 2, "layers": 2}
+    )
     assert estimate.activations == 2 * (2 * 8 * 2 * 16) * 4 / 2
 
 
@@ -57,7 +58,9 @@ def test_measured_model_states_equal_the_estimate_single_rank(optimizer):
 
 # ------------------------------------------------------------------------------------------ ZeRO 1-3, dp=2 and 4
 MEMORY_CONFIGS = [(stage, "none", opt) for stage in (0, 1, 2, 3) for opt in ("adamw", "sgd")] + [
-    (1, "cpu", "adamw"), (3, "cpu", "adamw"), (3, "cpu", "sgd"),
+    (1, "cpu", "adamw"),
+    (3, "cpu", "adamw"),
+    (3, "cpu", "sgd"),
 ]
 """(zero stage, offload, optimizer): every stage with AdamW (8 B of state per element) and SGD with momentum
 (4 B), and offloaded masters under ZeRO-1 and ZeRO-3."""
@@ -92,13 +95,15 @@ def _held_over_steps(world: int) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def held_over_steps(world: int) -> list[dict]:
     return run_distributed(_held_over_steps, world, world)
 
 
 def _close(measured: int, estimated: float, what: str) -> None:
-    assert measured == pytest.approx(estimated, rel=WITHIN, abs=0), f"{what}: measured {measured} B, estimate {estimated:.0f} B"
+    assert measured == pytest.approx(estimated, rel=WITHIN, abs=0), (
+        f"{what}: measured {measured} B, estimate {estimated:.0f} B"
+    )
 
 
 @pytest.mark.distributed
@@ -130,12 +135,18 @@ def test_each_stage_removes_what_the_paper_says(world):
         ddp, *zero = (run[(stage, "none", opt)]["held"] for stage in (0, 1, 2, 3))
         peak = [max(h[p]["gradients"] for p in MEASURE_POINTS) for h in (ddp, *zero)]
         ratios = {  # what: (measured ratio to DDP, expected)
-            "stage 1 optimizer states": (zero[0]["step"]["optimizer_states"] / ddp["step"]["optimizer_states"], 1 / world),
+            "stage 1 optimizer states": (
+                zero[0]["step"]["optimizer_states"] / ddp["step"]["optimizer_states"],
+                1 / world,
+            ),
             "stage 1 gradients (peak: full during backward)": (peak[1] / peak[0], 1.0),
             "stage 2 gradients": (peak[2] / peak[0], 1 / world),
             "stage 2 parameters (whole)": (zero[1]["rest"]["parameters"] / ddp["rest"]["parameters"], 1.0),
             "stage 3 parameters": (zero[2]["rest"]["parameters"] / ddp["rest"]["parameters"], 1 / world),
-            "stage 3 optimizer states": (zero[2]["step"]["optimizer_states"] / ddp["step"]["optimizer_states"], 1 / world),
+            "stage 3 optimizer states": (
+                zero[2]["step"]["optimizer_states"] / ddp["step"]["optimizer_states"],
+                1 / world,
+            ),
         }
         for what, (ratio, want) in ratios.items():
             assert ratio == pytest.approx(want, rel=WITHIN), f"{opt} {what}: {ratio:.4f}, expected {want:.4f}"

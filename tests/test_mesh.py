@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from harness import run_distributed
+
 from plait import Layout
 from plait.comm import Comm
 from plait.mesh import Mesh, RankGrid

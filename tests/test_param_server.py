@@ -11,8 +11,19 @@ import pytest
 import torch
 
 from plait.errors import ConfigError
-from plait.param_server import (AdditionGPT, Consistency, JobConfig, LocalCluster, OptimizerSpec, PSWorker,
-                                         ServerSettings, ShardServer, assign_shards, model_spec, run_local)
+from plait.param_server import (
+    AdditionGPT,
+    Consistency,
+    JobConfig,
+    LocalCluster,
+    OptimizerSpec,
+    PSWorker,
+    ServerSettings,
+    ShardServer,
+    assign_shards,
+    model_spec,
+    run_local,
+)
 from plait.param_server.service import Service
 
 TASK = AdditionGPT()  # GPT d_model=32, 2 layers, 4 heads, seq 7, vocab 12; 8 samples per worker and step
@@ -106,6 +117,7 @@ def test_bsp_round_closes_without_a_worker_that_died():
     for wid in ("a", "b", "c"):
         server.join(wid, wid, server.spec)
     replies = {}
+
     def push(wid: str) -> None:
         replies[wid] = server.push(wid, 0, 0, _push_grads(server, 1.0), 10)
 
@@ -135,8 +147,9 @@ def test_ssp_blocks_a_worker_more_than_s_clocks_ahead():
 
 
 def test_checkpoint_is_atomic_and_a_restarted_server_resumes(tmp_path):
-    settings = ServerSettings(consistency=Consistency("asp"), optimizer=ADAMW, checkpoint_dir=str(tmp_path),
-                              checkpoint_every=2)
+    settings = ServerSettings(
+        consistency=Consistency("asp"), optimizer=ADAMW, checkpoint_dir=str(tmp_path), checkpoint_every=2
+    )
     server = ShardServer(TASK.build_model(), settings)
     server.join("w", "w", server.spec)
     for seq in range(3):
@@ -156,8 +169,13 @@ def test_checkpoint_is_atomic_and_a_restarted_server_resumes(tmp_path):
 
 
 def test_a_restarted_bsp_server_waits_for_the_workers_live_at_its_checkpoint(tmp_path):
-    settings = ServerSettings(consistency=Consistency("bsp"), checkpoint_dir=str(tmp_path), checkpoint_every=1,
-                              min_workers=2, dead_after_s=0.5)
+    settings = ServerSettings(
+        consistency=Consistency("bsp"),
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=1,
+        min_workers=2,
+        dead_after_s=0.5,
+    )
     server = ShardServer(TASK.build_model(), settings)
     for wid in ("a", "b", "gone"):
         server.join(wid, wid, server.spec)
@@ -190,8 +208,17 @@ def test_a_restarted_bsp_server_waits_for_the_workers_live_at_its_checkpoint(tmp
 @pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
 def test_bsp_matches_synchronous_data_parallel_step_by_step(optimizer):
     steps, workers = 4, 2
-    result = run_local(JobConfig(servers=2, workers=workers, steps=steps, consistency=Consistency("bsp"),
-                                 optimizer=optimizer, record_history=True, log_every_s=0))
+    result = run_local(
+        JobConfig(
+            servers=2,
+            workers=workers,
+            steps=steps,
+            consistency=Consistency("bsp"),
+            optimizer=optimizer,
+            record_history=True,
+            log_every_s=0,
+        )
+    )
     expected = _sync_training(optimizer, workers, steps)
     for report in result.reports:
         assert report["version"] == steps and report["pushes_applied"] == steps * workers
@@ -200,8 +227,13 @@ def test_bsp_matches_synchronous_data_parallel_step_by_step(optimizer):
             for name, value in shard.items():
                 # fp32: the mean of 2 per-worker mean gradients vs the gradient of the 16-sample mean differ only in
                 # summation order (~1e-7 relative); AdamW divides by sqrt(v) ~ |g|, so params agree to ~1e-6
-                torch.testing.assert_close(value, expected[step][name], rtol=1e-5, atol=1e-5,
-                                           msg=f"server {report['index']} step {step} {name}")
+                torch.testing.assert_close(
+                    value,
+                    expected[step][name],
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=f"server {report['index']} step {step} {name}",
+                )
 
 
 @pytest.mark.distributed
@@ -211,8 +243,9 @@ def test_asp_and_ssp_converge_close_to_synchronous_training():
     initial = _eval_loss(None)
     sync = _eval_loss(_sync_training(ADAMW, workers, steps)[-1])
     for consistency in (Consistency("asp"), Consistency("ssp", staleness=2)):
-        result = run_local(JobConfig(servers=1, workers=workers, steps=steps, consistency=consistency,
-                                     optimizer=ADAMW, log_every_s=0))
+        result = run_local(
+            JobConfig(servers=1, workers=workers, steps=steps, consistency=consistency, optimizer=ADAMW, log_every_s=0)
+        )
         loss = _eval_loss(result.params)
         staleness = result.reports[0]["staleness"]
         # same samples seen (steps x workers x 8); asynchronous runs take 3x more, smaller, stale steps. Measured
@@ -229,8 +262,7 @@ def test_asp_and_ssp_converge_close_to_synchronous_training():
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_killing_a_worker_mid_run_does_not_stop_training():
-    config = JobConfig(servers=1, workers=4, steps=30, consistency=Consistency("bsp"), optimizer=ADAMW,
-                       log_every_s=0)
+    config = JobConfig(servers=1, workers=4, steps=30, consistency=Consistency("bsp"), optimizer=ADAMW, log_every_s=0)
     victim, kill_at = 2, random.randint(3, 20)
     with LocalCluster(config) as cluster:
         cluster.start_servers()
@@ -255,8 +287,11 @@ def test_killing_a_worker_mid_run_does_not_stop_training():
     # BSP over the survivors is synchronous training on 3/4 of the global batch after the kill: it must keep at
     # least 80% of the loss reduction of uninterrupted synchronous training with 4 workers (measured: 1.00-1.02 of
     # it over 3 runs killed at rounds 8-14; a lost or doubly applied round of a 30-round run costs several %)
-    initial, sync, loss = _eval_loss(None), _eval_loss(_sync_training(ADAMW, 4, config.steps)[-1]), \
-        _eval_loss(report["params"])
+    initial, sync, loss = (
+        _eval_loss(None),
+        _eval_loss(_sync_training(ADAMW, 4, config.steps)[-1]),
+        _eval_loss(report["params"]),
+    )
     assert loss <= initial - 0.8 * (initial - sync), f"killed at {kill_at}: {loss:.3f}, sync {sync:.3f}"
 
 
@@ -272,8 +307,16 @@ def _wait_for_version(cluster: LocalCluster, server: int, version: int, what: st
 def test_a_killed_server_restarts_from_its_checkpoint_and_training_completes(tmp_path):
     # BSP with two shards is the hard case: after the restart, shard 1's rounds restart from an older version while
     # shard 0's go on, so the workers' in-flight shard-1 pushes are stale (dropped) and their rounds fall out of step
-    config = JobConfig(servers=2, workers=3, steps=30, consistency=Consistency("bsp"), optimizer=ADAMW,
-                       checkpoint_dir=str(tmp_path), checkpoint_every=4, log_every_s=0)
+    config = JobConfig(
+        servers=2,
+        workers=3,
+        steps=30,
+        consistency=Consistency("bsp"),
+        optimizer=ADAMW,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=4,
+        log_every_s=0,
+    )
     with LocalCluster(config) as cluster:
         cluster.start_servers()
         for index in range(config.workers):
@@ -305,8 +348,9 @@ def test_a_killed_server_restarts_from_its_checkpoint_and_training_completes(tmp
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_worker_joining_mid_run_gets_the_current_parameters():
-    config = JobConfig(servers=1, workers=2, steps=25, consistency=Consistency("ssp", staleness=2), optimizer=ADAMW,
-                       log_every_s=0)
+    config = JobConfig(
+        servers=1, workers=2, steps=25, consistency=Consistency("ssp", staleness=2), optimizer=ADAMW, log_every_s=0
+    )
     with LocalCluster(config) as cluster:
         cluster.start_servers()
         for index in range(2):

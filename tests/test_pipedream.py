@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import run_distributed
+from reference import Trajectory, assert_trajectories_match, snapshot_params, train_reference
 
 import plait
-from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, check_pipedream, replica_batch, round_robin
-from reference import assert_trajectories_match, snapshot_params, train_reference, Trajectory
 
 GLOBAL_BATCH = 16
 
@@ -37,8 +37,13 @@ def expected_staleness(p: int, m: int, stage: int, vertical_sync: bool) -> list[
     return [min(j, depth) for j in range(m)]
 
 
-def _train(layout: Layout, steps: int, options: PipeDreamOptions | None = None, replicated: bool = False,
-           micro_steps: bool = False) -> dict:
+def _train(
+    layout: Layout,
+    steps: int,
+    options: PipeDreamOptions | None = None,
+    replicated: bool = False,
+    micro_steps: bool = False,
+) -> dict:
     """This rank's losses, parameters after every step, staleness and version records. ``replicated``: each dp
     replica trains on its 1F1B-RR share of the global batch; ``micro_steps``: synchronous baseline fed one
     micro-batch of the stream per train_step (one update per micro-batch, as PipeDream makes)."""
@@ -74,8 +79,9 @@ is 2.5x the larger, and a seventh of the ~0.7 nats both runs descend from their 
 
 def _convergence(pp: int) -> tuple[list[float], list[float]]:
     asynchronous = _train(Layout(pp=pp, dp=1, microbatches=4, schedule="pipedream"), CONVERGENCE_STEPS)["losses"]
-    synchronous = _train(Layout(pp=pp, dp=1, microbatches=1, schedule="1f1b"), CONVERGENCE_STEPS,
-                         micro_steps=True)["losses"]
+    synchronous = _train(Layout(pp=pp, dp=1, microbatches=1, schedule="1f1b"), CONVERGENCE_STEPS, micro_steps=True)[
+        "losses"
+    ]
     return asynchronous, synchronous
 
 
@@ -96,9 +102,15 @@ P, M, STEPS = 4, 4, 2
 
 def _versions() -> dict[str, dict]:
     layout = Layout(pp=P, dp=1, microbatches=M, schedule="pipedream")
-    return {name: _train(layout, STEPS, PipeDreamOptions(record_versions=True, **kwargs))
-            for name, kwargs in {"stash": {}, "no_stash": {"stash_weights": False},
-                                 "vertical": {"vertical_sync": True}, "interval": {"update_interval": 2}}.items()}
+    return {
+        name: _train(layout, STEPS, PipeDreamOptions(record_versions=True, **kwargs))
+        for name, kwargs in {
+            "stash": {},
+            "no_stash": {"stash_weights": False},
+            "vertical": {"vertical_sync": True},
+            "interval": {"update_interval": 2},
+        }.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +138,7 @@ def test_weight_stashing_backward_uses_the_forward_version(versions):
 @pytest.mark.distributed
 def test_without_stashing_backward_would_use_other_weights(versions):
     differ = 0
-    for stage, rank in enumerate(versions):
+    for rank in versions:
         for record in rank["no_stash"]["records"]:
             assert torch.equal(record.backward_weights, record.live_weights)  # the latest, not the forward's
             if record.backward_version != record.forward_version:
@@ -134,8 +146,10 @@ def test_without_stashing_backward_would_use_other_weights(versions):
                 assert not torch.equal(record.backward_weights, record.forward_weights)
     assert differ > 0
     # the same stream trained with and without stashing ends elsewhere: stashing changes the gradients
-    assert not torch.equal(versions[0]["stash"]["params"][-1]["tok_embed.weight"],
-                           versions[0]["no_stash"]["params"][-1]["tok_embed.weight"])
+    assert not torch.equal(
+        versions[0]["stash"]["params"][-1]["tok_embed.weight"],
+        versions[0]["no_stash"]["params"][-1]["tok_embed.weight"],
+    )
 
 
 @pytest.mark.distributed
@@ -170,8 +184,9 @@ def test_staleness_is_reported_per_stage(versions):
 def test_update_interval_updates_every_k_microbatches(versions):
     for stage, rank in enumerate(versions):
         records = rank["interval"]["records"]
-        assert [r.forward_version for r in records if r.microbatch < M] == \
-            [max(0, j - (P - 1 - stage)) // 2 for j in range(M)]  # versions advance every 2 backwards
+        assert [r.forward_version for r in records if r.microbatch < M] == [
+            max(0, j - (P - 1 - stage)) // 2 for j in range(M)
+        ]  # versions advance every 2 backwards
         assert all(torch.equal(r.backward_weights, r.forward_weights) for r in records)
         assert all(s[stage]["updates"] == M // 2 for s in rank["interval"]["staleness"])
 
@@ -187,8 +202,9 @@ def test_one_microbatch_in_flight_equals_synchronous_sgd():
     model, task = make_gpt()
     loader = ShardedBatches(task, GLOBAL_BATCH)
     expected = train_reference(model, [loader.global_batch_at(s) for s in range(4)], adamw)
-    actual = Trajectory(losses=parts[0]["losses"],
-                        params=[{**a, **b} for a, b in zip(parts[0]["params"], parts[1]["params"])])
+    actual = Trajectory(
+        losses=parts[0]["losses"], params=[{**a, **b} for a, b in zip(parts[0]["params"], parts[1]["params"])]
+    )
     # exact: one micro-batch, no reduction over ranks; the stage split runs the same ops in the same order
     assert_trajectories_match(actual, expected, exact=True)
     assert all(s[i]["max"] == 0 for part, i in zip(parts, (0, 1)) for s in part["staleness"])
@@ -208,8 +224,10 @@ def test_round_robin_routing_is_deterministic():
 
 def _replicated() -> dict:
     layout = Layout(pp=2, dp=2, microbatches=2, schedule="pipedream")
-    return {"m2": _train(layout, 3, replicated=True),
-            "m1": _train(Layout(pp=2, dp=2, microbatches=1, schedule="pipedream"), 3, replicated=True)}
+    return {
+        "m2": _train(layout, 3, replicated=True),
+        "m1": _train(Layout(pp=2, dp=2, microbatches=1, schedule="pipedream"), 3, replicated=True),
+    }
 
 
 @pytest.mark.distributed
@@ -227,8 +245,10 @@ def test_replicated_stages_stay_identical():
     model, task = make_gpt()
     loader = ShardedBatches(task, GLOBAL_BATCH)
     expected = train_reference(model, [loader.global_batch_at(s) for s in range(3)], adamw)
-    actual = Trajectory(losses=ranks[0]["m1"]["losses"],
-                        params=[{**a, **b} for a, b in zip(ranks[0]["m1"]["params"], ranks[2]["m1"]["params"])])
+    actual = Trajectory(
+        losses=ranks[0]["m1"]["losses"],
+        params=[{**a, **b} for a, b in zip(ranks[0]["m1"]["params"], ranks[2]["m1"]["params"])],
+    )
     assert_trajectories_match(actual, expected)
 
 

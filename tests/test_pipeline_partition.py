@@ -14,9 +14,9 @@ from torch import nn
 
 from plait.errors import LayoutError
 from plait.models import GPT, GPTConfig
+from plait.parallel.pipeline.split import split_model
 from plait.planner.partition import Partition, auto_partition, partition
 from plait.planner.profile import LayerChain, gpt_layers, measure_stages, profile_layers
-from plait.parallel.pipeline.split import split_model
 
 
 # ---------------------------------------------------------------------------------------- the DP vs brute force
@@ -41,8 +41,10 @@ def brute_force(times, memory, p, limit, acts, flight, comm, overlaps):
 
 def smallest_limit(memory, p, acts, flight):
     n = len(memory)
-    return min(max(sum(memory[i:j]) + flight[k] * sum(acts[i:j]) for k, (i, j) in enumerate(zip(b, b[1:])))
-               for b in ([0, *c, n] for c in itertools.combinations(range(1, n), p - 1)))
+    return min(
+        max(sum(memory[i:j]) + flight[k] * sum(acts[i:j]) for k, (i, j) in enumerate(zip(b, b[1:])))
+        for b in ([0, *c, n] for c in itertools.combinations(range(1, n), p - 1))
+    )
 
 
 def test_dp_matches_brute_force_on_random_instances():
@@ -58,8 +60,7 @@ def test_dp_matches_brute_force_on_random_instances():
         comm = [rng.randint(0, 15) for _ in range(n - 1)]  # large enough to decide some splits
         overlaps = rng.random() < 0.5
         limit = rng.choice([None, rng.randint(5, 40)])
-        want = brute_force(times, memory, p, limit if limit is not None else float("inf"), acts, flight, comm,
-                           overlaps)
+        want = brute_force(times, memory, p, limit if limit is not None else float("inf"), acts, flight, comm, overlaps)
         kwargs = dict(activations=acts, in_flight=flight, comm=comm, comm_overlaps=overlaps)
         if want is None:
             with pytest.raises(LayoutError) as error:
@@ -125,13 +126,16 @@ def test_links_count_in_the_objective():
     assert added.cuts == [2] and added.stage_times == (3.0, 3.0)  # each side pays the transfer at its cut
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(times=[1, 1], memory=[0, 0], p=3), "cannot cut 2 layers into p=3 stages"),
-    (dict(times=[1, -1], memory=[0, 0], p=1), r"times\[1\] = -1.0 must be a finite number >= 0"),
-    (dict(times=[1, 1], memory=[0], p=1), "memory has 1 entries, but there are 2 layers"),
-    (dict(times=[1, 1], memory=[0, 0], p=0), "p=0 stages must be an integer >= 1"),
-    (dict(times=[1, 1], memory=[0, 0], p=2, in_flight=[1]), "must give p=2 counts"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(times=[1, 1], memory=[0, 0], p=3), "cannot cut 2 layers into p=3 stages"),
+        (dict(times=[1, -1], memory=[0, 0], p=1), r"times\[1\] = -1.0 must be a finite number >= 0"),
+        (dict(times=[1, 1], memory=[0], p=1), "memory has 1 entries, but there are 2 layers"),
+        (dict(times=[1, 1], memory=[0, 0], p=0), "p=0 stages must be an integer >= 1"),
+        (dict(times=[1, 1], memory=[0, 0], p=2, in_flight=[1]), "must give p=2 counts"),
+    ],
+)
 def test_bad_input_is_refused(kwargs, words):
     with pytest.raises(LayoutError, match=words):
         partition(**kwargs)
@@ -147,8 +151,7 @@ def test_profile_counts_parameters_saved_activations_and_outputs():
     # Linear saves its input (the weight is a parameter, excluded); ReLU saves its output (4 x 16 floats).
     assert [pr.activation_bytes for pr in profiles] == [4 * 8 * 4, 4 * 16 * 4, 4 * 16 * 4]
     assert [pr.output_bytes for pr in profiles] == [4 * 16 * 4, 4 * 16 * 4, 4 * 4 * 4]
-    assert all(pr.forward_s > 0 and pr.backward_s > 0 and pr.time_s == pr.forward_s + pr.backward_s
-               for pr in profiles)
+    assert all(pr.forward_s > 0 and pr.backward_s > 0 and pr.time_s == pr.forward_s + pr.backward_s for pr in profiles)
     assert all(param.grad is None for layer in layers for param in layer.parameters())  # left as found
 
 
@@ -274,5 +277,4 @@ def test_measure_stages_runs_each_piece():
 def test_auto_partition_memory_limit_too_small_is_explained():
     model = small_gpt(n_layer=2)
     with pytest.raises(LayoutError, match="alone needs"):
-        auto_partition(gpt_layers(model), torch.randint(0, 32, (2, 16)), 2, memory_limit=1000, repeats=1,
-                       measure=False)
+        auto_partition(gpt_layers(model), torch.randint(0, 32, (2, 16)), 2, memory_limit=1000, repeats=1, measure=False)

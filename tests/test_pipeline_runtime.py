@@ -11,10 +11,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import run_distributed
+from reference import (
+    TOLERANCES,
+    Trajectory,
+    assert_trajectories_match,
+    snapshot_grads,
+    snapshot_params,
+    train_reference,
+)
 from torch import nn
 
 import plait
-from harness import run_distributed
 from plait import Layout, LayoutError
 from plait.data import AdditionTask, ShardedBatches
 from plait.errors import ConfigError, ScheduleError
@@ -26,7 +34,6 @@ from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded
 from plait.train.config import RunConfig
 from plait.train.loop import build
-from reference import TOLERANCES, Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -42,8 +49,9 @@ def make_gpt() -> tuple[GPT, AdditionTask]:
     task = AdditionTask(digits=2, seed=1)
     torch.manual_seed(1234)
     # bias=False: the key bias's gradient is analytically zero, i.e. rounding noise (see tests/test_engine.py)
-    config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=N_LAYER, n_head=2, d_model=16,
-                       bias=False)
+    config = GPTConfig(
+        vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=N_LAYER, n_head=2, d_model=16, bias=False
+    )
     return GPT(config), task
 
 
@@ -56,8 +64,9 @@ def train_pipeline(layout: Layout, optimizer: str, clip: float | None) -> Trajec
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     for _step, batch in zip(range(STEPS), loader):
         out.losses.append(engine.train_step(batch).loss)
-        out.params.append(snapshot_params(engine.model) if layout.tp == 1 else gather_parameters(engine.model,
-                                                                                                   engine.comm))
+        out.params.append(
+            snapshot_params(engine.model) if layout.tp == 1 else gather_parameters(engine.model, engine.comm)
+        )
     return out
 
 
@@ -65,15 +74,19 @@ def whole_grads(engine: plait.Engine) -> dict[str, torch.Tensor]:
     """This rank's gradients by name; with tp > 1 the slices of split parameters gathered over tp."""
     if engine.mesh.size("tp") == 1:
         return snapshot_grads(engine.model)
-    return {name: (gather_slice(p.grad, p, engine.comm) if is_tp_sharded(p) else p.grad).detach().clone()
-            for name, p in engine.model.named_parameters() if p.grad is not None}
+    return {
+        name: (gather_slice(p.grad, p, engine.comm) if is_tp_sharded(p) else p.grad).detach().clone()
+        for name, p in engine.model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def reference(optimizer: str, clip: float | None) -> Trajectory:
     model, task = make_gpt()
     loader = ShardedBatches(task, GLOBAL_BATCH)
-    return train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], OPTIMIZERS[optimizer],
-                           max_grad_norm=clip)
+    return train_reference(
+        model, [loader.global_batch_at(s) for s in range(STEPS)], OPTIMIZERS[optimizer], max_grad_norm=clip
+    )
 
 
 def merge(parts: list[Trajectory]) -> Trajectory:
@@ -164,8 +177,9 @@ def test_mixed_precision_autocasts_stages_and_scales_the_loss():
 # ----------------------------------------------------------------- nn.Sequential, cuts, evaluate, bad batch
 def make_mlp() -> nn.Sequential:
     torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
 
 
 def regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -174,8 +188,13 @@ def regression_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_mlp(trace: str, png: str) -> dict:
-    engine = plait.parallelize(make_mlp(), Layout(pp=2, dp=1, microbatches=4, schedule="1f1b"),
-                               optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, pipeline_cuts=[5])
+    engine = plait.parallelize(
+        make_mlp(),
+        Layout(pp=2, dp=1, microbatches=4, schedule="1f1b"),
+        optimizer=OPTIMIZERS["adamw"],
+        loss_fn=nn.functional.mse_loss,
+        pipeline_cuts=[5],
+    )
     out = Trajectory()
     engine.before_optimizer_step.append(lambda e: out.grads.append(snapshot_grads(e.model)))
     for batch in regression_batches():
@@ -212,8 +231,9 @@ def check_measured_timeline(results: list[dict], tmp_path) -> None:  # noqa: ANN
     without overlap; a stage-1 forward starts after stage 0's forward of that micro-batch ended (one clock);
     the trace on disk has those spans for every rank and the measured bubble; the PNG exists."""
     timeline = results[0]["timeline"]
-    assert [[(s.action, s.start) for s in spans] for spans in results[1]["timeline"].timelines] == \
-        [[(s.action, s.start) for s in spans] for spans in timeline.timelines]
+    assert [[(s.action, s.start) for s in spans] for spans in results[1]["timeline"].timelines] == [
+        [(s.action, s.start) for s in spans] for spans in timeline.timelines
+    ]
     schedule = timeline.schedule
     ends = {}
     for rank, spans in enumerate(timeline.timelines):
@@ -274,9 +294,14 @@ def make_discrete(dtype: str) -> nn.Sequential:
 def _train_discrete() -> dict[tuple[str, str], Trajectory]:
     out = {}
     for schedule, dtype in [(schedule, dtype) for schedule in ("1f1b", "zero-bubble") for dtype in ("int64", "bool")]:
-        engine = plait.parallelize(make_discrete(dtype), Layout(pp=2, dp=1, microbatches=4, schedule=schedule),
-                                   optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss, pipeline_cuts=[2],
-                                   find_unused_parameters=True)
+        engine = plait.parallelize(
+            make_discrete(dtype),
+            Layout(pp=2, dp=1, microbatches=4, schedule=schedule),
+            optimizer=OPTIMIZERS["adamw"],
+            loss_fn=nn.functional.mse_loss,
+            pipeline_cuts=[2],
+            find_unused_parameters=True,
+        )
         trajectory = out[schedule, dtype] = Trajectory()
         engine.before_optimizer_step.append(lambda e, t=trajectory: t.grads.append(snapshot_grads(e.model)))
         for batch in regression_batches():
@@ -291,8 +316,9 @@ def test_integer_and_bool_tensors_between_stages():
     per_rank = run_distributed(_train_discrete, 2)
     for schedule, dtype in per_rank[0]:
         assert per_rank[1][schedule, dtype].metas[0].dtype == getattr(torch, dtype), "stage 0 must send that dtype"
-        expected = train_reference(make_discrete(dtype), regression_batches(), OPTIMIZERS["adamw"],
-                                   loss_fn=nn.functional.mse_loss)
+        expected = train_reference(
+            make_discrete(dtype), regression_batches(), OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss
+        )
         # fp32 micro-batch reordering (tests/reference.py)
         assert_trajectories_match(merge([r[schedule, dtype] for r in per_rank]), expected)
 
@@ -300,8 +326,9 @@ def test_integer_and_bool_tensors_between_stages():
 # ----------------------------------------------------------------- memory: 1F1B vs GPipe
 def _peak_first_stage(schedule: str) -> int:
     model, task = make_gpt()
-    engine = plait.parallelize(model, Layout(pp=4, dp=1, microbatches=8, schedule=schedule),
-                               optimizer=OPTIMIZERS["sgd"])
+    engine = plait.parallelize(
+        model, Layout(pp=4, dp=1, microbatches=8, schedule=schedule), optimizer=OPTIMIZERS["sgd"]
+    )
     engine.train_step(ShardedBatches(task, 16).global_batch_at(0))
     assert engine.pipeline is not None
     return engine.pipeline.peak_activation_bytes().get(0, 0)

@@ -30,9 +30,18 @@ from plait.parallel.pipeline import (
 
 EQUAL = {"F": 1, "B": 1}
 FB2 = {"F": 1, "B": 2}
-CASES = [("naive", 3, 2, 1), ("gpipe", 4, 6, 1), ("gpipe", 2, 3, 2), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
-         ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("zero-bubble", 4, 8, 1), ("zero-bubble", 3, 2, 1),
-         ("pipedream", 3, 5, 1)]
+CASES = [
+    ("naive", 3, 2, 1),
+    ("gpipe", 4, 6, 1),
+    ("gpipe", 2, 3, 2),
+    ("1f1b", 4, 8, 1),
+    ("1f1b", 4, 2, 1),
+    ("interleaved", 4, 8, 2),
+    ("interleaved", 2, 4, 3),
+    ("zero-bubble", 4, 8, 1),
+    ("zero-bubble", 3, 2, 1),
+    ("pipedream", 3, 5, 1),
+]
 
 
 def approx(x):
@@ -176,15 +185,18 @@ def test_registry_covers_every_layout_schedule():
 
 
 # ---------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("text, words", [
-    ("0F0 0F1 0B0\n1F0 1F1 1B0 1B1", "0B1 is missing"),
-    ("0F0 0F0 0B0\n1F0 1B0", "0F0 appears twice"),
-    ("0F0 1F0 0B0\n1B0", "rank 0 runs 1F0, but stage 1 lives on rank 1"),
-    ("0F0 0B0 0I0 0W0\n1F0 1B0", "both 0B0 and I/W"),
-    ("0F0 0I0\n1F0 1B0", "0W0 is missing"),
-    ("0F0 0B0\n1F0 1B0 1SF0", "1SF0 has no peer"),
-    ("0F0 0B0\n1F0 1RF0 1B0", "lowered schedule: 1RF0 on rank 1 has no matching 0SF0"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("0F0 0F1 0B0\n1F0 1F1 1B0 1B1", "0B1 is missing"),
+        ("0F0 0F0 0B0\n1F0 1B0", "0F0 appears twice"),
+        ("0F0 1F0 0B0\n1B0", "rank 0 runs 1F0, but stage 1 lives on rank 1"),
+        ("0F0 0B0 0I0 0W0\n1F0 1B0", "both 0B0 and I/W"),
+        ("0F0 0I0\n1F0 1B0", "0W0 is missing"),
+        ("0F0 0B0\n1F0 1B0 1SF0", "1SF0 has no peer"),
+        ("0F0 0B0\n1F0 1RF0 1B0", "lowered schedule: 1RF0 on rank 1 has no matching 0SF0"),
+    ],
+)
 def test_validate_names_the_offending_action(text, words):
     with pytest.raises(ScheduleError, match=words):
         Schedule.from_text(text).validate()
@@ -228,11 +240,14 @@ def test_custom_schedule_that_deadlocks_is_rejected_naming_the_actions():
         lower(schedule)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("0B0 0F0\n1F0 1B0", "rank 0: 0B0 .position 0. is listed before 0F0"),
-    ("0F0 0W0 0I0\n1F0 1B0", "0W0 .position 1. is listed before 0I0"),
-    ("0F0 0B0 0F1 0B1 2B0 2F0 2F1 2B1\n1F0 1B0 1F1 1B1 3F0 3B0 3F1 3B1", "2B0 .position 4. is listed before 2F0"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("0B0 0F0\n1F0 1B0", "rank 0: 0B0 .position 0. is listed before 0F0"),
+        ("0F0 0W0 0I0\n1F0 1B0", "0W0 .position 1. is listed before 0I0"),
+        ("0F0 0B0 0F1 0B1 2B0 2F0 2F1 2B1\n1F0 1B0 1F1 1B1 3F0 3B0 3F1 3B1", "2B0 .position 4. is listed before 2F0"),
+    ],
+)
 def test_backward_before_its_forward_on_the_same_rank_is_rejected(text, words):
     with pytest.raises(ScheduleError, match=words):
         simulate(Schedule.from_text(text))
@@ -247,14 +262,17 @@ def test_lowered_recv_order_must_match_send_order():
 def test_lowered_send_recv_order_that_deadlocks_when_sends_block():
     # fine with buffered sends, but rank 0 sends micro-batch 1 before receiving 0's gradient while rank 1 sends
     # that gradient before receiving micro-batch 1: with blocking sends (NCCL streams) both wait forever
-    text = ("0F0 0SF0 0F1 0SF1 0F2 0SF2 0RB0 0B0 0RB1 0B1 0RB2 0B2\n"
-            "1RF0 1F0 1I0 1SB0 1W0 1RF1 1F1 1I1 1SB1 1W1 1RF2 1F2 1I2 1SB2 1W2")
+    text = (
+        "0F0 0SF0 0F1 0SF1 0F2 0SF2 0RB0 0B0 0RB1 0B1 0RB2 0B2\n"
+        "1RF0 1F0 1I0 1SB0 1W0 1RF1 1F1 1I1 1SB1 1W1 1RF2 1F2 1I2 1SB2 1W2"
+    )
     with pytest.raises(ScheduleError) as info:
         simulate(Schedule.from_text(text))
     assert "rank 0 is at 0SF1, waiting for rank 1 to post 1RF1" in str(info.value)
     assert "rank 1 is at 1SB0, waiting for rank 0 to post 0RB0" in str(info.value)
-    unlowered = Schedule.from_text("\n".join(" ".join(t for t in line.split() if not Action.parse(t).is_comm)
-                                             for line in text.splitlines()))
+    unlowered = Schedule.from_text(
+        "\n".join(" ".join(t for t in line.split() if not Action.parse(t).is_comm) for line in text.splitlines())
+    )
     simulate(unlowered)
     simulate(lower(unlowered))  # lower() orders the same compute actions without a deadlock
 
@@ -273,7 +291,7 @@ def test_lower_inserts_sends_and_recvs_without_changing_the_timeline(name, p, m,
                 producer = max(k for k in range(i) if not acts[k].is_comm)
                 assert schedule.comms(acts[producer])[-1] == a
             if a.kind in ("RF", "RB"):  # before its consumer
-                assert any(c == a for b in acts[i + 1:] for c in schedule.comms(b))
+                assert any(c == a for b in acts[i + 1 :] for c in schedule.comms(b))
     assert simulate(lowered, costs).makespan == approx(simulate(schedule, costs).makespan)
     if lowered.is_lowered:
         with pytest.raises(ScheduleError, match="already lowered"):

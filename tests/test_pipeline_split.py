@@ -43,7 +43,10 @@ def test_even_split_and_explicit_cuts():
     assert plan_split(model, 3).bounds == (0, 3, 6, 8)
     assert plan_split(model, 3, cuts=[1, 5]).bounds == (0, 1, 5, 8)
     assert [list(s.blocks.keys()) for s in split_model(model, 3, cuts=[1, 5])] == [
-        ["0"], ["1", "2", "3", "4"], ["5", "6", "7"]]
+        ["0"],
+        ["1", "2", "3", "4"],
+        ["5", "6", "7"],
+    ]
 
 
 def test_sequential_keeps_child_names():

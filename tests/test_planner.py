@@ -12,19 +12,25 @@ import time
 import pytest
 import torch
 
-from plait.layout import Layout
 from plait.errors import ConfigError, LayoutError
-from plait.planner.memory import zero_paper_bytes
+from plait.layout import Layout
 from plait.models import GPT, GPTConfig
 from plait.planner import (
-    NAMED, balanced_stages, block_operators, get_hardware, inter_op_plan, plan, predict, profile_layers,
-    resolve_model, solve_intra_op,
+    NAMED,
+    balanced_stages,
+    block_operators,
+    get_hardware,
+    inter_op_plan,
+    plan,
+    predict,
+    profile_layers,
+    resolve_model,
+    solve_intra_op,
 )
 from plait.planner.calibrate import fit_alpha_beta
-from plait.planner.costs import block_flops, collective_time, spans_nodes
+from plait.planner.costs import IMPLEMENTATIONS, block_flops, collective_time, spans_nodes
 from plait.planner.intra_op import brute_force
-from plait.planner.memory import block_activation_bytes, model_state_bytes
-from plait.planner.costs import IMPLEMENTATIONS
+from plait.planner.memory import block_activation_bytes, model_state_bytes, zero_paper_bytes
 from plait.planner.predict import pipeline_closed_form
 from plait.planner.report import plan_toml
 from plait.planner.search import _divisors, _shapes
@@ -44,18 +50,39 @@ def test_catalogue_names_aliases_and_errors(monkeypatch, tmp_path):
         get_hardware("this-machine")
 
 
-@pytest.mark.parametrize("name, billions", [("gpt3-175b", 174.6), ("llama-7b", 6.74), ("llama-13b", 13.0),
-                                            ("llama-70b", 68.98), ("llama3-8b", 8.03), ("llama3-405b", 405.9),
-                                            ("gpt2", 0.124)])
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("gpt3-175b", 174.6),
+        ("llama-7b", 6.74),
+        ("llama-13b", 13.0),
+        ("llama-70b", 68.98),
+        ("llama3-8b", 8.03),
+        ("llama3-405b", 405.9),
+        ("gpt2", 0.124),
+    ],
+)
 def test_named_models_have_their_published_sizes(name, billions):
     assert NAMED[name].parameters / 1e9 == pytest.approx(billions, rel=0.01)
 
 
 def test_models_from_hf_config_gptconfig_and_profiles(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
-                                "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
-                                "vocab_size": 32000, "max_position_embeddings": 4096, "hidden_act": "silu"}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 80,
+                "hidden_size": 8192,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "intermediate_size": 28672,
+                "vocab_size": 32000,
+                "max_position_embeddings": 4096,
+                "hidden_act": "silu",
+            }
+        )
+    )
     assert resolve_model(str(path)).parameters == NAMED["llama-70b"].parameters
     config = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32)
     model = GPT(config)
@@ -71,11 +98,25 @@ def test_models_from_hf_config_gptconfig_and_profiles(tmp_path):
 
 def test_models_from_transformers_objects_use_their_config():
     import transformers  # in the venv (plait.models.hf supports it); the models are built from configs
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0))
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=100, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+    )
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=100,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     for model in (gpt2, llama):  # built from configs: nothing downloaded; counts exact (same architecture)
         assert resolve_model(model).parameters == sum(p.numel() for p in model.parameters())
     spec = resolve_model(llama.config, seq=16)
@@ -116,14 +157,20 @@ def test_activations_follow_korthikanti():
     s, b, h, a, t = 2048, 1, spec.hidden, spec.heads, 8
     tp_only = block_activation_bytes(spec, Layout(dp=1, tp=t, precision="bf16"), b, s, impl, False)
     assert tp_only == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
-    with_sp = block_activation_bytes(spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, False)
+    with_sp = block_activation_bytes(
+        spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, False
+    )
     assert with_sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
-    recomputed = block_activation_bytes(spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, True)
+    recomputed = block_activation_bytes(
+        spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, True
+    )
     assert recomputed == pytest.approx(2 * s * b * h / t)
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2),
-                                               ("zero-bubble", 4, 12, 1), ("gpipe", 4, 8, 1)])
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2), ("zero-bubble", 4, 12, 1), ("gpipe", 4, 8, 1)],
+)
 def test_pipeline_closed_forms_match_the_simulator(schedule, p, m, v):
     """The search's fast pass and predict(exact=True) agree on equal stages (1% for rounding of p2p)."""
     from plait.parallel.pipeline import build_schedule, simulate
@@ -159,8 +206,10 @@ def test_balanced_stages_is_the_min_max_partition():
         p = rng.randint(1, len(costs))
         got = balanced_stages(costs, p)
         assert len(got) == p and got[0][0] == 0 and got[-1][1] == len(costs)
-        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
-                   for cuts in itertools.combinations(range(1, len(costs)), p - 1))
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+            for cuts in itertools.combinations(range(1, len(costs)), p - 1)
+        )
         assert max(sum(costs[a:b]) for a, b in got) == pytest.approx(best)
 
 
@@ -196,8 +245,16 @@ def test_intra_op_ilp_finds_megatron_sequence_parallel():
         ops = block_operators(spec, tp, 4096, H100)
         ilp, exhaustive = solve_intra_op(ops, tp, H100), brute_force(ops, tp, H100)
         assert ilp.cost == pytest.approx(exhaustive.cost, rel=1e-6)
-        assert ilp.choice == {"norm1": "sequence", "qkv": "column", "attention": "heads", "out": "row",
-                              "norm2": "sequence", "up": "column", "act": "split", "down": "row"}
+        assert ilp.choice == {
+            "norm1": "sequence",
+            "qkv": "column",
+            "attention": "heads",
+            "out": "row",
+            "norm2": "sequence",
+            "up": "column",
+            "act": "split",
+            "down": "row",
+        }
         assert ilp.tp_plan()["blocks.*.attn.q"] == "colwise" and ilp.tp_plan()["blocks.*.mlp.down"] == "rowwise"
     with pytest.raises(ConfigError, match="memory budget"):
         solve_intra_op(block_operators(spec, 2, 4096, H100), 2, H100, memory_budget=1e3)
@@ -240,8 +297,11 @@ def test_plan_for_a_70b_model_on_thousands_of_gpus_takes_seconds(gpus, global_ba
 def test_a_batch_no_layout_splits_names_batches_and_device_counts_that_do():
     # 10,000 GPUs and batch 1024: dp divides 1024 (a power of two <= 1024) while 10,000 / dp must be tp x cp x pp
     # with pp <= 80 layers: 625 = 5^4 does not fit, so nothing splits. 1000 = 40 x 25 and 9,984 = 8 x 1248 do.
-    with pytest.raises(ConfigError, match=r"no layout of 10000 devices splits a global batch of 1024.*"
-                                          r"1000.*dp can be 25.*9984 or 10112 devices") as error:
+    with pytest.raises(
+        ConfigError,
+        match=r"no layout of 10000 devices splits a global batch of 1024.*"
+        r"1000.*dp can be 25.*9984 or 10112 devices",
+    ) as error:
         plan("llama-70b", 10_000, "h100", global_batch=1024)
     suggested = [int(n) for n in re.search(r"splits: ([\d or]+) \(", str(error.value)).group(1).split(" or ")]
     spec = resolve_model("llama-70b")
@@ -265,11 +325,33 @@ def test_cli_plan_simulate_and_errors(tmp_path, capsys):
     from plait.cli.main import main
 
     out = tmp_path / "plan.toml"
-    assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "a100", "--seq", "2048",
-                 "--global-batch", "32", "--top", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-7b",
+                "--gpus",
+                "8",
+                "--gpu",
+                "a100",
+                "--seq",
+                "2048",
+                "--global-batch",
+                "32",
+                "--top",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert load_config(out).layout.world_size == 8
-    assert main(["simulate", "--model", "gpt2", "--gpu", "h100", "--global-batch", "16",
-                 "--layout", "dp=4,tp=2,zero=1"]) == 0
+    assert (
+        main(["simulate", "--model", "gpt2", "--gpu", "h100", "--global-batch", "16", "--layout", "dp=4,tp=2,zero=1"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "MFU" in printed and "why #2 loses" in printed
     assert main(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu", "tpu"]) == 2
@@ -317,8 +399,9 @@ def test_processor_sharing_simulation_of_a_pipeline():
         serial = dataclasses.replace(costs, p2p=0.0)
         work = sum(serial.of(a) for actions in schedule.actions for a in actions)
         assert math.isclose(shared_makespan(schedule, serial, units=1), work), name
-        assert math.isclose(shared_makespan(schedule, costs, units=2, replicas=2),
-                            shared_makespan(schedule, costs, units=1, replicas=1))
+        assert math.isclose(
+            shared_makespan(schedule, costs, units=2, replicas=2), shared_makespan(schedule, costs, units=1, replicas=1)
+        )
         assert shared_makespan(schedule, costs, units=2) >= simulate(schedule, costs).makespan - 1e-9
 
 
@@ -336,5 +419,7 @@ def test_split_backward_makes_zero_bubble_dearer_where_calibrated():
     dear = predict("gpt2-xl", layout, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time
     assert dear > base * 1.05
     one_f_one_b = Layout(dp=1, pp=4, microbatches=8)
-    assert predict("gpt2-xl", one_f_one_b, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time == \
-        predict("gpt2-xl", one_f_one_b, hw, global_batch=8).step_time
+    assert (
+        predict("gpt2-xl", one_f_one_b, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time
+        == predict("gpt2-xl", one_f_one_b, hw, global_batch=8).step_time
+    )

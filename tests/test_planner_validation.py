@@ -32,8 +32,9 @@ def test_zero_figure_1_model_states():
     from plait.planner.memory import model_state_bytes
 
     for stage, expected in ZERO_FIGURE_1["bytes_by_stage"].items():
-        parts = model_state_bytes(ZERO_FIGURE_1["psi"], Layout(dp=ZERO_FIGURE_1["dp"], zero=stage),
-                                  IMPLEMENTATIONS["plait"])
+        parts = model_state_bytes(
+            ZERO_FIGURE_1["psi"], Layout(dp=ZERO_FIGURE_1["dp"], zero=stage), IMPLEMENTATIONS["plait"]
+        )
         assert round(sum(parts[:3]) / 1e9, 1) == expected / 1e9
 
 
@@ -45,8 +46,11 @@ def test_calibrated_fits_scale_with_the_group_size_by_the_ring_formulas():
     from plait.planner.hardware import get_hardware
 
     alpha, beta = 1e-3, 1e-9
-    hw = replace(get_hardware("h100"), measured={"all_reduce": (alpha, beta), "all_gather": (alpha, beta),
-                                                "send_recv": (alpha, beta)}, measured_ranks=4)
+    hw = replace(
+        get_hardware("h100"),
+        measured={"all_reduce": (alpha, beta), "all_gather": (alpha, beta), "send_recv": (alpha, beta)},
+        measured_ranks=4,
+    )
     nbytes = 1e6
     assert collective_time(hw, "all_reduce", nbytes, 4, False) == pytest.approx(alpha + beta * nbytes)
     # ring all-reduce: 2(n-1) latency steps and 2(n-1)/n of the payload; at 8 ranks vs the measured 4
@@ -74,15 +78,16 @@ def test_ranks_sharing_processors_cannot_beat_their_work_spread_over_them():
         bound = max(alone.step_time, 4 / 2 * work + comm)
         if layout.pp == 1:  # no schedule: the bound is the prediction
             assert together.step_time == pytest.approx(bound, rel=1e-6)
-            assert together.time["shared_processors"] == pytest.approx(together.step_time - alone.step_time,
-                                                                       abs=1e-12)
+            assert together.time["shared_processors"] == pytest.approx(together.step_time - alone.step_time, abs=1e-12)
         else:  # the schedule run under processor sharing (plait.planner.sharing): the bound or more, never more
             # than every stage's work in a row at the 2/4 speed
             assert bound * (1 - 1e-9) <= together.step_time <= 4 / 2 * 4 * alone.time["compute"] + comm
     # a pipeline's bubble is idle time another rank can use: with 2 processors for 4 ranks, pp=4 m=4 costs
     # no more than dp=4 of the same work
-    dp, pp = (predict(config, lay, shared, 16, implementation="plait-cpu")
-              for lay in (Layout(dp=4), Layout(pp=4, dp=1, microbatches=4)))
+    dp, pp = (
+        predict(config, lay, shared, 16, implementation="plait-cpu")
+        for lay in (Layout(dp=4), Layout(pp=4, dp=1, microbatches=4))
+    )
     assert pp.time["pp_bubble"] > 0 and pp.step_time < 1.5 * dp.step_time
 
 
@@ -102,7 +107,13 @@ def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
     themselves, Spearman and chosen-vs-fastest over 4 and 8 ranks, are in docs/planner.md: noisy 1-step
     timings on a shared 2-core machine are not asserted.)"""
     from benchmarks.planner_validation import (
-        DOC_END, DOC_START, chosen_vs_fastest, spearman, table, validate, write_docs,
+        DOC_END,
+        DOC_START,
+        chosen_vs_fastest,
+        spearman,
+        table,
+        validate,
+        write_docs,
     )
     from plait.layout import Layout
     from plait.models import GPTConfig
@@ -116,12 +127,22 @@ def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
     assert hw.flops("fp32") > 1e8 and set(hw.measured) == set(COLLECTIVES) and hw.measured_ranks == 2
     assert 1 <= hw.compute_units <= 2 and data["seconds"] < 120
     config = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32)
-    plain, recomputed = (predict(config, Layout(dp=2, recompute=r), hw, 8, implementation="plait-cpu")
-                         for r in ("none", "full"))
+    plain, recomputed = (
+        predict(config, Layout(dp=2, recompute=r), hw, 8, implementation="plait-cpu") for r in ("none", "full")
+    )
     assert 0 < plain.step_time < recomputed.step_time and plain.fits  # recomputation adds a forward pass
 
-    rows = validate(2, config, (Layout(dp=2), Layout(pp=2, microbatches=2), Layout(tp=2)), global_batch=8, top=2,
-                    calibration=data, warmup=1, steps=1, rounds=2)
+    rows = validate(
+        2,
+        config,
+        (Layout(dp=2), Layout(pp=2, microbatches=2), Layout(tp=2)),
+        global_batch=8,
+        top=2,
+        calibration=data,
+        warmup=1,
+        steps=1,
+        rounds=2,
+    )
     assert len(rows) >= 3 and [r.ranked for r in rows if r.ranked is not None][:1] == [0]
     assert all(r.predicted > 0 and len(r.measured) == 2 and min(r.measured) > 0 for r in rows)
     assert chosen_vs_fastest(rows) >= 0 and -1 <= spearman(rows) <= 1

@@ -9,14 +9,14 @@ import functools
 
 import pytest
 import torch
+from harness import run_distributed
+from test_engine import GLOBAL_BATCH, OPTIMIZERS, make_model
 
 import plait
-from harness import run_distributed
 from plait import Layout
 from plait.data import ShardedBatches
-from plait.train.metrics import MetricsWriter, read_metrics, step_record
 from plait.parallel.precision import DynamicLossScaler, MixedPrecision
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, make_model
+from plait.train.metrics import MetricsWriter, read_metrics, step_record
 
 STEPS = 12
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +36,7 @@ def _train(layout: Layout) -> tuple[list[float], dict]:
     return [s.loss for s in stats], stats[-1].comm.to_dict()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_losses(precision: str) -> list[float]:
     """Single-device training under the same autocast (or fp32)."""
     model, task = make_model()
@@ -69,7 +69,9 @@ def _overflow(layout: Layout) -> dict:
     first = engine.train_step(loader.batch_at(0))
     after = engine.strategy.full_parameters()
     out = {
-        "first": first, "record": step_record(first, lr=0.1), "stepped": bool(engine.optimizer.state),
+        "first": first,
+        "record": step_record(first, lr=0.1),
+        "stepped": bool(engine.optimizer.state),
         "unchanged": all(torch.equal(before[name], after[name]) for name in before),
     }
     for step in range(1, 40):  # the scale keeps halving until steps go through
@@ -83,8 +85,12 @@ def _overflow(layout: Layout) -> dict:
 def _suite() -> dict:
     """dp=2: the loss curve and traffic of every precision under every stage, reducing gradients in fp32 and in
     the compute dtype, and an fp16 overflow under each ZeRO stage."""
-    runs = {(p, stage, reduce): _train(Layout(dp=2, zero=stage, precision=p, reduce_dtype=reduce))
-            for p in DTYPES for stage in STAGES for reduce in ("fp32", "compute")}
+    runs = {
+        (p, stage, reduce): _train(Layout(dp=2, zero=stage, precision=p, reduce_dtype=reduce))
+        for p in DTYPES
+        for stage in STAGES
+        for reduce in ("fp32", "compute")
+    }
     return {
         "losses": {key: losses for key, (losses, _) in runs.items()},
         "traffic": {key: traffic for key, (_, traffic) in runs.items()},
@@ -162,7 +168,10 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     writer.write(step_record(result["through"], lr=0.1))
     writer.close()
     records = read_metrics(writer.path)
-    assert [(r["skipped"], r["loss_scale"]) for r in records] == [(True, 2.0**29), (False, result["through"].loss_scale)]
+    assert [(r["skipped"], r["loss_scale"]) for r in records] == [
+        (True, 2.0**29),
+        (False, result["through"].loss_scale),
+    ]
 
 
 @pytest.mark.distributed

@@ -3,13 +3,13 @@ far fewer activations held, and clear errors for blocks that do not exist."""
 
 import pytest
 import torch
-
-import plait
 from harness import run_distributed
-from plait import Layout, LayoutError
-from plait.parallel.recompute import apply_recompute, find_blocks
 from reference import assert_trajectories_match
 from test_engine import make_model, reference, train_plait
+
+import plait
+from plait import Layout, LayoutError
+from plait.parallel.recompute import apply_recompute, find_blocks
 
 
 def test_blocks_are_found_by_container_name():

@@ -4,18 +4,27 @@ step and per layer, 1D and SP, against the ring theory; activation bytes per ran
 
 import pytest
 import torch
+from harness import run_distributed
 from torch import nn
+from tp_helpers import (
+    CLIP,
+    GLOBAL_BATCH,
+    LAYER_TOL,
+    assert_matches_reference,
+    make_model,
+    optimizer,
+    reference_run,
+    train_tp,
+)
 
 import plait
-from harness import run_distributed
 from plait import Layout
 from plait.comm import Comm
 from plait.data import ShardedBatches
-from plait.models.loss import apply_loss
 from plait.mesh import Mesh
-from plait.parallel.tensor.sequence import saved_activation_bytes
+from plait.models.loss import apply_loss
 from plait.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tp_helpers import CLIP, LAYER_TOL, GLOBAL_BATCH, assert_matches_reference, make_model, optimizer, reference_run, train_tp
+from plait.parallel.tensor.sequence import saved_activation_bytes
 
 
 def _layers(world: int) -> None:
@@ -97,9 +106,12 @@ def _measure() -> dict:
     for sp in (False, True):
         for n_layer in LAYERS:
             model, task = make_model("gpt2", n_layer=n_layer)
-            engine = plait.parallelize(model, Layout(tp=TP, sequence_parallel=sp), optimizer=optimizer, max_grad_norm=CLIP)
+            engine = plait.parallelize(
+                model, Layout(tp=TP, sequence_parallel=sp), optimizer=optimizer, max_grad_norm=CLIP
+            )
             inputs, targets = ShardedBatches(task, GLOBAL_BATCH).global_batch_at(0)
-            saved = saved_activation_bytes(engine.model, lambda: apply_loss(engine.loss_fn, engine.model(inputs), targets))
+            forward = lambda: apply_loss(engine.loss_fn, engine.model(inputs), targets)  # noqa: B023, E731
+            saved = saved_activation_bytes(engine.model, forward)
             stats = engine.train_step((inputs, targets))
             out[sp, n_layer] = {"wire": stats.comm.wire("tp"), "ops": stats.comm.to_dict(), "saved": saved}
     return out
@@ -150,7 +162,9 @@ def test_sequence_parallelism_splits_the_activations_of_the_norm_regions(measure
     (saved once, not re-gathered in backward; docs/tensor_parallel.md)."""
     model, task = make_model("gpt2", n_layer=2)
     inputs, targets = ShardedBatches(task, GLOBAL_BATCH).global_batch_at(0)
-    single = saved_activation_bytes(model, lambda: apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets))
+    single = saved_activation_bytes(
+        model, lambda: apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets)
+    )
     one_d, sp = measured[False, 2]["saved"], measured[True, 2]["saved"]
     assert sp < one_d < single, (single, one_d, sp)
     per_layer_1d = measured[False, 3]["saved"] - one_d

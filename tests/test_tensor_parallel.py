@@ -8,9 +8,10 @@ test_sequence_parallel.py. 2D / 2.5D / 3D: test_tensor_parallel_nd.py."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from harness import run_distributed
+from torch import nn
+from tp_helpers import LAYER_TOL, assert_matches_reference, custom_loss, reference_run, train_tp
+
 from plait import Layout, LayoutError
 from plait.comm import Comm
 from plait.mesh import Mesh
@@ -23,7 +24,7 @@ from plait.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from plait.parallel.tensor.plan import default_plan, resolve_plan
-from tp_helpers import LAYER_TOL, assert_matches_reference, custom_loss, reference_run, train_tp
+
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, **LAYER_TOL, msg=lambda m: f"{what}: {m}")
@@ -121,7 +122,9 @@ def test_gpt_matches_single_device(case):
         assert_matches_reference(result, expected, f"{case} rank {rank}")
         assert result["losses"] == results[0]["losses"], f"{case}: rank {rank} reports a different loss"
     covered = set().union(*(result["params"].keys() for result in results))
-    assert covered == expected.params[-1].keys(), f"{case}: parameters on no rank: {expected.params[-1].keys() - covered}"
+    assert covered == expected.params[-1].keys(), (
+        f"{case}: parameters on no rank: {expected.params[-1].keys() - covered}"
+    )
     if case == "tp4":
         _check_parameter_memory(results, expected.params[-1], tp=4)
 
@@ -135,7 +138,9 @@ def _check_parameter_memory(results: list[dict], full: dict[str, torch.Tensor], 
         split = sum(full[name].numel() for name in result["sharded"])
         held = sum(result["local_numel"].values())
         assert held == sum(t.numel() for t in full.values()) - split + split // tp
-    expected_split = {name for name in full if name.endswith("weight") and "norm" not in name and "pos_embed" not in name}
+    expected_split = {
+        name for name in full if name.endswith("weight") and "norm" not in name and "pos_embed" not in name
+    }
     assert results[0]["sharded"] == expected_split
 
 
@@ -162,14 +167,22 @@ def test_built_in_plan_is_chosen_by_class_and_matches_every_block():
         (dict(d_ff=30), Layout(tp=4), None, "does not divide the out_features of blocks.0.mlp.up (30)"),
         (dict(vocab_size=13), Layout(tp=2), None, "does not divide the vocabulary (num_embeddings) of tok_embed (13)"),
         (dict(vocab_size=13), Layout(tp=2), None, "or pad the vocabulary with Layout(tp_pad_vocab=True)"),
-        (dict(vocab_size=13, d_ff=30), Layout(tp=4, tp_pad_vocab=True), None,  # only the vocabulary is padded
-         "does not divide the out_features of blocks.0.mlp.up (30)"),
+        (
+            dict(vocab_size=13, d_ff=30),
+            Layout(tp=4, tp_pad_vocab=True),
+            None,  # only the vocabulary is padded
+            "does not divide the out_features of blocks.0.mlp.up (30)",
+        ),
         ({}, Layout(tp=2), {"blocks.*.mlp.upp": "colwise"}, "'blocks.*.mlp.upp' names no module of GPT"),
         ({}, Layout(tp=2), {"lm_head": "diagonal"}, "unknown style 'diagonal'"),
         ({}, Layout(tp=2), {"blocks.*.norm1": "colwise"}, "blocks.0.norm1 is a LayerNorm, but style 'colwise'"),
         (dict(seq_len=9), Layout(tp=2, sequence_parallel=True), None, "seq_len=9"),
-        ({}, Layout(tp=2, pp=2, sequence_parallel=True, schedule="pipedream"), None,
-         "sequence_parallel=True with schedule='pipedream'"),
+        (
+            {},
+            Layout(tp=2, pp=2, sequence_parallel=True, schedule="pipedream"),
+            None,
+            "sequence_parallel=True with schedule='pipedream'",
+        ),
     ],
 )
 def test_bad_plans_and_layouts_raise_layout_errors_naming_the_fix(model, layout, plan, needle):
@@ -182,5 +195,7 @@ def test_a_model_without_a_built_in_plan_asks_for_one():
     with pytest.raises(LayoutError, match="no built-in plan for Sequential.*tp_plan="):
         plan_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), Layout(tp=2).resolve(2))
     plan = {"0": "colwise", "2": "rowwise"}
-    resolved = plan_tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), Layout(tp=2).resolve(2), plan)
+    resolved = plan_tensor_parallel(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), Layout(tp=2).resolve(2), plan
+    )
     assert resolved.styles == {"0": "colwise", "2": "rowwise"}

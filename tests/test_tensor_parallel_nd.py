@@ -14,9 +14,19 @@ import re
 
 import pytest
 import torch
-from torch import nn
-
 from harness import run_distributed
+from torch import nn
+from tp_helpers import (
+    GLOBAL_BATCH,
+    LAYER_TOL,
+    MODELS,
+    PARAM_TOL,
+    STEPS,
+    assert_matches_reference,
+    reference_run,
+    train_tp,
+)
+
 from plait import Layout, LayoutError
 from plait.comm import Comm
 from plait.mesh import Mesh
@@ -36,8 +46,6 @@ from plait.parallel.tensor import (
 from plait.parallel.tensor.grid import ACTIVATION_PLACEMENT, TP_COL, TP_DEP, local_block, whole
 from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
 from plait.parallel.tensor.grid_plan import apply_grid_plan, gpt_grid_plan, resolve_grid_plan
-from tp_helpers import GLOBAL_BATCH, LAYER_TOL, MODELS, PARAM_TOL, STEPS, assert_matches_reference, reference_run
-from tp_helpers import train_tp
 
 M, IN, OUT = 8, 8, 16
 """Tiny sizes that every grid divides: batch M by q*d (2.5D) and q^2 (3D), the bias OUT by q^3 (3D)."""
@@ -46,11 +54,20 @@ GPT_KINDS = ("gpt2", "llama_gqa")
 
 MODES = {
     "2d": dict(world=4, layout=dict(tp=4, tp_mode="2d"), q=2, d=1, linears=[("Linear2D", {})], mlp=MLP2D),
-    "2.5d": dict(world=8, layout=dict(tp=8, tp_mode="2.5d", tp_depth=2), q=2, d=2,
-                 linears=[("Linear2p5D", {})], mlp=MLP2p5D),
-    "3d": dict(world=8, layout=dict(tp=8, tp_mode="3d"), q=2, d=2,
-               linears=[("Linear3D", dict(reduce_axis=TP_DEP, out_axis=TP_COL)),
-                        ("Linear3D", dict(reduce_axis=TP_COL, out_axis=TP_DEP))], mlp=MLP3D),
+    "2.5d": dict(
+        world=8, layout=dict(tp=8, tp_mode="2.5d", tp_depth=2), q=2, d=2, linears=[("Linear2p5D", {})], mlp=MLP2p5D
+    ),
+    "3d": dict(
+        world=8,
+        layout=dict(tp=8, tp_mode="3d"),
+        q=2,
+        d=2,
+        linears=[
+            ("Linear3D", dict(reduce_axis=TP_DEP, out_axis=TP_COL)),
+            ("Linear3D", dict(reduce_axis=TP_COL, out_axis=TP_DEP)),
+        ],
+        mlp=MLP3D,
+    ),
 }
 LINEARS = {"Linear2D": Linear2D, "Linear2p5D": Linear2p5D, "Linear3D": Linear3D}
 
@@ -202,8 +219,10 @@ def _run_mode(mode: str) -> dict:
     ratios = _layer_checks(comm, spec, mode)
     _norm_checks(comm, mode)
     held = {}
-    for opt_name, make in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-                           ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))):
+    for opt_name, make in (
+        ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    ):
         held[opt_name] = _mlp_training(comm, spec, mode, make)
     block_ratios = _block_bytes(comm, mode, spec)
     gpt = {kind: train_tp(Layout(**spec["layout"]), kind) for kind in GPT_KINDS}  # through parallelize
@@ -269,7 +288,10 @@ def _comm(**layout) -> Comm:
         (dict(tp=4, tp_mode="2d", tp_depth=2), "Fix: set tp_mode='2.5d'"),
         (dict(tp=4, tp_mode="4d"), "tp_mode='4d' is unknown"),
         (dict(tp=4, tp_mode="2d", sequence_parallel=True), "sequence_parallel=True is Megatron 1D"),
-        (dict(tp=4, tp_mode="2d", tp_pad_vocab=True), "tp_pad_vocab=True pads Megatron 1D's.*Fix: set tp_pad_vocab=False"),
+        (
+            dict(tp=4, tp_mode="2d", tp_pad_vocab=True),
+            "tp_pad_vocab=True pads Megatron 1D's.*Fix: set tp_pad_vocab=False",
+        ),
     ],
 )
 def test_bad_nd_layouts(layout, needle):
@@ -305,18 +327,38 @@ def _gpt(**fields) -> GPT:
 @pytest.mark.parametrize(
     "model, layout, plan, needle",
     [
-        (dict(n_head=4, n_kv_head=1), dict(tp=4, tp_mode="2d"), None,
-         "splits the heads over tp_col=2 ranks, but blocks.0.attn has 1 key/value heads"),
+        (
+            dict(n_head=4, n_kv_head=1),
+            dict(tp=4, tp_mode="2d"),
+            None,
+            "splits the heads over tp_col=2 ranks, but blocks.0.attn has 1 key/value heads",
+        ),
         (dict(n_head=2, d_model=16), dict(tp=9, tp_mode="2d"), None, "does not split over the grid"),
-        (dict(vocab_size=13), dict(tp=4, tp_mode="2d"), None,
-         r"lm_head.weight of shape \(13, 16\) does not split over the grid \(dim 0: size 13 does not split into 2"),
-        (dict(d_model=4, n_head=2), dict(tp=8, tp_mode="3d"), None,  # norms and embeddings: 1/tp of d_model each
-         r"tok_embed.weight of shape \(12, 4\) .*dim 1: size 4 does not split into 8 blocks "
-         r"\(tp_dep=2 x tp_row=2 x tp_col=2\)"),
-        ({}, dict(tp=4, tp_mode="2d"), {"blocks.*.attn.q": "grid_in"},
-         "parameter tok_embed.weight belongs to tok_embed, which the tp plan does not make a grid layer"),
-        ({}, dict(tp=4, tp_mode="2d"), {"blocks.*.norm1": "grid_in"},
-         "blocks.0.norm1 is a LayerNorm, but style 'grid_in'"),
+        (
+            dict(vocab_size=13),
+            dict(tp=4, tp_mode="2d"),
+            None,
+            r"lm_head.weight of shape \(13, 16\) does not split over the grid \(dim 0: size 13 does not split into 2",
+        ),
+        (
+            dict(d_model=4, n_head=2),
+            dict(tp=8, tp_mode="3d"),
+            None,  # norms and embeddings: 1/tp of d_model each
+            r"tok_embed.weight of shape \(12, 4\) .*dim 1: size 4 does not split into 8 blocks "
+            r"\(tp_dep=2 x tp_row=2 x tp_col=2\)",
+        ),
+        (
+            {},
+            dict(tp=4, tp_mode="2d"),
+            {"blocks.*.attn.q": "grid_in"},
+            "parameter tok_embed.weight belongs to tok_embed, which the tp plan does not make a grid layer",
+        ),
+        (
+            {},
+            dict(tp=4, tp_mode="2d"),
+            {"blocks.*.norm1": "grid_in"},
+            "blocks.0.norm1 is a LayerNorm, but style 'grid_in'",
+        ),
         ({}, dict(tp=4, tp_mode="2d"), {"lm_head": "colwise_vocab"}, "unknown style 'colwise_vocab'"),
         ({}, dict(tp=4, tp_mode="2d", pp=2), None, "tp_mode='2d' with pp=2 is not supported"),
         ({}, dict(tp=4, tp_mode="2d", cp=2), None, "tp_mode='2d' with cp=2 is not supported"),
@@ -334,15 +376,19 @@ def test_a_model_without_a_grid_plan_asks_for_one():
     with pytest.raises(LayoutError, match="tp_mode='2d' has no built-in plan for Sequential.*tp_plan="):
         plan_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), Layout(tp=4, tp_mode="2d").resolve(4))
     plan = {"0": "grid_in", "2": "grid_out"}  # any model takes a grid plan covering its parameters
-    resolved = plan_tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)),
-                                    Layout(tp=4, tp_mode="2d").resolve(4), plan)
+    resolved = plan_tensor_parallel(
+        nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), Layout(tp=4, tp_mode="2d").resolve(4), plan
+    )
     assert resolved.styles == plan
 
 
 def test_a_batch_that_does_not_split_over_the_grid():
     embedding = GridEmbedding(nn.Embedding(12, 16), _comm(tp=8, tp_mode="3d"), "tok_embed")
-    with pytest.raises(LayoutError, match=r"tok_embed: tp_mode='3d' splits the batch over tp_row=2 x tp_col=2 = 4 "
-                                          r"blocks, but this micro-batch has 6 rows. Fix: .* multiple of 4"):
+    with pytest.raises(
+        LayoutError,
+        match=r"tok_embed: tp_mode='3d' splits the batch over tp_row=2 x tp_col=2 = 4 "
+        r"blocks, but this micro-batch has 6 rows. Fix: .* multiple of 4",
+    ):
         embedding(torch.zeros(6, 8, dtype=torch.long))
 
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import run_distributed
 
 import plait
-from harness import run_distributed
-from plait.train.metrics import catalogue_gpu, model_flops_per_token, peak_flops
 from plait.models import GPT, GPTConfig, lm_loss
 from plait.observe.trace import Tracer
 from plait.observe.trace_summary import split_step, union
+from plait.train.metrics import catalogue_gpu, model_flops_per_token, peak_flops
 
 CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 WORK = ("forward", "backward", "comm")
@@ -57,8 +57,12 @@ def check_trace(trace_path: Path, ranks: int, steps: int) -> dict:
 
 def _dp2_traced(out: str) -> dict:
     torch.manual_seed(0)
-    engine = plait.parallelize(GPT(CONFIG), plait.Layout(dp=2, microbatches=2),
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), loss_fn=lm_loss)
+    engine = plait.parallelize(
+        GPT(CONFIG),
+        plait.Layout(dp=2, microbatches=2),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        loss_fn=lm_loss,
+    )
     got = engine.comm.all_gather_bytes(b"x" * (3 * engine.mesh.rank), "world")  # unequal lengths, one empty
     assert got == [b"", b"xxx"]
     x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(engine.mesh.rank))
@@ -98,9 +102,20 @@ def _train_pp2_dp2(out: str, calibration: str) -> list[str]:
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     for name in ("plait.observe.trace", "plait.train.metrics"):
         logging.getLogger(name).addHandler(handler)
-    config = load_config(None, ["layout.pp=2", "layout.dp=2", "layout.microbatches=2", "train.steps=3",
-                                "train.global_batch=8", "train.eval_every=0", "train.eval_batches=1",
-                                "model.d_model=16", f"train.out={json.dumps(out)}"])
+    config = load_config(
+        None,
+        [
+            "layout.pp=2",
+            "layout.dp=2",
+            "layout.microbatches=2",
+            "train.steps=3",
+            "train.global_batch=8",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "model.d_model=16",
+            f"train.out={json.dumps(out)}",
+        ],
+    )
     run(config, trace="", trace_steps=2)
     return messages
 
@@ -146,8 +161,11 @@ def test_model_flops_per_token_match_an_independent_count():
     """3 x forward: 2 x (every block matmul weight, counted on the module) + 4 s h per block + 2 h V."""
     config = GPTConfig(vocab_size=50, seq_len=12, n_layer=3, n_head=4, d_model=32)
     model = GPT(config)
-    matmul = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and ".blocks." in f".{name}.")
+    matmul = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".blocks." in f".{name}."
+    )
     s, h = config.seq_len, config.d_model
     expected = 3 * (2 * matmul + config.n_layer * 4 * s * h + 2 * h * config.vocab_size)
     assert matmul > 0 and model_flops_per_token(model, s) == pytest.approx(expected, rel=1e-12)
@@ -170,8 +188,13 @@ def test_peak_flops_catalogue_and_calibration(tmp_path, monkeypatch):
 
 
 def test_split_step_counts_overlap_once():
-    spans = [[0, "forward", "f", 0, 40, {}], [1, "comm", "c", 30, 60, {}], [0, "step", "s", 0, 100, {}],
-             [0, "backward", "b", 70, 80, {}], [1, "comm", "late", 95, 130, {}]]
+    spans = [
+        [0, "forward", "f", 0, 40, {}],
+        [1, "comm", "c", 30, 60, {}],
+        [0, "step", "s", 0, 100, {}],
+        [0, "backward", "b", 70, 80, {}],
+        [1, "comm", "late", 95, 130, {}],
+    ]
     split = split_step(spans, 0, 100)
     assert split["comm_s"] * 1e9 == pytest.approx(35)  # 30..60 and 95..100
     assert split["compute_s"] * 1e9 == pytest.approx(40 + 10 - 10)  # 0..40, 70..80 minus the 30..40 overlap
@@ -189,14 +212,15 @@ def test_tracer_refuses_what_is_not_an_engine_and_bad_trace_steps(tmp_path, caps
 
 def test_step_meter_mfu_with_a_calibrated_peak(tmp_path, monkeypatch):
     """One process: MFU = tokens x FLOPs per token / seconds / peak, with the peak from `plait calibrate`'s file."""
-    from plait.train.metrics import StepMeter
     from plait.planner.hardware import CATALOGUE
+    from plait.train.metrics import StepMeter
 
     hardware = {**CATALOGUE["h100"].to_dict(), "name": "this-machine", "peak_flops": {"fp32": 1e9}}
     (tmp_path / "cal.json").write_text(json.dumps({"hardware": hardware}))
     monkeypatch.setenv("PLAIT_CALIBRATION", str(tmp_path / "cal.json"))
-    engine = plait.parallelize(GPT(CONFIG), plait.Layout(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                               loss_fn=lm_loss)
+    engine = plait.parallelize(
+        GPT(CONFIG), plait.Layout(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=lm_loss
+    )
     meter = StepMeter(engine, CONFIG, CONFIG.seq_len)
     x = torch.randint(0, 16, (4, 8))
     meter.before_step()

@@ -15,42 +15,59 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import run_distributed
+from reference import Trajectory, assert_trajectories_match, train_reference
+from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import plait
-from harness import run_distributed
 from plait import Layout
 from plait.data import ShardedBatches
 from plait.parallel.zero.offload import is_file_backed
 from plait.parallel.zero.optimizers import ELEMENTWISE
-from reference import Trajectory, assert_trajectories_match, train_reference
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model
 
 BUCKET_MB = 0.004  # ~1000 fp32 elements: the tiny GPT (6736 parameters) makes 8 ZeRO-2 buckets
-CONFIGS = [  # (stage, offload, optimizer, microbatches, clip, recompute)
-    (stage, "none", opt, mb, clip, "none")
-    for stage in (1, 2) for opt in ("adamw", "sgd") for mb in (1, 2) for clip in (None, 0.05)
-] + [
-    (stage, offload, opt, mb, clip, "none")
-    for stage in (1, 2) for offload in ("cpu", "nvme") for opt, mb, clip in (("adamw", 2, 0.05), ("sgd", 1, None))
-] + [(1, "none", "adamw", 2, 0.05, "full"), (2, "none", "sgd", 1, None, (1,)), (2, "cpu", "adamw", 2, 0.05, "full")]
+CONFIGS = (
+    [  # (stage, offload, optimizer, microbatches, clip, recompute)
+        (stage, "none", opt, mb, clip, "none")
+        for stage in (1, 2)
+        for opt in ("adamw", "sgd")
+        for mb in (1, 2)
+        for clip in (None, 0.05)
+    ]
+    + [
+        (stage, offload, opt, mb, clip, "none")
+        for stage in (1, 2)
+        for offload in ("cpu", "nvme")
+        for opt, mb, clip in (("adamw", 2, 0.05), ("sgd", 1, None))
+    ]
+    + [(1, "none", "adamw", 2, 0.05, "full"), (2, "none", "sgd", 1, None, (1,)), (2, "cpu", "adamw", 2, 0.05, "full")]
+)
 """dp=2 runs all of these: every combination without offload, each offload with two of them, and activation
 recomputation through the Layout (every block, or block 1 only) under each stage."""
 DP4_CONFIGS = [
-    (1, "none", "adamw", 2, 0.05, "none"), (1, "none", "sgd", 1, None, "none"), (2, "none", "adamw", 1, None, "none"),
-    (2, "none", "sgd", 2, 0.05, "none"), (1, "cpu", "adamw", 2, 0.05, "none"), (2, "cpu", "sgd", 1, None, "none"),
-    (1, "nvme", "sgd", 1, None, "none"), (2, "nvme", "adamw", 2, 0.05, "none"),
-    (1, "none", "sgd", 2, None, "full"), (2, "none", "adamw", 2, 0.05, "full"),
+    (1, "none", "adamw", 2, 0.05, "none"),
+    (1, "none", "sgd", 1, None, "none"),
+    (2, "none", "adamw", 1, None, "none"),
+    (2, "none", "sgd", 2, 0.05, "none"),
+    (1, "cpu", "adamw", 2, 0.05, "none"),
+    (2, "cpu", "sgd", 1, None, "none"),
+    (1, "nvme", "sgd", 1, None, "none"),
+    (2, "nvme", "adamw", 2, 0.05, "none"),
+    (1, "none", "sgd", 2, None, "full"),
+    (2, "none", "adamw", 2, 0.05, "full"),
 ]
 """dp=4 (4 processes on a small machine) runs each stage, offload, optimizer, accumulation, clipping and
 recomputation at least once, in 10 runs instead of 48."""
 
 
-def layout_of(world: int, stage: int, offload: str = "none", microbatches: int = 1,
-              recompute: str | tuple[int, ...] = "none") -> Layout:
-    return Layout(dp=world, zero=stage, offload=offload, microbatches=microbatches, bucket_mb=BUCKET_MB,
-                  recompute=recompute)
+def layout_of(
+    world: int, stage: int, offload: str = "none", microbatches: int = 1, recompute: str | tuple[int, ...] = "none"
+) -> Layout:
+    return Layout(
+        dp=world, zero=stage, offload=offload, microbatches=microbatches, bucket_mb=BUCKET_MB, recompute=recompute
+    )
 
 
 def train(layout: Layout, optimizer: str, clip: float | None, forwards: list[int] | None = None) -> Trajectory:
@@ -83,8 +100,12 @@ def padded_total(engine: plait.Engine) -> int:
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's per-element state (tensors with dim >= 1; the 0-dim step counters excluded)."""
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-               if isinstance(t, torch.Tensor) and t.dim() >= 1)
+    return sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() >= 1
+    )
 
 
 # ------------------------------------------------------------------------------------------ worker pieces
@@ -109,11 +130,16 @@ def _memory(world: int, stage: int, offload: str) -> dict:
     masters = [b.master for b in strategy.buckets]
     states = [t for s in engine.optimizer.state.values() for t in s.values() if t.dim() >= 1]
     out = dict(
-        seen, padded=padded_total(engine), n_params=sum(p.numel() for p in model.parameters()),
-        state_bytes=state_bytes(engine.optimizer), full_state_bytes=state_bytes(full_optimizer),
-        split=strategy.memory_split(), master_bytes=sum(m.numel() * 4 for m in masters),
-        step_bytes=sum(t.numel() * t.element_size() for s in engine.optimizer.state.values() for t in s.values()
-                       if t.dim() == 0),
+        seen,
+        padded=padded_total(engine),
+        n_params=sum(p.numel() for p in model.parameters()),
+        state_bytes=state_bytes(engine.optimizer),
+        full_state_bytes=state_bytes(full_optimizer),
+        split=strategy.memory_split(),
+        master_bytes=sum(m.numel() * 4 for m in masters),
+        step_bytes=sum(
+            t.numel() * t.element_size() for s in engine.optimizer.state.values() for t in s.values() if t.dim() == 0
+        ),
         files_backed=[is_file_backed(t) for t in masters + states],
         files=sorted(str(Path(t.untyped_storage().filename).parent) for t in masters + states if is_file_backed(t)),
     )
@@ -127,8 +153,13 @@ def _bytes_per_step(world: int, stage: int, microbatches: int) -> dict:
     model, task = make_model()
     engine = plait.parallelize(model, layout_of(world, stage, microbatches=microbatches), optimizer=OPTIMIZERS["sgd"])
     stats = engine.train_step(ShardedBatches(task, GLOBAL_BATCH, engine.mesh.index("dp"), world).batch_at(0))
-    return dict(wire=stats.comm.wire(), padded=padded_total(engine), detail=stats.comm.to_dict(),
-                buckets=len(engine.strategy.buckets), n_params=sum(p.numel() for p in model.parameters()))
+    return dict(
+        wire=stats.comm.wire(),
+        padded=padded_total(engine),
+        detail=stats.comm.to_dict(),
+        buckets=len(engine.strategy.buckets),
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
 
 
 def _zero2_during_backward(world: int) -> dict:
@@ -151,8 +182,9 @@ def _odd_sizes(world: int) -> tuple[Trajectory, Trajectory, dict]:
     x, y = torch.randn(STEPS, 8, 5), torch.randn(STEPS, 8, 3)
     optimizer = OPTIMIZERS["adamw"]
     expected = train_reference(model, list(zip(x, y)), optimizer, loss_fn=nn.functional.mse_loss)
-    engine = plait.parallelize(model, Layout(dp=world, zero=2, bucket_mb=100 / 2**20), optimizer=optimizer,
-                               loss_fn=nn.functional.mse_loss)
+    engine = plait.parallelize(
+        model, Layout(dp=world, zero=2, bucket_mb=100 / 2**20), optimizer=optimizer, loss_fn=nn.functional.mse_loss
+    )
     share, r = 8 // world, engine.mesh.index("dp")
     actual, wire = Trajectory(), []
     for step in range(STEPS):
@@ -161,8 +193,12 @@ def _odd_sizes(world: int) -> tuple[Trajectory, Trajectory, dict]:
         actual.losses.append(stats.loss)
         actual.params.append(engine.strategy.full_parameters())
         wire.append(stats.comm.wire())
-    sizes = dict(wire=wire, padded=padded_total(engine), n_params=sum(p.numel() for p in model.parameters()),
-                 buckets=len(engine.strategy.buckets))
+    sizes = dict(
+        wire=wire,
+        padded=padded_total(engine),
+        n_params=sum(p.numel() for p in model.parameters()),
+        buckets=len(engine.strategy.buckets),
+    )
     return actual, expected, sizes
 
 
@@ -171,8 +207,9 @@ def _mixed_dtypes(world: int, stage: int) -> tuple[Trajectory, Trajectory]:
     model = TwoDtypes()
     x, y = torch.randn(STEPS, 4, 6), torch.randn(STEPS, 4, 2)
     expected = train_reference(model, list(zip(x, y)), OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss)
-    engine = plait.parallelize(model, Layout(dp=world, zero=stage), optimizer=OPTIMIZERS["adamw"],
-                               loss_fn=nn.functional.mse_loss)
+    engine = plait.parallelize(
+        model, Layout(dp=world, zero=stage), optimizer=OPTIMIZERS["adamw"], loss_fn=nn.functional.mse_loss
+    )
     assert {b.master.dtype for b in engine.strategy.buckets} == {torch.float32, torch.float64}
     share, r = 4 // world, engine.mesh.index("dp")
     mine = slice(r * share, (r + 1) * share)
@@ -185,6 +222,7 @@ def _mixed_dtypes(world: int, stage: int) -> tuple[Trajectory, Trajectory]:
 
 def _save_train_reload(root: str, world: int, stage: int, offload: str) -> tuple[list, list, bool]:
     """Train 3 steps, save, train 2 more (losses A); a fresh engine loads and trains the same 2 (losses B)."""
+
     def engine_and_loader():
         model, task = make_model()
         engine = plait.parallelize(model, layout_of(world, stage, offload), optimizer=OPTIMIZERS["adamw"])
@@ -297,9 +335,13 @@ def test_world_size_one_is_bitwise_single_device(stage, offload, monkeypatch, tm
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world, config", [(2, c) for c in CONFIGS] + [(4, c) for c in DP4_CONFIGS],
-    ids=lambda v: "zero{}-{}-{}-mb{}-clip{}-recompute-{}".format(*v[:5], v[5] if isinstance(v[5], str) else "block1")
-    if isinstance(v, tuple) else f"dp{v}",
+    "world, config",
+    [(2, c) for c in CONFIGS] + [(4, c) for c in DP4_CONFIGS],
+    ids=lambda v: (
+        "zero{}-{}-{}-mb{}-clip{}-recompute-{}".format(*v[:5], v[5] if isinstance(v[5], str) else "block1")
+        if isinstance(v, tuple)
+        else f"dp{v}"
+    ),
 )
 def test_matches_single_device(world, config, references, request):
     results = request.getfixturevalue(f"dp{world}")
@@ -335,7 +377,8 @@ def test_memory_held_per_rank(world, stage, request):
         # Optimizer state: AdamW keeps 2 fp32 tensors per element of the rank's shard, padding included.
         assert m["state_bytes"] == 2 * 4 * m["padded"] // world
         assert m["state_bytes"] * world == m["full_state_bytes"] * m["padded"] // m["n_params"], (
-            f"rank {rank}: state {m['state_bytes']} B x {world} vs full {m['full_state_bytes']} B")
+            f"rank {rank}: state {m['state_bytes']} B x {world} vs full {m['full_state_bytes']} B"
+        )
         # Gradients after finish_backward: no full gradient on the model, the shard's fp32 gradient only.
         assert m["model_grads"] == 0, f"rank {rank}: {m['model_grads']} param.grad still held"
         assert m["grad_bytes"] == 4 * m["padded"] // world
@@ -373,8 +416,11 @@ def test_offload_places_shards_on_host_and_in_files(stage, dp2):
         shard_bytes = none["master_bytes"] + none["state_bytes"] + none["step_bytes"]
         assert none["split"] == {"device": model_bytes + shard_bytes, "host": 0, "files": 0}
         assert cpu["split"] == {"device": model_bytes, "host": shard_bytes, "files": 0}
-        assert nvme["split"] == {"device": model_bytes, "host": nvme["step_bytes"],
-                                 "files": nvme["master_bytes"] + nvme["state_bytes"]}
+        assert nvme["split"] == {
+            "device": model_bytes,
+            "host": nvme["step_bytes"],
+            "files": nvme["master_bytes"] + nvme["state_bytes"],
+        }
         assert all(nvme["files_backed"]) and not any(cpu["files_backed"])
         assert len(set(nvme["files"])) == 1 and "plait-offload-rank" in nvme["files"][0]
         assert not nvme["files_left"], "close() removes the offload folder"
@@ -422,8 +468,11 @@ def test_optimizers_that_cannot_run_are_refused(stage):
         return  # DDP steps whole parameters: the optimizers below are fine there
     refused = {"Adafactor": torch.optim.Adafactor, "SparseAdam": torch.optim.SparseAdam, "Muon": torch.optim.Muon}
     for name, optimizer in refused.items():
-        pattern = (f"zero={stage} cannot run torch.optim.{name}.*Fix: use zero=0" if name != "Muon" else
-                   f"factory failed on this rank's zero={stage} master shards.*only supports 2D.*Fix: use zero=0")
+        pattern = (
+            f"zero={stage} cannot run torch.optim.{name}.*Fix: use zero=0"
+            if name != "Muon"
+            else f"factory failed on this rank's zero={stage} master shards.*only supports 2D.*Fix: use zero=0"
+        )
         with pytest.raises(plait.LayoutError, match=pattern):
             plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params, o=optimizer: o(params))
 
@@ -466,7 +515,7 @@ def test_every_elementwise_optimizer_runs_zero_exactly(optimizer):
 
 def test_zero2_second_backward_without_finish_is_refused():
     model, task = make_model()
-    engine = plait.parallelize(model, Layout(zero=2), optimizer=OPTIMIZERS["sgd"])
+    plait.parallelize(model, Layout(zero=2), optimizer=OPTIMIZERS["sgd"])
     inputs, targets = ShardedBatches(task, GLOBAL_BATCH).batch_at(0)
     loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
     loss.backward(retain_graph=True)

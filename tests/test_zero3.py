@@ -15,17 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import plait
 from harness import run_distributed
-from plait import Layout
-from plait.comm import Comm
-from plait.data import AdditionTask, ShardedBatches
-from plait.mesh import Mesh
-from plait.models import GPT
-from plait.parallel.zero.fsdp import FullyShardedStrategy
 from reference import (
     GRAD_TOLERANCES,
     TOLERANCES,
@@ -35,11 +25,25 @@ from reference import (
     train_reference,
 )
 from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import plait
+from plait import Layout
+from plait.comm import Comm
+from plait.data import AdditionTask, ShardedBatches
+from plait.mesh import Mesh
+from plait.models import GPT
+from plait.parallel.zero.fsdp import FullyShardedStrategy
 
 fp32 = torch.float32
 CONFIGS = [
-    (2, 1, "adamw", None, "none"), (2, 2, "sgd", 0.05, "none"), (4, 1, "adamw", 0.05, "none"), (4, 2, "sgd", None, "none"),
-    (2, 2, "adamw", 0.05, "full"), (4, 2, "sgd", 0.05, (1,)),
+    (2, 1, "adamw", None, "none"),
+    (2, 2, "sgd", 0.05, "none"),
+    (4, 1, "adamw", 0.05, "none"),
+    (4, 2, "sgd", None, "none"),
+    (2, 2, "adamw", 0.05, "full"),
+    (4, 2, "sgd", 0.05, (1,)),
 ]
 """(world = dp, microbatches, optimizer, max_grad_norm, Layout.recompute)."""
 OFFLOADS = [(2, "cpu"), (2, "nvme"), (4, "cpu")]
@@ -74,8 +78,14 @@ def deep_model(layers: int) -> tuple[GPT, AdditionTask]:
     return GPT(dataclasses.replace(model.config, n_layer=layers)), task
 
 
-def _train(world: int, microbatches: int, optimizer: str, clip: float | None, layers: int = 2,
-           recompute: str | tuple[int, ...] = "none") -> dict:
+def _train(
+    world: int,
+    microbatches: int,
+    optimizer: str,
+    clip: float | None,
+    layers: int = 2,
+    recompute: str | tuple[int, ...] = "none",
+) -> dict:
     model, task = make_model() if layers == 2 else deep_model(layers)
     mlp_forwards: list[int] = []  # recomputation runs block 1's MLP again in each backward
     model.blocks["1"].mlp.register_forward_pre_hook(lambda *_: mlp_forwards.append(1))
@@ -119,9 +129,17 @@ def _train(world: int, microbatches: int, optimizer: str, clip: float | None, la
         out.params.append(strategy.full_parameters())
     evaluation = ShardedBatches(task, GLOBAL_BATCH, engine.mesh.index("dp"), world, offset=10**6).batch_at(0)
     return {
-        "trajectory": out, "grads": grads, "wire": wire, "held": held, "shard_bytes": shard_bytes, "trace": trace,
-        "forward_held": forward_held, "backward_held": backward_held, "eval_loss": engine.evaluate([evaluation]).loss,
-        "held_after_eval": storage_bytes(model) + shard_bytes, "mlp_forwards": len(mlp_forwards),
+        "trajectory": out,
+        "grads": grads,
+        "wire": wire,
+        "held": held,
+        "shard_bytes": shard_bytes,
+        "trace": trace,
+        "forward_held": forward_held,
+        "backward_held": backward_held,
+        "eval_loss": engine.evaluate([evaluation]).loss,
+        "held_after_eval": storage_bytes(model) + shard_bytes,
+        "mlp_forwards": len(mlp_forwards),
     }
 
 
@@ -131,7 +149,9 @@ def _suite(root: str, world: int) -> dict:
     out: dict = {"root": root}
     for config_world, microbatches, optimizer, clip, recompute in CONFIGS:
         if config_world == world:
-            out[(microbatches, optimizer, clip, 2, recompute)] = _train(world, microbatches, optimizer, clip, 2, recompute)
+            out[(microbatches, optimizer, clip, 2, recompute)] = _train(
+                world, microbatches, optimizer, clip, 2, recompute
+            )
     if world == 2:
         out[(1, "adamw", None, 4, "none")] = _train(world, 1, "adamw", None, layers=4)
         out["checkpointed"] = _train_recomputed(world)
@@ -151,13 +171,23 @@ def zero3_dp4(tmp_path_factory) -> list[dict]:
     return run_distributed(_suite, 4, str(tmp_path_factory.mktemp("zero3-dp4")), 4)
 
 
-def results(request: pytest.FixtureRequest, world: int, microbatches: int, optimizer: str, clip: float | None,
-            layers: int = 2, recompute: str | tuple[int, ...] = "none") -> list[dict]:
+def results(
+    request: pytest.FixtureRequest,
+    world: int,
+    microbatches: int,
+    optimizer: str,
+    clip: float | None,
+    layers: int = 2,
+    recompute: str | tuple[int, ...] = "none",
+) -> list[dict]:
     """Every rank's result of one configuration, from the world size's shared job."""
-    return [suite[(microbatches, optimizer, clip, layers, recompute)] for suite in request.getfixturevalue(f"zero3_dp{world}")]
+    return [
+        suite[(microbatches, optimizer, clip, layers, recompute)]
+        for suite in request.getfixturevalue(f"zero3_dp{world}")
+    ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected(optimizer: str, clip: float | None) -> Trajectory:
     return reference(optimizer, clip)
 
@@ -324,8 +354,11 @@ def test_world_size_one_is_bitwise_single_device_and_ties_within_a_unit_work():
     for step in range(3):
         out.losses.append(engine.train_step(loader.batch_at(step)).loss)
         out.params.append(engine.strategy.full_parameters())
-    assert_trajectories_match(out, train_reference(make_model()[0], [loader.global_batch_at(s) for s in range(3)],
-                                                   OPTIMIZERS["sgd"]), exact=True)
+    assert_trajectories_match(
+        out,
+        train_reference(make_model()[0], [loader.global_batch_at(s) for s in range(3)], OPTIMIZERS["sgd"]),
+        exact=True,
+    )
     tied, _ = make_model()
     tied.lm_head.weight = tied.tok_embed.weight  # both in the root unit: allowed
     want = train_reference(tied, [loader.global_batch_at(s) for s in range(2)], OPTIMIZERS["adamw"])
@@ -387,7 +420,9 @@ def _train_offloaded(root: str, world: int, offload: str) -> dict:
     states = [t for state in engine.optimizer.state.values() for t in state.values()]
     placed = masters + [t for t in states if t.dim() >= 1]
     result = {
-        "trajectory": out, "grads": grads, "split": strategy.memory_split(),
+        "trajectory": out,
+        "grads": grads,
+        "split": strategy.memory_split(),
         "shard_bytes": sum(u.shard.numel() * u.shard.element_size() for u in units),
         "master_bytes": sum(m.numel() * m.element_size() for m in masters),
         "state_bytes": sum(t.numel() * t.element_size() for t in states if t.dim() >= 1),
@@ -410,7 +445,9 @@ def test_zero3_offload_matches_single_device(world, offload, request):
         run = suite[offload]
         assert_trajectories_match(run["trajectory"], reference_run)
         for step, grads in run["grads"].items():
-            assert_tensors_close(grads, reference_run.grads[step], f"rank {rank} step {step} grad", GRAD_TOLERANCES[fp32])
+            assert_tensors_close(
+                grads, reference_run.grads[step], f"rank {rank} step {step} grad", GRAD_TOLERANCES[fp32]
+            )
         assert run["distinct_masters"] and run["places"] == (["files"] if offload == "nvme" else ["host"])
         assert run["master_bytes"] == run["shard_bytes"]  # fp32 parameters: the host master is a copy of the shard
         offloaded = run["master_bytes"] + run["state_bytes"]

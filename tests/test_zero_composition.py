@@ -24,8 +24,6 @@ from unittest import mock
 
 import pytest
 import torch
-
-import plait
 from composition import (
     CLIP,
     GLOBAL_BATCH,
@@ -40,6 +38,8 @@ from composition import (
     reference_trajectory,
 )
 from harness import run_distributed
+
+import plait
 from plait import Layout, LayoutError
 from plait.data import ShardedBatches
 from plait.models import GPT, GPTConfig
@@ -87,8 +87,13 @@ def _train_gpt(layout: Layout) -> dict:
             if event[0] == "gather":
                 result["gathers"][event[2]] = result["gathers"].get(event[2], 0) + 1
         result["units"] = len(units)
-        result["rest"] = all(u.state is UnitState.FREE and u.gathered_bytes() == 0 and not any(
-            p.numel() for p in u.params) and all(p.grad is None for p in u.params) for u in units)
+        result["rest"] = all(
+            u.state is UnitState.FREE
+            and u.gathered_bytes() == 0
+            and not any(p.numel() for p in u.params)
+            and all(p.grad is None for p in u.params)
+            for u in units
+        )
     result["eval"] = engine.evaluate([loader.batch_at(STEPS)]).loss
     result["first_stage"] = engine.mesh.index("pp") == 0
     result["params"] = _parameters(engine)
@@ -166,8 +171,10 @@ def test_dp2_tp2_pp2_zero3_matches_single_device(reference):
 
 
 # ----------------------------------------------------------------- Hugging Face models
-HF_CASES = [("llama", dict(dp=2, tp=2, zero=3)),
-            ("gpt2", dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"))]  # tied wte / lm_head across stages
+HF_CASES = [
+    ("llama", dict(dp=2, tp=2, zero=3)),
+    ("gpt2", dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b")),
+]  # tied wte / lm_head across stages
 """Hugging Face models at 4 ranks (one process start-up): Llama with ZeRO-3 over tp slices, GPT-2 with ZeRO-2
 under the pipeline (the last stage's copy of the tied embedding adds its gradient to the owner's before the
 reduce-scatter)."""
@@ -176,20 +183,28 @@ reduce-scatter)."""
 def _train_hf(kind: str, fields: dict) -> dict:
     """tests/test_hf.py's 5 steps: losses, step-0 gradients and final parameters, whole (ZeRO shards gathered over
     dp, tp slices over tp), by name, of the stages this rank holds."""
+    from test_hf import CLIP as HF_CLIP
+    from test_hf import GLOBAL_BATCH as HF_BATCH
+    from test_hf import STEPS as HF_STEPS
+    from test_hf import global_batch
+    from test_hf import make_model as hf_model
+    from test_hf import optimizer as hf_optimizer
+
     from plait.parallel.tensor.layers import gather_slice, is_tp_sharded
-    from test_hf import CLIP as HF_CLIP, GLOBAL_BATCH as HF_BATCH, STEPS as HF_STEPS, global_batch
-    from test_hf import make_model as hf_model, optimizer as hf_optimizer
 
     engine = plait.parallelize(hf_model(kind), Layout(**fields), optimizer=hf_optimizer, max_grad_norm=HF_CLIP)
     dp_rank, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
 
     def whole(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name]).clone()
-                for name, p in engine.model.named_parameters()}
+        return {
+            name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name]).clone()
+            for name, p in engine.model.named_parameters()
+        }
 
     grads: list[dict[str, torch.Tensor]] = []
-    engine.before_optimizer_step.append(lambda e: grads.append(whole(e.strategy.full_gradients())) if not grads
-                                        else None)
+    engine.before_optimizer_step.append(
+        lambda e: grads.append(whole(e.strategy.full_gradients())) if not grads else None
+    )
     losses, share = [], HF_BATCH // dp
     for step in range(HF_STEPS):
         inputs, targets = global_batch(step)
@@ -205,8 +220,9 @@ def _train_hf_cases() -> list[dict]:
 @pytest.mark.distributed
 def test_hf_llama_dp2_tp2_zero3_and_gpt2_dp2_pp2_zero2_match_single_device():
     pytest.importorskip("transformers")
-    from test_hf import GRAD_TOL, LOSS_RTOL, PARAM_TOL, reference as hf_reference
     from reference import assert_tensors_close
+    from test_hf import GRAD_TOL, LOSS_RTOL, PARAM_TOL
+    from test_hf import reference as hf_reference
 
     per_rank = run_distributed(_train_hf_cases, 4, timeout=300, comm_timeout_s=60)
     for index, (kind, fields) in enumerate(HF_CASES):

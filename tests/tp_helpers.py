@@ -5,6 +5,7 @@ single-device reference, and the comparison with its tolerances."""
 from __future__ import annotations
 
 import torch
+from reference import assert_tensors_close, train_reference
 
 import plait
 from plait import Layout
@@ -13,7 +14,6 @@ from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
 from plait.parallel.tensor import gather_parameters
 from plait.parallel.tensor.layers import gather_slice, is_tp_sharded
-from reference import assert_tensors_close, train_reference
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -29,8 +29,9 @@ MODELS = {
     # bias=False: the key bias has an analytically zero gradient (softmax ignores a shift shared by every score),
     # pure rounding noise that Adam normalises to +-lr, so it is no parity signal (see tests/test_engine.py).
     "gpt2": dict(n_layer=2, n_head=4, d_model=16, bias=False),
-    "llama_gqa": dict(n_layer=2, n_head=4, n_kv_head=2, d_model=16, position="rope", norm="rmsnorm", mlp="swiglu",
-                      bias=False, d_ff=32),
+    "llama_gqa": dict(
+        n_layer=2, n_head=4, n_kv_head=2, d_model=16, position="rope", norm="rmsnorm", mlp="swiglu", bias=False, d_ff=32
+    ),
     # a vocabulary of 13 (the task uses ids 0-11) that no tp > 1 divides: for Layout(tp_pad_vocab=True)
     "gpt2_vocab13": dict(n_layer=2, n_head=4, d_model=16, bias=False, vocab_size=13),
 }
@@ -48,8 +49,11 @@ def make_model(kind: str = "gpt2", n_layer: int | None = None) -> tuple[GPT, Add
 def gather_grads(engine: plait.Engine, comm: Comm) -> dict[str, torch.Tensor]:
     """Every parameter's synchronised gradient, whole, by name (ZeRO shards gathered over dp, tp slices over tp)."""
     strategy = engine.strategy
-    local = strategy.full_gradients() if hasattr(strategy, "full_gradients") else {
-        name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
+    local = (
+        strategy.full_gradients()
+        if hasattr(strategy, "full_gradients")
+        else {name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
+    )
     out = {}
     for name, param in engine.model.named_parameters():
         grad = local[name].detach().contiguous()
@@ -92,9 +96,16 @@ def train_tp(layout: Layout, kind: str = "gpt2", clip: float | None = CLIP, loss
     local = {name: p.numel() for name, p in engine.model.named_parameters()}
     sharded = {name for name, p in engine.model.named_parameters() if getattr(p, "tp_sharded", False)}
     evaluation = engine.evaluate([loader.batch_at(STEPS)], metric=task.accuracy_counts)
-    return {"logits": logits, "dp_rank": engine.mesh.index("dp"), "losses": losses, "grads": grads[0],
-            "params": params, "local_numel": local, "sharded": sharded,
-            "eval": (evaluation.loss, evaluation.correct, evaluation.total)}
+    return {
+        "logits": logits,
+        "dp_rank": engine.mesh.index("dp"),
+        "losses": losses,
+        "grads": grads[0],
+        "params": params,
+        "local_numel": local,
+        "sharded": sharded,
+        "eval": (evaluation.loss, evaluation.correct, evaluation.total),
+    }
 
 
 def reference_run(kind: str = "gpt2", clip: float | None = CLIP, loss_fn=torch.nn.functional.cross_entropy):
@@ -149,5 +160,7 @@ def assert_matches_reference(result: dict, expected, what: str) -> None:
     assert_tensors_close(result["params"], expected_params, f"{what} final param", PARAM_TOL)
     loss, correct, total = result["eval"]
     ref_loss, ref_correct, ref_total = expected.evaluation
-    assert (correct, total) == (ref_correct, ref_total), f"{what}: eval accuracy {correct}/{total} != {ref_correct}/{ref_total}"
+    assert (correct, total) == (ref_correct, ref_total), (
+        f"{what}: eval accuracy {correct}/{total} != {ref_correct}/{ref_total}"
+    )
     assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), f"{what}: eval loss {loss!r} != reference {ref_loss!r}"

@@ -136,8 +136,9 @@ def latest(root: str | Path) -> Path:
     root = Path(root)
     pointer = root / LATEST
     if not pointer.is_file():
-        raise CheckpointError(f"no checkpoint under {root}: {pointer} is missing. Fix: save one first with "
-                              f"engine.save().")
+        raise CheckpointError(
+            f"no checkpoint under {root}: {pointer} is missing. Fix: save one first with engine.save()."
+        )
     folder = root / pointer.read_text().strip()
     if not (folder / META).is_file():
         raise CheckpointError(f"{pointer} names {folder}, which is not a complete checkpoint.")
@@ -168,8 +169,11 @@ def load(engine: Engine, root: str | Path) -> int:
     if same and extras.load_rng(folder, engine.mesh.rank):
         log.info("restored the random generators of rank %d", engine.mesh.rank)
     else:
-        log.info("random generators not restored (saved at world size %s, layout %s): this job's seeds stay",
-                 meta["world_size"], meta["layout"])
+        log.info(
+            "random generators not restored (saved at world size %s, layout %s): this job's seeds stay",
+            meta["world_size"],
+            meta["layout"],
+        )
     engine.step = int(meta["step"])
     engine.comm.barrier()
     log.info("loaded checkpoint %s (step %d)", folder, engine.step)
@@ -195,7 +199,7 @@ def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
                 raise CheckpointError(f"checkpoint entry {key!r} is not a tensor: refusing to load it.")
             state[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
     storage.read(state, folder, no_dist=True)
-    return {key[len(MODEL):]: tensor for key, tensor in state.items()}, meta
+    return {key[len(MODEL) :]: tensor for key, tensor in state.items()}, meta
 
 
 def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -213,8 +217,15 @@ def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dic
     if bad:
         raise TypeError(f"save_model_state takes tensors by name; {bad[:3]} are not tensors")
     storage.write({MODEL + name: value.detach().contiguous() for name, value in state.items()}, partial, no_dist=True)
-    full = {**meta, "format": FORMAT, "step": step, "layout": meta.get("layout"), "world_size": meta.get("world_size"),
-            "optimizer": None, "lr_scheduler": None}
+    full = {
+        **meta,
+        "format": FORMAT,
+        "step": step,
+        "layout": meta.get("layout"),
+        "world_size": meta.get("world_size"),
+        "optimizer": None,
+        "lr_scheduler": None,
+    }
     _publish(root, partial, final, full)
     log.info("saved model-only checkpoint %s (%d tensors)", final, len(state))
     return final

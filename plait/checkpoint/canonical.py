@@ -104,8 +104,18 @@ class EngineState:
                 sharded[id(param)] = (global_shape(param, shape, self.tp), [])
             for piece in flat.layout.slices(flat.rank):
                 param = flat.params[piece.index]
-                sharded[id(param)][1].extend(flat_pieces(flat.shard, piece.at, flat.layout.shapes[piece.index],
-                                                         piece.start, piece.end, param, self.tp_rank, self.tp))
+                sharded[id(param)][1].extend(
+                    flat_pieces(
+                        flat.shard,
+                        piece.at,
+                        flat.layout.shapes[piece.index],
+                        piece.start,
+                        piece.end,
+                        param,
+                        self.tp_rank,
+                        self.tp,
+                    )
+                )
         first_key: dict[int, str] = {}
         for key, value in self.model.state_dict(keep_vars=True).items():
             if not isinstance(value, torch.Tensor):
@@ -132,8 +142,17 @@ class EngineState:
         for piece in flat.layout.slices(flat.rank):
             param = flat.params[piece.index]
             self.entries[key(flat.layout.names[piece.index])].pieces.extend(
-                flat_pieces(tensor, piece.at, flat.layout.shapes[piece.index], piece.start, piece.end, param,
-                            self.tp_rank, self.tp))
+                flat_pieces(
+                    tensor,
+                    piece.at,
+                    flat.layout.shapes[piece.index],
+                    piece.start,
+                    piece.end,
+                    param,
+                    self.tp_rank,
+                    self.tp,
+                )
+            )
 
     # ----------------------------------------------------------------- optimizer
     def add_optimizer(self, for_load: bool = False) -> None:
@@ -191,8 +210,10 @@ class EngineState:
         elif value.shape == flat.master.shape:
             self._add_flat(flat, value, lambda name: f"{OPTIM}{name}/{key}")
         else:
-            raise LayoutError(f"ZeRO optimizer state {key!r} of shape {tuple(value.shape)} is not elementwise over "
-                              f"its shard of {tuple(flat.master.shape)}; it cannot be checkpointed.")
+            raise LayoutError(
+                f"ZeRO optimizer state {key!r} of shape {tuple(value.shape)} is not elementwise over "
+                f"its shard of {tuple(flat.master.shape)}; it cannot be checkpointed."
+            )
 
 
 def save_state(engine: Any) -> dict[str, Chunked]:

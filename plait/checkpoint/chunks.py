@@ -83,8 +83,14 @@ def global_shape(param: torch.Tensor, local_shape: Sequence[int], tp_size: int) 
     return torch.Size(shape)
 
 
-def tp_pieces(param: torch.Tensor, local_shape: Sequence[int], offsets: Sequence[int], view: torch.Tensor,
-              tp_rank: int, tp_size: int) -> list[Piece]:
+def tp_pieces(
+    param: torch.Tensor,
+    local_shape: Sequence[int],
+    offsets: Sequence[int],
+    view: torch.Tensor,
+    tp_rank: int,
+    tp_size: int,
+) -> list[Piece]:
     """The global pieces of ``view``, a rectangle at local ``offsets`` of ``param``'s tp slice (local shape
     ``local_shape``): one piece unless the rectangle spans several fused blocks; clipped to a padded vocabulary."""
     if not is_tp_slice(param, tp_size):
@@ -112,8 +118,16 @@ def whole_pieces(tensor: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_siz
     return tp_pieces(param, tensor.shape, (0,) * tensor.dim(), tensor.detach(), tp_rank, tp_size)
 
 
-def flat_pieces(flat: torch.Tensor, first: int, shape: Sequence[int], start: int, end: int, param: torch.Tensor,
-                tp_rank: int, tp_size: int) -> list[Piece]:
+def flat_pieces(
+    flat: torch.Tensor,
+    first: int,
+    shape: Sequence[int],
+    start: int,
+    end: int,
+    param: torch.Tensor,
+    tp_rank: int,
+    tp_size: int,
+) -> list[Piece]:
     """Global pieces of elements [start, end) of ``param`` (local shape ``shape``), which sit at ``flat[first:]``
     of a 1-D shard buffer (a ZeRO master shard, an optimizer state shard, a ZeRO-3 parameter shard)."""
     pieces = []

@@ -44,8 +44,11 @@ def export_safetensors(checkpoint: str | Path, out: str | Path) -> Path:
     state, meta = load_full_state(checkpoint)
     out = Path(out)
     tmp = _atomic_file(out)
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp),
-              metadata={SAFETENSORS_META: json.dumps(meta)})
+    save_file(
+        {name: tensor.contiguous() for name, tensor in state.items()},
+        str(tmp),
+        metadata={SAFETENSORS_META: json.dumps(meta)},
+    )
     os.replace(tmp, out)
     log.info("exported %d tensors (step %s) to %s", len(state), meta.get("step"), out)
     return out
@@ -58,14 +61,18 @@ def _hf_config(meta: dict[str, Any], hf_config: str | Path | None) -> dict[str, 
         path = Path(hf_config)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            raise ConfigError(f"--hf-config {hf_config}: no such config.json. Fix: give the model's config.json "
-                              f"(or the folder holding it).")
+            raise ConfigError(
+                f"--hf-config {hf_config}: no such config.json. Fix: give the model's config.json "
+                f"(or the folder holding it)."
+            )
         return json.loads(path.read_text())
     config = (meta.get("model") or {}).get(HF_MODEL_KEY)
     if config is None:
-        raise ConfigError("this checkpoint does not record a Hugging Face model config, so it cannot be written as "
-                          "an HF folder. Fix: export a single file (OUT ending in .safetensors), or pass "
-                          "--hf-config config.json of the model that was trained.")
+        raise ConfigError(
+            "this checkpoint does not record a Hugging Face model config, so it cannot be written as "
+            "an HF folder. Fix: export a single file (OUT ending in .safetensors), or pass "
+            "--hf-config config.json of the model that was trained."
+        )
     return dict(config)
 
 
@@ -76,8 +83,10 @@ def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
     fields = dict(config)
     model_type = fields.pop("model_type", None)
     if model_type is None:
-        raise ConfigError("the Hugging Face config has no model_type. Fix: use the config.json the model was saved "
-                          "with (it names model_type, e.g. \"llama\").")
+        raise ConfigError(
+            "the Hugging Face config has no model_type. Fix: use the config.json the model was saved "
+            'with (it names model_type, e.g. "llama").'
+        )
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
 
 
@@ -89,9 +98,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | N
     tied = expected - {name for name, _ in model.named_parameters()} - {name for name, _ in model.named_buffers()}
     missing, unexpected = expected - set(state) - tied, set(state) - expected
     if missing or unexpected:
-        raise ConfigError(f"the checkpoint's tensors do not fit this Hugging Face model: missing "
-                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the --hf-config "
-                          f"of the model that was trained.")
+        raise ConfigError(
+            f"the checkpoint's tensors do not fit this Hugging Face model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the --hf-config "
+            f"of the model that was trained."
+        )
     model.load_state_dict(state, strict=False)  # tied names (lm_head -> embed_tokens) share the loaded tensor
     out = Path(out)
     tmp = _atomic_file(out)
@@ -110,12 +121,16 @@ def _read_hf_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, An
 
     config = json.loads((folder / "config.json").read_text())
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         if not (folder / name).is_file():
-            raise ConfigError(f"{folder} has no {name}. Fix: save the model with save_pretrained(safe_serialization="
-                              f"True) (pytorch_model.bin files are pickles, which plait does not load).")
+            raise ConfigError(
+                f"{folder} has no {name}. Fix: save the model with save_pretrained(safe_serialization="
+                f"True) (pytorch_model.bin files are pickles, which plait does not load)."
+            )
         state.update(load_file(str(folder / name)))
     return state, {"step": 0, "model": {HF_MODEL_KEY: config}}
 
@@ -128,8 +143,10 @@ def import_weights(source: str | Path, checkpoint: str | Path) -> Path:
     source = Path(source)
     if source.is_dir():
         if not (source / "config.json").is_file():
-            raise ConfigError(f"{source} is a folder without config.json, so not a Hugging Face model folder. Fix: "
-                              f"give a .safetensors file or a save_pretrained folder.")
+            raise ConfigError(
+                f"{source} is a folder without config.json, so not a Hugging Face model folder. Fix: "
+                f"give a .safetensors file or a save_pretrained folder."
+            )
         state, meta = _read_hf_folder(source)
     elif source.suffix == ".safetensors" and source.is_file():
         state = load_file(str(source))
@@ -149,18 +166,24 @@ def convert(source: str | Path, out: str | Path, hf_config: str | Path | None = 
     """``plait convert SOURCE OUT``: the direction follows from the paths (module docstring)."""
     source, out = Path(source), Path(out)
     if not source.exists():
-        raise ConfigError(f"{source} does not exist. Fix: give a checkpoint folder, a .safetensors file or an HF folder.")
+        raise ConfigError(
+            f"{source} does not exist. Fix: give a checkpoint folder, a .safetensors file or an HF folder."
+        )
     is_checkpoint = (source / "latest").is_file() or (source / "plait.json").is_file()
     if is_checkpoint:
         if out.suffix == ".safetensors":
             if hf_config is not None:
-                raise ConfigError("--hf-config is for exporting a Hugging Face folder, but OUT ends in .safetensors. "
-                                  "Fix: drop --hf-config, or give OUT as a folder.")
+                raise ConfigError(
+                    "--hf-config is for exporting a Hugging Face folder, but OUT ends in .safetensors. "
+                    "Fix: drop --hf-config, or give OUT as a folder."
+                )
             return export_safetensors(source, out)
         return export_hf(source, out, hf_config)
     if out.suffix == ".safetensors":
-        raise ConfigError(f"{source} is not a plait checkpoint (no 'latest' pointer or plait.json), so it cannot be "
-                          f"exported. Fix: give a checkpoint folder written by engine.save (e.g. runs/<id>/ckpt).")
+        raise ConfigError(
+            f"{source} is not a plait checkpoint (no 'latest' pointer or plait.json), so it cannot be "
+            f"exported. Fix: give a checkpoint folder written by engine.save (e.g. runs/<id>/ckpt)."
+        )
     return import_weights(source, out)
 
 

@@ -119,6 +119,11 @@ def load_rng(folder: Path, rank: int) -> bool:
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
     gauss = meta.get("gauss", "None")
-    random.setstate((int(meta.get("python_version", 3)), tuple(int(v) for v in tensors["python"].tolist()),
-                     None if gauss == "None" else float(gauss)))
+    random.setstate(
+        (
+            int(meta.get("python_version", 3)),
+            tuple(int(v) for v in tensors["python"].tolist()),
+            None if gauss == "None" else float(gauss),
+        )
+    )
     return True

@@ -51,8 +51,9 @@ def _agree(engine: Any, problem: Exception | None) -> None:
     if problem is not None:
         raise problem
     if flag.item():
-        raise CheckpointError("another rank found this checkpoint unusable for its part of the model (its error "
-                              "names the entries).")
+        raise CheckpointError(
+            "another rank found this checkpoint unusable for its part of the model (its error names the entries)."
+        )
 
 
 @torch.no_grad()
@@ -68,7 +69,7 @@ def _alias_missing(state: EngineState, stored: dict[str, Any]) -> list[str]:
     imported HF model has ``lm_head.weight`` only as ``transformer.wte.weight``). Returns what stays missing."""
     missing = []
     for fqn in [k for k in state.entries if k.startswith(MODEL) and k not in stored]:
-        key = fqn[len(MODEL):]
+        key = fqn[len(MODEL) :]
         source = state.aliases.get(key, key)
         source = source if source != key else state.tied_copies.get(key, key)
         entry = state.entries.pop(fqn)
@@ -89,13 +90,19 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
         init_optimizer_state(strategy)
     else:
         strategy.optimizer.state.clear()
-        log.info("%s holds no optimizer state (a model-only checkpoint, or saved before the first step): the "
-                 "optimizer starts fresh", folder)
+        log.info(
+            "%s holds no optimizer state (a model-only checkpoint, or saved before the first step): the "
+            "optimizer starts fresh",
+            folder,
+        )
     state = EngineState(engine)
     state.add_model()
     missing = _alias_missing(state, stored)
-    masters_saved = [f for f in state.flats if f.master.dtype != f.params[0].dtype
-                     and all(MASTER + name in stored for name in f.names)]
+    masters_saved = [
+        f
+        for f in state.flats
+        if f.master.dtype != f.params[0].dtype and all(MASTER + name in stored for name in f.names)
+    ]
     for flat in masters_saved:
         state._add_flat(flat, flat.master, lambda name: MASTER + name)
     if has_optimizer:
@@ -156,5 +163,8 @@ def _reset_missing_states(state: EngineState, stored: dict[str, Any]) -> None:
                 optimizer.state.pop(param)
                 fresh.append(name)
     if fresh and any(k.startswith(OPTIM) for k in stored):
-        log.warning("the checkpoint has no optimizer state for %d parameter(s) (%s ...): they start fresh",
-                    len(fresh), fresh[:3])
+        log.warning(
+            "the checkpoint has no optimizer state for %d parameter(s) (%s ...): they start fresh",
+            len(fresh),
+            fresh[:3],
+        )

@@ -40,8 +40,22 @@ SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 """Any class of DCP's metadata module (dataclasses and enums, no side effects) may be named."""
 SAFE_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 """And these classes of other modules (a piece's file, offset and length); not the module's readers/writers."""
-SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex",
-                 "slice", "object", "bytearray"}
+SAFE_BUILTINS = {
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "frozenset",
+    "int",
+    "float",
+    "bool",
+    "str",
+    "bytes",
+    "complex",
+    "slice",
+    "object",
+    "bytearray",
+}
 
 
 def _layout(name: str) -> torch.layout:
@@ -103,8 +117,10 @@ def check_tensors(metadata: Metadata, keys: Any) -> None:
     for fqn in keys:
         stored = metadata.state_dict_metadata.get(fqn)
         if stored is not None and not isinstance(stored, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint entry {fqn!r} is a pickled object, not a tensor: plait never writes "
-                                  f"those and does not unpickle them. Fix: re-save the checkpoint with plait.")
+            raise CheckpointError(
+                f"checkpoint entry {fqn!r} is a pickled object, not a tensor: plait never writes "
+                f"those and does not unpickle them. Fix: re-save the checkpoint with plait."
+            )
 
 
 class PlaitSavePlanner(DefaultSavePlanner):
@@ -143,8 +159,9 @@ class PlaitLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object: refusing to "
-                              f"load it.")
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object: refusing to load it."
+        )
 
 
 def distributed() -> bool:
@@ -163,8 +180,12 @@ def _quiet() -> Iterator[None]:
 def write(state: dict[str, Any], folder: Path, no_dist: bool = False) -> None:
     """Every rank writes its pieces of ``state`` into ``folder`` (a collective unless ``no_dist``)."""
     with _quiet():
-        dcp.save(state, storage_writer=FileSystemWriter(str(folder)), planner=PlaitSavePlanner(),
-                 no_dist=no_dist or not distributed())
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(folder)),
+            planner=PlaitSavePlanner(),
+            no_dist=no_dist or not distributed(),
+        )
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -176,5 +197,9 @@ def read(state: dict[str, Any], folder: Path, no_dist: bool = False) -> None:
     """Fill ``state``'s tensors / views from ``folder`` (a collective unless ``no_dist``)."""
     check_tensors(read_metadata(folder), state)  # here too: DCP would wrap the planner's error in its own
     with _quiet():
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=PlaitLoadPlanner(),
-                 no_dist=no_dist or not distributed())
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(folder)),
+            planner=PlaitLoadPlanner(),
+            no_dist=no_dist or not distributed(),
+        )

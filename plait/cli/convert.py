@@ -17,13 +17,16 @@ from typing import Any
 def add_convert_command(commands: Any) -> None:
     """Register ``plait convert`` on the ``plait`` parser's subcommands."""
     parser = commands.add_parser(
-        "convert", help="export a checkpoint as safetensors / an HF folder, or import one as a checkpoint",
+        "convert",
+        help="export a checkpoint as safetensors / an HF folder, or import one as a checkpoint",
         description="Convert between plait checkpoints (any layout) and safetensors files or Hugging Face folders. "
-                    "The direction follows from SOURCE: a checkpoint is exported, anything else imported.")
+        "The direction follows from SOURCE: a checkpoint is exported, anything else imported.",
+    )
     parser.add_argument("source", help="a checkpoint folder (with 'latest'), a .safetensors file or an HF folder")
     parser.add_argument("out", help="OUT.safetensors or an HF folder (export), or a checkpoint folder (import)")
-    parser.add_argument("--hf-config", help="exporting an HF folder: the model's config.json, when the checkpoint "
-                                            "does not record it")
+    parser.add_argument(
+        "--hf-config", help="exporting an HF folder: the model's config.json, when the checkpoint does not record it"
+    )
 
 
 def run_convert(args: argparse.Namespace) -> int:

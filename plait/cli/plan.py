@@ -11,19 +11,28 @@ PLANNER_COMMANDS = ("plan", "simulate", "calibrate")
 
 
 def add_planner_commands(commands: Any) -> None:
-    plan = commands.add_parser("plan", help="rank every layout of a model on a cluster by predicted step time",
-                               description="Search all layouts (dp, tp, pp, cp, ZeRO, micro-batches, schedule, "
-                                           "recomputation, offload) and print the best.")
+    plan = commands.add_parser(
+        "plan",
+        help="rank every layout of a model on a cluster by predicted step time",
+        description="Search all layouts (dp, tp, pp, cp, ZeRO, micro-batches, schedule, "
+        "recomputation, offload) and print the best.",
+    )
     _model_args(plan)
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     plan.add_argument("--out", help="write the best layout as a TOML that `plait train --config` reads")
     plan.add_argument("--json", dest="json_out", help="write every shown prediction as JSON")
-    sim = commands.add_parser("simulate", help="predict one layout: step time, throughput, MFU, memory",
-                              description="Predict one given layout with the planner's cost model.")
+    sim = commands.add_parser(
+        "simulate",
+        help="predict one layout: step time, throughput, MFU, memory",
+        description="Predict one given layout with the planner's cost model.",
+    )
     _model_args(sim)
     sim.add_argument("--layout", required=True, help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1")
-    cal = commands.add_parser("calibrate", help="measure this machine (matmul FLOP/s, gloo alpha-beta) in seconds",
-                              description="Fit this machine's compute and collectives; plan with --gpu this-machine.")
+    cal = commands.add_parser(
+        "calibrate",
+        help="measure this machine (matmul FLOP/s, gloo alpha-beta) in seconds",
+        description="Fit this machine's compute and collectives; plan with --gpu this-machine.",
+    )
     cal.add_argument("--nproc", type=int, default=2, help="local gloo processes (default 2)")
     cal.add_argument("--out", help="where to write the JSON (default ~/.cache/plait/calibration.json)")
 
@@ -35,8 +44,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
     parser.add_argument("--global-batch", type=int, help="samples per step (default: one per dp rank)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--implementation", default="plait",
-                        help="plait, megatron-2021, or plait-cpu (CPU ranks in fp32, with --gpu this-machine)")
+    parser.add_argument(
+        "--implementation",
+        default="plait",
+        help="plait, megatron-2021, or plait-cpu (CPU ranks in fp32, with --gpu this-machine)",
+    )
 
 
 def parse_layout(text: str) -> Any:
@@ -62,8 +74,10 @@ def run_planner(args: argparse.Namespace) -> int:
 
         data = calibrate(args.nproc, out=args.out)
         hw = data["hardware"]
-        console.print(f"matmul {hw['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
-                      f"{hw['memory_bandwidth'] / 1e9:.1f} GB/s, in {data['seconds']:.1f} s -> {data['path']}")
+        console.print(
+            f"matmul {hw['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
+            f"{hw['memory_bandwidth'] / 1e9:.1f} GB/s, in {data['seconds']:.1f} s -> {data['path']}"
+        )
         for op, (alpha, beta) in hw["measured"].items():
             console.print(f"  {op:15s} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:8.3f} ns/byte")
         return 0
@@ -78,8 +92,15 @@ def run_planner(args: argparse.Namespace) -> int:
 
         if args.gpus is None:
             raise ConfigError("plait plan needs --gpus. Fix: e.g. --gpus 1024.")
-        result = plan(spec, args.gpus, args.gpu, global_batch=args.global_batch, top=args.top,
-                      precision=args.precision, implementation=args.implementation)
+        result = plan(
+            spec,
+            args.gpus,
+            args.gpu,
+            global_batch=args.global_batch,
+            top=args.top,
+            precision=args.precision,
+            implementation=args.implementation,
+        )
         print_plan(result, console)
         if args.out:
             path = write_plan_toml(result.best, spec.to_gpt_config(), args.out)
@@ -95,8 +116,9 @@ def run_planner(args: argparse.Namespace) -> int:
     layout = parse_layout(args.layout)
     if args.precision != "bf16" or layout.precision == "fp32":
         layout = replace(layout, precision=args.precision)
-    prediction = predict(spec, layout, args.gpu, global_batch=args.global_batch, world_size=args.gpus,
-                         implementation=args.implementation)
+    prediction = predict(
+        spec, layout, args.gpu, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation
+    )
     print_prediction(prediction, console)
     return 0
 

@@ -23,8 +23,10 @@ from plait.errors import ConfigError
 def add_ps_command(commands: Any) -> None:
     """Register ``plait ps`` on the ``plait`` parser's subcommands."""
     parser = commands.add_parser(
-        "ps", help="parameter-server training: BSP / ASP / SSP, workers may die or join",
-        description="Train the reference GPT on synthetic addition with parameter servers (docs/param_server.md).")
+        "ps",
+        help="parameter-server training: BSP / ASP / SSP, workers may die or join",
+        description="Train the reference GPT on synthetic addition with parameter servers (docs/param_server.md).",
+    )
     parser.add_argument("--servers", type=int, default=2, help="server processes owning the parameters (default 2)")
     parser.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
     parser.add_argument("--steps", type=int, default=100, help="pull/compute/push steps per worker (default 100)")
@@ -35,8 +37,12 @@ def add_ps_command(commands: Any) -> None:
     parser.add_argument("--batch", type=int, default=8, help="samples per worker and step (default 8)")
     parser.add_argument("--checkpoint-dir", help="servers write server-I.pt here (atomically) and resume from it")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="updates between checkpoints (0: never)")
-    parser.add_argument("--role", choices=("local", "server", "worker"), default="local",
-                        help="local: everything here; server/worker: one process of a multi-machine job")
+    parser.add_argument(
+        "--role",
+        choices=("local", "server", "worker"),
+        default="local",
+        help="local: everything here; server/worker: one process of a multi-machine job",
+    )
     parser.add_argument("--index", type=int, default=0, help="this server's or worker's index (--role server/worker)")
     parser.add_argument("--bind", default="0.0.0.0:29600", help="HOST:PORT a server listens on (--role server)")
     parser.add_argument("--connect", default="", help="servers' HOST:PORT, comma-separated, in index order (worker)")
@@ -48,10 +54,16 @@ def _config(args: argparse.Namespace):
     staleness = args.staleness if args.staleness is not None else (2 if args.mode == "ssp" else 0)
     if args.batch < 1:
         raise ConfigError(f"--batch {args.batch} must be at least 1.")
-    config = JobConfig(servers=args.servers, workers=args.workers, steps=args.steps,
-                       consistency=Consistency(args.mode, staleness),
-                       optimizer=OptimizerSpec(args.optimizer, {"lr": args.lr}), task=AdditionGPT(batch=args.batch),
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    config = JobConfig(
+        servers=args.servers,
+        workers=args.workers,
+        steps=args.steps,
+        consistency=Consistency(args.mode, staleness),
+        optimizer=OptimizerSpec(args.optimizer, {"lr": args.lr}),
+        task=AdditionGPT(batch=args.batch),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+    )
     config.validate()
     config.optimizer.build(list(config.task.build_model().parameters()))  # an unknown optimizer fails here
     return config
@@ -75,8 +87,10 @@ def run_ps(args: argparse.Namespace) -> int:
         if args.role == "worker":
             addresses = [parse_address(item) for item in args.connect.split(",") if item]
             if len(addresses) != config.servers:
-                raise ConfigError(f"--connect lists {len(addresses)} servers but --servers is {config.servers}. Fix: "
-                                  f"give every server's HOST:PORT in index order.")
+                raise ConfigError(
+                    f"--connect lists {len(addresses)} servers but --servers is {config.servers}. Fix: "
+                    f"give every server's HOST:PORT in index order."
+                )
             run_worker(config, args.index, addresses)
             return 0
     except ValueError as error:

@@ -27,16 +27,20 @@ def add_schedule_command(commands: Any) -> None:
         "schedule",
         help="simulate and draw a pipeline schedule (bubbles, activations in flight, deadlocks)",
         description="Simulate a pipeline schedule in one process: print the bubble and the activations in flight "
-                    "per rank, draw the timeline (--out) and write a Chrome/Perfetto trace (--trace).",
+        "per rank, draw the timeline (--out) and write a Chrome/Perfetto trace (--trace).",
     )
-    parser.add_argument("--schedule", default="1f1b",
-                        help="naive, gpipe, 1f1b, interleaved, zero-bubble or pipedream (default 1f1b)")
+    parser.add_argument(
+        "--schedule", default="1f1b", help="naive, gpipe, 1f1b, interleaved, zero-bubble or pipedream (default 1f1b)"
+    )
     parser.add_argument("--pp", type=int, help="pipeline ranks p (default 4; from the file with --text/--csv)")
     parser.add_argument("--microbatches", type=int, help="micro-batches m per step (default 8)")
     parser.add_argument("--virtual-stages", type=int, help="model chunks per rank v (default 1; interleaved: 2)")
-    parser.add_argument("--costs", default="", metavar="F=1,B=2,...",
-                        help="action costs: F, B, I, W (numbers, or per-stage a:b:c), p2p, overhead "
-                             "(default F=1,B=2)")
+    parser.add_argument(
+        "--costs",
+        default="",
+        metavar="F=1,B=2,...",
+        help="action costs: F, B, I, W (numbers, or per-stage a:b:c), p2p, overhead (default F=1,B=2)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", metavar="FILE", help="read a custom schedule: one line of actions per rank")
     source.add_argument("--csv", metavar="FILE", help="read a custom schedule: rows rank,action,action,...")
@@ -57,8 +61,9 @@ def parse_costs(text: str) -> dict[str, Any]:
                 raise ValueError
             numbers = [float(v) for v in value.split(":")]
         except ValueError:
-            raise ConfigError(f"--costs item {item!r} is not KEY=NUMBER. Fix: e.g. --costs F=1,B=2,p2p=0.1, or "
-                              f"per stage F=1:1:2:2.") from None
+            raise ConfigError(
+                f"--costs item {item!r} is not KEY=NUMBER. Fix: e.g. --costs F=1,B=2,p2p=0.1, or per stage F=1:1:2:2."
+            ) from None
         if key in ("p2p", "overhead") and len(numbers) != 1:
             raise ConfigError(f"--costs {key} takes one number (the same for every hop / action).")
         costs[key] = numbers[0] if len(numbers) == 1 else numbers
@@ -91,9 +96,11 @@ def run_schedule(args: argparse.Namespace) -> int:
     result = simulate(schedule, costs)
     lines = [result.summary()]
     for rank, (busy, idle) in enumerate(zip(result.busy, result.idle)):
-        lines.append(f"  rank {rank}: busy {busy:g}, idle {idle:g}, activations in flight at most "
-                     f"{result.peak_activations[rank]}, micro-batches with backward pending at most "
-                     f"{result.peak_unfinished[rank]}")
+        lines.append(
+            f"  rank {rank}: busy {busy:g}, idle {idle:g}, activations in flight at most "
+            f"{result.peak_activations[rank]}, micro-batches with backward pending at most "
+            f"{result.peak_unfinished[rank]}"
+        )
     if args.lowered:
         lines.append(lower(schedule, costs).to_text().rstrip())
     try:
@@ -106,8 +113,10 @@ def run_schedule(args: argparse.Namespace) -> int:
             Path(args.trace).write_text(json.dumps(result.to_chrome_trace()))
             lines.append(f"trace: {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     except OSError as error:
-        raise ConfigError(f"cannot write {error.filename or 'an output file'}: {error.strerror or error}. Fix: "
-                          f"give a path in an existing, writable folder.") from None
+        raise ConfigError(
+            f"cannot write {error.filename or 'an output file'}: {error.strerror or error}. Fix: "
+            f"give a path in an existing, writable folder."
+        ) from None
     print("\n".join(lines), file=sys.stdout)  # noqa: T201 - the command's output
     return 0
 

@@ -27,16 +27,33 @@ def add_train_command(commands: Any) -> None:
         description="Train the reference GPT. Without torchrun around it, launches --nproc local processes.",
     )
     train.add_argument("--config", help="a TOML run configuration ([layout], [model], [data], [train])")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one setting, e.g. --set layout.dp=2 --set train.steps=100 (repeatable)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. --set layout.dp=2 --set train.steps=100 (repeatable)",
+    )
     train.add_argument("--nproc", type=int, default=4, help="local processes to launch (default 4)")
     train.add_argument("--out", help="run folder for metrics, plot and checkpoints (default runs/<id>)")
-    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                       help="restart all workers up to N times when one fails; each restart resumes from the last "
-                            "checkpoint, so it needs train.save_every (default 0: a failed rank fails the job)")
-    train.add_argument("--trace", nargs="?", const="", default=None, metavar="PATH",
-                       help="trace the last --trace-steps steps of every rank into one Chrome/Perfetto timeline "
-                            "(default PATH <run>/trace.json; also .summary.json and .png beside it)")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all workers up to N times when one fails; each restart resumes from the last "
+        "checkpoint, so it needs train.save_every (default 0: a failed rank fails the job)",
+    )
+    train.add_argument(
+        "--trace",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="trace the last --trace-steps steps of every rank into one Chrome/Perfetto timeline "
+        "(default PATH <run>/trace.json; also .summary.json and .png beside it)",
+    )
     train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
 
 
@@ -62,8 +79,16 @@ def _launch(args: argparse.Namespace) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     parser = get_args_parser()
     parser.allow_abbrev = False  # the worker's own flags (--nproc, --out) must not match torchrun's by prefix
-    torchrun_args = parser.parse_args(["--standalone", f"--nproc-per-node={args.nproc}",
-                                       f"--max-restarts={args.max_restarts}", "--module", "plait", *forwarded])
+    torchrun_args = parser.parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            f"--max-restarts={args.max_restarts}",
+            "--module",
+            "plait",
+            *forwarded,
+        ]
+    )
     try:
         run(torchrun_args)
     except ChildFailedError as error:
@@ -85,8 +110,10 @@ def _check_before_launch(args: argparse.Namespace) -> None:
     config.layout.resolve(args.nproc).check_batch(config.train.global_batch)
     fault = RankGuard.from_env(0).fault  # PLAIT_WATCHDOG_S and PLAIT_FAULT_INJECT read as every worker will
     if fault is not None and fault.rank >= args.nproc:
-        raise ConfigError(f"PLAIT_FAULT_INJECT names rank {fault.rank}, but the job has ranks 0..{args.nproc - 1}. "
-                          f"Fix: name one of them, or unset PLAIT_FAULT_INJECT.")
+        raise ConfigError(
+            f"PLAIT_FAULT_INJECT names rank {fault.rank}, but the job has ranks 0..{args.nproc - 1}. "
+            f"Fix: name one of them, or unset PLAIT_FAULT_INJECT."
+        )
     if args.max_restarts > 0 and not config.train.save_every:
         raise ConfigError(
             f"--max-restarts {args.max_restarts} restarts the workers from the last checkpoint, but train.save_every "
@@ -122,17 +149,21 @@ def run_train(args: argparse.Namespace) -> int:
     if args.trace is not None and args.trace_steps < 1:
         raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
     if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
-                          f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint).")
+        raise ConfigError(
+            f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
+            f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint)."
+        )
     if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
-
         _check_before_launch(args)
         return _launch(args)
     agent_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if _in_torchrun() and args.max_restarts not in (0, agent_restarts):
-        note = (f"plait: warning: --max-restarts {args.max_restarts} has no effect inside torchrun (its agent "
-                f"allows {agent_restarts}); pass --max-restarts to torchrun instead.")
+        note = (
+            f"plait: warning: --max-restarts {args.max_restarts} has no effect inside torchrun (its agent "
+            f"allows {agent_restarts}); pass --max-restarts to torchrun instead."
+        )
         print(note, file=sys.stderr)  # noqa: T201 - CLI output
     return _train(args)
+
 
 __all__ = ["add_train_command", "run_train"]

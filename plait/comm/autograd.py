@@ -98,7 +98,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         scatter_dim, gather_dim = ctx.dims
-        return ctx.comm.all_to_all(grad, ctx.axis, scatter_dim=gather_dim, gather_dim=scatter_dim), None, None, None, None
+        return (
+            ctx.comm.all_to_all(grad, ctx.axis, scatter_dim=gather_dim, gather_dim=scatter_dim),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def copy_to(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:

@@ -45,8 +45,16 @@ class Pending:
     is_async = False
     """Set when handed to the caller (``async_op=True``); a tracer then shows the launch-to-wait flight."""
 
-    def __init__(self, comm: Comm, axis: str, op: str, works: Sequence[Any], finish: Callable[[], Any],
-                 sent: int = 0, received: int = 0) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        axis: str,
+        op: str,
+        works: Sequence[Any],
+        finish: Callable[[], Any],
+        sent: int = 0,
+        received: int = 0,
+    ) -> None:
         self._comm, self._axis, self._op = comm, axis, op
         self._works, self._finish = list(works), finish
         self._done = False
@@ -63,8 +71,9 @@ class Pending:
             self._done = True
             if tracer is not None:
                 sent, received, launched = self._traced  # type: ignore[misc]
-                tracer.collective(self._op, self._axis, self._comm.size(self._axis), sent, received, launched, waited,
-                                  self.is_async)
+                tracer.collective(
+                    self._op, self._axis, self._comm.size(self._axis), sent, received, launched, waited, self.is_async
+                )
         return self._result
 
 
@@ -143,8 +152,11 @@ class Comm:
             return tensor.div_(n) if op == "avg" else tensor
 
         pending = self._issue(
-            axis, "all_reduce", _nbytes(tensor),
-            lambda g: dist.all_reduce(tensor, op=REDUCE_OPS[op], group=g, async_op=True), finish,
+            axis,
+            "all_reduce",
+            _nbytes(tensor),
+            lambda g: dist.all_reduce(tensor, op=REDUCE_OPS[op], group=g, async_op=True),
+            finish,
         )
         return self._result(pending, async_op)
 
@@ -156,8 +168,11 @@ class Comm:
         moved = tensor.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         pending = self._issue(
-            axis, "all_gather", _nbytes(out),
-            lambda g: _all_gather_tensor(out, moved, group=g, async_op=True), lambda: out.movedim(0, dim),
+            axis,
+            "all_gather",
+            _nbytes(out),
+            lambda g: _all_gather_tensor(out, moved, group=g, async_op=True),
+            lambda: out.movedim(0, dim),
         )
         return self._result(pending, async_op)
 
@@ -180,8 +195,11 @@ class Comm:
             return result.div_(n) if op == "avg" else result
 
         pending = self._issue(
-            axis, "reduce_scatter", _nbytes(tensor),
-            lambda g: _reduce_scatter_tensor(out, moved, op=REDUCE_OPS[op], group=g, async_op=True), finish,
+            axis,
+            "reduce_scatter",
+            _nbytes(tensor),
+            lambda g: _reduce_scatter_tensor(out, moved, op=REDUCE_OPS[op], group=g, async_op=True),
+            finish,
         )
         return self._result(pending, async_op)
 
@@ -201,7 +219,9 @@ class Comm:
         send = torch.stack(tensor.chunk(n, dim=scatter_dim)).contiguous()
         recv = torch.empty_like(send)
         pending = self._issue(
-            axis, "all_to_all", _nbytes(send),
+            axis,
+            "all_to_all",
+            _nbytes(send),
             lambda g: dist.all_to_all_single(recv, send, group=g, async_op=True),
             lambda: torch.cat(list(recv.unbind(0)), dim=gather_dim),
         )
@@ -214,8 +234,11 @@ class Comm:
             return Done(tensor) if async_op else tensor
         root = self.mesh.ranks(axis)[src]
         pending = self._issue(
-            axis, "broadcast", _nbytes(tensor),
-            lambda g: dist.broadcast(tensor, src=root, group=g, async_op=True), lambda: tensor,
+            axis,
+            "broadcast",
+            _nbytes(tensor),
+            lambda g: dist.broadcast(tensor, src=root, group=g, async_op=True),
+            lambda: tensor,
         )
         return self._result(pending, async_op)
 
@@ -237,8 +260,15 @@ class Comm:
         for tensor, _peer in recvs:
             self.stats.record(axis, "recv", _nbytes(tensor), 2)
         works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
-        pending = Pending(self, axis, "send_recv", works, lambda: None, sent=sum(_nbytes(t) for t, _ in sends),
-                          received=sum(_nbytes(t) for t, _ in recvs))
+        pending = Pending(
+            self,
+            axis,
+            "send_recv",
+            works,
+            lambda: None,
+            sent=sum(_nbytes(t) for t, _ in sends),
+            received=sum(_nbytes(t) for t, _ in recvs),
+        )
         return self._result(pending, async_op)
 
     def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:

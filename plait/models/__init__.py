@@ -2,7 +2,6 @@
 
 from plait.models.config import GPTConfig
 from plait.models.gpt import GPT
-from plait.models.loss import lm_loss
 from plait.models.layers import (
     MLP,
     Attention,
@@ -12,6 +11,7 @@ from plait.models.layers import (
     apply_rotary,
     make_norm,
 )
+from plait.models.loss import lm_loss
 
 __all__ = [
     "GPT",

@@ -89,5 +89,3 @@ class GPT(nn.Module):
         """
         n_blocks = len(self.blocks)
         return 6 * self.num_parameters() + 12 * n_blocks * self.config.d_model * self.config.seq_len
-
-

@@ -51,8 +51,9 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
 def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     from transformers.masking_utils import create_causal_mask
 
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                              position_ids=positions)
+    return create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+    )
 
 
 def _gpt2_stage(self: nn.Module, x: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -79,8 +80,14 @@ def _llama_stage(self: nn.Module, x: torch.Tensor, **_: Any) -> torch.Tensor:
     mask = _causal_mask(base.config, hidden, positions)
     rotary = base.rotary_emb(hidden, position_ids=positions)
     for layer in base.layers:
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
-                       past_key_values=None, use_cache=False)
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_embeddings=rotary,
+            position_ids=positions,
+            past_key_values=None,
+            use_cache=False,
+        )
     if base.norm is not None:
         hidden = base.norm(hidden)
     return self.lm_head(hidden) if self.lm_head is not None else hidden

@@ -19,7 +19,7 @@ IDLE = "#e6e6e6"
 
 def _shade(color: str, amount: float) -> tuple[float, float, float]:
     """``color`` mixed with white by ``amount`` (0: unchanged); later model chunks are drawn lighter."""
-    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
 
 
@@ -50,8 +50,15 @@ def draw_schedule(result: SimResult, path: str | Path, title: str | None = None,
             ax.barh(rank, duration, left=span.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
             box_px = duration / makespan * axis_px
             if box_px >= 8:
-                ax.text(span.start + duration / 2, rank, str(a.microbatch), ha="center", va="center",
-                        fontsize=7 if box_px >= 14 else 5, color="white" if chunk == 0 else "black")
+                ax.text(
+                    span.start + duration / 2,
+                    rank,
+                    str(a.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7 if box_px >= 14 else 5,
+                    color="white" if chunk == 0 else "black",
+                )
     ax.set_yticks(range(schedule.p), [f"rank {r}" for r in range(schedule.p)])
     ax.set_ylim(schedule.p - 0.5, -0.5)
     ax.set_xlim(0, makespan)

@@ -76,8 +76,10 @@ class Tracer:
     def __init__(self, engine_or_comm: Any, cuda_sync: bool = True) -> None:
         comm = engine_or_comm if isinstance(engine_or_comm, Comm) else getattr(engine_or_comm, "comm", None)
         if not isinstance(comm, Comm):
-            raise TypeError(f"Tracer needs a plait Engine or Comm, got {type(engine_or_comm).__name__}. Fix: pass "
-                            f"the engine plait.parallelize returned.")
+            raise TypeError(
+                f"Tracer needs a plait Engine or Comm, got {type(engine_or_comm).__name__}. Fix: pass "
+                f"the engine plait.parallelize returned."
+            )
         self.comm = comm
         self.rank = comm.mesh.rank
         self.cuda = comm.device.type == "cuda" and cuda_sync
@@ -132,8 +134,9 @@ class Tracer:
             finally:
                 self.spans.append((COMPUTE, cat, name, start, self.now(), args))
 
-    def collective(self, op: str, axis: str, group_size: int, sent: int, received: int, launched: int, waited: int,
-                   is_async: bool) -> None:
+    def collective(
+        self, op: str, axis: str, group_size: int, sent: int, received: int, launched: int, waited: int, is_async: bool
+    ) -> None:
         """Called by ``Pending.wait`` once a traced collective finished (``sent``: payload bytes)."""
         ended = self.now()
         wire = sent if op == "send_recv" else wire_bytes(op, sent, group_size)
@@ -150,9 +153,16 @@ class Tracer:
     def pipeline(self, timeline: Sequence[tuple[Any, float, float]]) -> None:
         """Add a pipeline runtime's last-step actions ((action, start_s, end_s), perf_counter seconds)."""
         for action, start, end in timeline:
-            self.spans.append((COMPUTE, KIND_CATEGORY.get(action.kind, "compute"), str(action),
-                               int(start * 1e9), int(end * 1e9),
-                               {"stage": action.stage, "microbatch": action.microbatch, "kind": action.kind}))
+            self.spans.append(
+                (
+                    COMPUTE,
+                    KIND_CATEGORY.get(action.kind, "compute"),
+                    str(action),
+                    int(start * 1e9),
+                    int(end * 1e9),
+                    {"stage": action.stage, "microbatch": action.microbatch, "kind": action.kind},
+                )
+            )
 
     def step(self, step: int, start: int) -> None:
         """Close the span of ``train_step`` number ``step`` begun at ``start`` (from ``now()``)."""
@@ -169,10 +179,13 @@ class Tracer:
         mesh = self.comm.mesh
         axes = [a for a in ("pp", "dp", "cp", "tp") if mesh.size(a) > 1]
         return {
-            "rank": self.rank, "host": socket.gethostname(), "origin_ns": self.origin_ns,
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "origin_ns": self.origin_ns,
             "coords": {a: mesh.index(a) for a in axes},
             "memory_kind": "cuda_max_allocated" if self.comm.device.type == "cuda" else "cpu_max_rss",
-            "spans": [list(s) for s in self.spans], "flights": [list(f) for f in self.flights],
+            "spans": [list(s) for s in self.spans],
+            "flights": [list(f) for f in self.flights],
             "steps": [list(s) for s in self.steps],
         }
 
@@ -194,16 +207,28 @@ class Tracer:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         events, summary = trace_summary.merge(records)
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                    "otherData": {"producer": "plait.observe.trace", "clock": summary["clock"]}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ms",
+                    "otherData": {"producer": "plait.observe.trace", "clock": summary["clock"]},
+                }
+            )
+        )
         summary_path = path.with_name(path.stem + ".summary.json")
         summary_path.write_text(json.dumps(summary, indent=1))
         if png:
             picture = path.with_suffix(".png") if png is True else Path(png)
             trace_summary.draw(summary, picture)
             summary["png"] = str(picture)
-        log.info("trace of %d steps on %d ranks -> %s (open in ui.perfetto.dev); idle share per rank: %s",
-                 len(summary["steps"]), len(records), path, trace_summary.idle_line(summary))
+        log.info(
+            "trace of %d steps on %d ranks -> %s (open in ui.perfetto.dev); idle share per rank: %s",
+            len(summary["steps"]),
+            len(records),
+            path,
+            trace_summary.idle_line(summary),
+        )
         return summary
 
 

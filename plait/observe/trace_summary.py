@@ -24,8 +24,10 @@ from typing import Any
 from plait.observe.trace import COMM, COMM_CATEGORY, COMPUTE
 
 Interval = tuple[int, int]
-CLOCK = ("perf_counter_ns (CLOCK_MONOTONIC); ranks on one host share it; each host's time 0 is its lowest rank "
-         "leaving the start barrier, so hosts agree up to that barrier's exit skew")
+CLOCK = (
+    "perf_counter_ns (CLOCK_MONOTONIC); ranks on one host share it; each host's time 0 is its lowest rank "
+    "leaving the start barrier, so hosts agree up to that barrier's exit skew"
+)
 SKIP = ("step", "idle")
 """Categories that are not work: the step itself and the idle spans derived here."""
 
@@ -68,9 +70,14 @@ def split_step(spans: list[list[Any]], start: int, end: int) -> dict[str, Any]:
     work = clip(union((s[3], s[4]) for s in spans if s[1] not in SKIP), start, end)
     comm = clip(union((s[3], s[4]) for s in spans if s[1] == COMM_CATEGORY), start, end)
     busy, blocking, total = measure(work), measure(comm), end - start
-    return {"seconds": total / 1e9, "compute_s": (busy - blocking) / 1e9, "comm_s": blocking / 1e9,
-            "idle_s": (total - busy) / 1e9, "idle_share": (total - busy) / total if total > 0 else 0.0,
-            "gaps": gaps(work, start, end)}
+    return {
+        "seconds": total / 1e9,
+        "compute_s": (busy - blocking) / 1e9,
+        "comm_s": blocking / 1e9,
+        "idle_s": (total - busy) / 1e9,
+        "idle_share": (total - busy) / total if total > 0 else 0.0,
+        "gaps": gaps(work, start, end),
+    }
 
 
 def _origins(records: list[dict[str, Any]]) -> dict[int, int]:
@@ -105,33 +112,85 @@ def merge(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str
             {"ph": "M", "pid": rank, "tid": COMM, "name": "thread_name", "args": {"name": "comm (blocking)"}},
         ]
         for tid, cat, name, start, end, args in record["spans"]:
-            events.append({"ph": "X", "pid": rank, "tid": tid, "cat": cat, "name": name, "ts": us(start),
-                           "dur": (end - start) / 1e3, "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": tid,
+                    "cat": cat,
+                    "name": name,
+                    "ts": us(start),
+                    "dur": (end - start) / 1e3,
+                    "args": args,
+                }
+            )
         for index, (name, start, end, args) in enumerate(record["flights"]):
             ident = f"{rank}.{index}"
-            events.append({"ph": "b", "pid": rank, "tid": COMM, "cat": "comm_async", "name": name, "id": ident,
-                           "ts": us(start), "args": args})
-            events.append({"ph": "e", "pid": rank, "tid": COMM, "cat": "comm_async", "name": name, "id": ident,
-                           "ts": us(end)})
+            events.append(
+                {
+                    "ph": "b",
+                    "pid": rank,
+                    "tid": COMM,
+                    "cat": "comm_async",
+                    "name": name,
+                    "id": ident,
+                    "ts": us(start),
+                    "args": args,
+                }
+            )
+            events.append(
+                {"ph": "e", "pid": rank, "tid": COMM, "cat": "comm_async", "name": name, "id": ident, "ts": us(end)}
+            )
         totals = {"seconds": 0.0, "compute_s": 0.0, "comm_s": 0.0, "idle_s": 0.0}
         peak = 0
         for step, start, end, memory in record["steps"]:
             split = split_step(record["spans"], start, end)
             gap_list = split.pop("gaps")
-            events.append({"ph": "X", "pid": rank, "tid": COMPUTE, "cat": "step", "name": f"step {step}",
-                           "ts": us(start), "dur": (end - start) / 1e3, "args": dict(split, peak_memory_bytes=memory)})
-            events += [{"ph": "X", "pid": rank, "tid": COMPUTE, "cat": "idle", "name": "idle", "ts": us(a),
-                        "dur": (b - a) / 1e3} for a, b in gap_list]
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": COMPUTE,
+                    "cat": "step",
+                    "name": f"step {step}",
+                    "ts": us(start),
+                    "dur": (end - start) / 1e3,
+                    "args": dict(split, peak_memory_bytes=memory),
+                }
+            )
+            events += [
+                {
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": COMPUTE,
+                    "cat": "idle",
+                    "name": "idle",
+                    "ts": us(a),
+                    "dur": (b - a) / 1e3,
+                }
+                for a, b in gap_list
+            ]
             for key in totals:
                 totals[key] += split[key]
             peak = max(peak, memory)
             per_step.setdefault(step, []).append(dict(split, rank=rank, peak_memory_bytes=memory))
-        ranks.append({"rank": rank, "host": record["host"], "coords": record["coords"], **totals,
-                      "idle_share": totals["idle_s"] / totals["seconds"] if totals["seconds"] else 0.0,
-                      "memory_kind": record["memory_kind"], "peak_memory_bytes": peak,
-                      "steps": len(record["steps"])})
-    summary = {"clock": CLOCK, "ranks": ranks,
-               "steps": [{"step": step, "ranks": rows} for step, rows in sorted(per_step.items())]}
+        ranks.append(
+            {
+                "rank": rank,
+                "host": record["host"],
+                "coords": record["coords"],
+                **totals,
+                "idle_share": totals["idle_s"] / totals["seconds"] if totals["seconds"] else 0.0,
+                "memory_kind": record["memory_kind"],
+                "peak_memory_bytes": peak,
+                "steps": len(record["steps"]),
+            }
+        )
+    summary = {
+        "clock": CLOCK,
+        "ranks": ranks,
+        "steps": [{"step": step, "ranks": rows} for step, rows in sorted(per_step.items())],
+    }
     return events, summary
 
 

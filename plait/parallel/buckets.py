@@ -23,11 +23,29 @@ from torch import nn
 REDUCIBLE: dict[str, frozenset[torch.dtype]] = {
     # gloo reduces float32/64, float16, bfloat16 and integers; torch.distributed reduces complex tensors as
     # view_as_real pairs. float8 types fail with "Invalid scalar type" (probed on torch 2.13).
-    "gloo": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                       torch.complex32, torch.complex64, torch.complex128}),
+    "gloo": frozenset(
+        {
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.complex32,
+            torch.complex64,
+            torch.complex128,
+        }
+    ),
     # NCCL: the same floating and complex types; float8 reductions are refused by ProcessGroupNCCL.
-    "nccl": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                       torch.complex32, torch.complex64, torch.complex128}),
+    "nccl": frozenset(
+        {
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.complex32,
+            torch.complex64,
+            torch.complex128,
+        }
+    ),
 }
 """Gradient dtypes each backend can all-reduce (sum). Backends not listed are not checked."""
 

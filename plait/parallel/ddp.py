@@ -98,8 +98,12 @@ class DistributedDataParallel(DataParallelStrategy):
         self._reset()
         logger.info(
             "DDP over '%s' (%d ranks): %d buckets of <= %g MiB (%s bytes), find_unused_parameters=%s",
-            axis, comm.size(axis), len(self.buckets), self.layout.bucket_mb,
-            ", ".join(str(b.grad_bytes) for b in self.buckets), self.find_unused_parameters,
+            axis,
+            comm.size(axis),
+            len(self.buckets),
+            self.layout.bucket_mb,
+            ", ".join(str(b.grad_bytes) for b in self.buckets),
+            self.find_unused_parameters,
         )
 
     @staticmethod

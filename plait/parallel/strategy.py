@@ -51,12 +51,16 @@ def check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def build_optimizer(factory: OptimizerFactory | torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(
+    factory: OptimizerFactory | torch.optim.Optimizer, params: list[nn.Parameter]
+) -> torch.optim.Optimizer:
     """Call the factory on ``params`` (or accept an optimizer already built on exactly those parameters)."""
     if isinstance(factory, torch.optim.Optimizer):
         owned = {id(p) for p in params}
         if not all(id(p) in owned for group in factory.param_groups for p in group["params"]):
-            raise ValueError("the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ...")
+            raise ValueError(
+                "the optimizer holds parameters that are not the model's. Fix: pass a factory lambda p: ..."
+            )
         check_steps_without_closure(factory)
         return factory
     optimizer = factory(params)

@@ -12,7 +12,22 @@ from plait.param_server.task import AdditionGPT
 from plait.param_server.worker import PSWorker
 
 __all__ = [
-    "MODES", "AdditionGPT", "Consistency", "JobConfig", "JobResult", "LocalCluster", "OptimizerSpec", "PSWorker",
-    "ParamSpec", "ServerSettings", "Service", "ShardServer", "StalenessStats", "assign_shards", "model_spec",
-    "run_local", "run_worker", "serve_shard",
+    "MODES",
+    "AdditionGPT",
+    "Consistency",
+    "JobConfig",
+    "JobResult",
+    "LocalCluster",
+    "OptimizerSpec",
+    "PSWorker",
+    "ParamSpec",
+    "ServerSettings",
+    "Service",
+    "ShardServer",
+    "StalenessStats",
+    "assign_shards",
+    "model_spec",
+    "run_local",
+    "run_worker",
+    "serve_shard",
 ]

@@ -32,11 +32,14 @@ class Consistency:
         if self.mode not in MODES:
             raise ConfigError(f"consistency mode {self.mode!r} is unknown. Fix: use one of {', '.join(MODES)}.")
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ConfigError(f"staleness={self.staleness!r} must be an integer >= 0 (the SSP bound s). "
-                              f"Fix: e.g. --staleness 2.")
+            raise ConfigError(
+                f"staleness={self.staleness!r} must be an integer >= 0 (the SSP bound s). Fix: e.g. --staleness 2."
+            )
         if self.mode != "ssp" and self.staleness != 0:
-            raise ConfigError(f"staleness={self.staleness} only applies to mode 'ssp' (got {self.mode!r}). "
-                              f"Fix: use --mode ssp, or drop --staleness.")
+            raise ConfigError(
+                f"staleness={self.staleness} only applies to mode 'ssp' (got {self.mode!r}). "
+                f"Fix: use --mode ssp, or drop --staleness."
+            )
 
     def may_pull(self, clock: int, slowest_live_clock: int) -> bool:
         """SSP's gate: a worker at `clock` may read parameters iff clock - slowest <= s (always for ASP/BSP)."""

@@ -67,26 +67,47 @@ class JobConfig:
         assign_shards(model_spec(self.task.build_model()), self.servers)
 
     def server_settings(self, index: int) -> ServerSettings:
-        return ServerSettings(index, self.servers, self.consistency, self.optimizer, self.dead_after_s,
-                              self.checkpoint_dir, self.checkpoint_every, self.record_history, self.workers)
+        return ServerSettings(
+            index,
+            self.servers,
+            self.consistency,
+            self.optimizer,
+            self.dead_after_s,
+            self.checkpoint_dir,
+            self.checkpoint_every,
+            self.record_history,
+            self.workers,
+        )
 
 
-def serve_shard(config: JobConfig, index: int, host: str = "127.0.0.1", port: int = 0,
-                addresses: Any = None) -> dict[str, Any]:
+def serve_shard(
+    config: JobConfig, index: int, host: str = "127.0.0.1", port: int = 0, addresses: Any = None
+) -> dict[str, Any]:
     """Server process body: build the model, keep shard `index`, serve until stopped; returns the final report."""
     configure(rank=index)
     torch.set_num_threads(1)
     server = ShardServer(config.task.build_model(), config.server_settings(index))
     service = Service(server, host, port, log_every_s=config.log_every_s if index == 0 else 0.0)
-    log.info("server %d of %d listening on %s:%d, owning %d tensors", index, config.servers, *service.address,
-             len(server.params))
+    log.info(
+        "server %d of %d listening on %s:%d, owning %d tensors",
+        index,
+        config.servers,
+        *service.address,
+        len(server.params),
+    )
     if addresses is not None:
         addresses.put((index, service.address))
     return service.serve_forever()
 
 
-def run_worker(config: JobConfig, index: int, addresses: list[tuple[str, int]], acked: Any = None,
-               results: Any = None, step_delay_s: float = 0.0) -> list[float]:
+def run_worker(
+    config: JobConfig,
+    index: int,
+    addresses: list[tuple[str, int]],
+    acked: Any = None,
+    results: Any = None,
+    step_delay_s: float = 0.0,
+) -> list[float]:
     """Worker process body: `config.steps` pull/compute/push steps on worker `index`'s data; returns the losses."""
     configure(rank=config.servers + index)
     torch.set_num_threads(1)
@@ -94,7 +115,7 @@ def run_worker(config: JobConfig, index: int, addresses: list[tuple[str, int]], 
     worker = PSWorker(addresses, task.build_model(), f"worker{index}", timeout_s=config.timeout_s)
     losses, first_versions = [], None
     for step in range(config.steps):
-        loss, _ = worker.step(step, lambda model: task.loss(model, task.batch_of(index, step)))
+        loss, _ = worker.step(step, lambda model: task.loss(model, task.batch_of(index, step)))  # noqa: B023 - called within this iteration
         losses.append(loss)
         first_versions = first_versions or list(worker.versions)
         if acked is not None:
@@ -107,8 +128,9 @@ def run_worker(config: JobConfig, index: int, addresses: list[tuple[str, int]], 
     return losses
 
 
-def _worker_entry(config: JobConfig, index: int, addresses: list[tuple[str, int]], acked: Any, results: Any,
-                  step_delay_s: float) -> None:
+def _worker_entry(
+    config: JobConfig, index: int, addresses: list[tuple[str, int]], acked: Any, results: Any, step_delay_s: float
+) -> None:
     try:
         run_worker(config, index, addresses, acked, results, step_delay_s)
     except BaseException as error:  # noqa: BLE001 - report to the launcher, then fail the process
@@ -152,8 +174,12 @@ class LocalCluster:
         """Start server `index` on `port` (0: any free port) for each item; wait until every one listens."""
         found = self.ctx.Queue()
         for index, port in ports.items():
-            process = self.ctx.Process(target=serve_shard, args=(self.config, index, "127.0.0.1", port, found),
-                                       name=f"ps-server{index}", daemon=True)
+            process = self.ctx.Process(
+                target=serve_shard,
+                args=(self.config, index, "127.0.0.1", port, found),
+                name=f"ps-server{index}",
+                daemon=True,
+            )
             process.start()
             self.servers[index] = process
         addresses: dict[int, tuple[str, int]] = {}
@@ -162,8 +188,9 @@ class LocalCluster:
             try:
                 index, address = found.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"servers {sorted(set(ports) - set(addresses))} did not start within "
-                                   f"{self.config.timeout_s:g} s") from None
+                raise TimeoutError(
+                    f"servers {sorted(set(ports) - set(addresses))} did not start within {self.config.timeout_s:g} s"
+                ) from None
             addresses[index] = address
         return [addresses[index] for index in sorted(addresses)]
 
@@ -178,8 +205,12 @@ class LocalCluster:
         self._start({index: self.addresses[index][1]})
 
     def start_worker(self, index: int, step_delay_s: float = 0.0) -> None:
-        process = self.ctx.Process(target=_worker_entry, name=f"ps-worker{index}", daemon=True,
-                                   args=(self.config, index, self.addresses, self.acked, self.results, step_delay_s))
+        process = self.ctx.Process(
+            target=_worker_entry,
+            name=f"ps-worker{index}",
+            daemon=True,
+            args=(self.config, index, self.addresses, self.acked, self.results, step_delay_s),
+        )
         process.start()
         self.workers[index] = process
 
@@ -207,8 +238,9 @@ class LocalCluster:
                 found.append(f"server {server}: no report ({error})")
         return found
 
-    def wait_workers(self, on_reports: Callable[[list[dict[str, Any]]], None] | None = None,
-                     poll_s: float = 0.5) -> dict[int, dict[str, Any]]:
+    def wait_workers(
+        self, on_reports: Callable[[list[dict[str, Any]]], None] | None = None, poll_s: float = 0.5
+    ) -> dict[int, dict[str, Any]]:
         """Wait for every worker still alive: {index: {losses, acked, first_versions}}; raises on a worker's error.
 
         Every `poll_s` the servers' reports go to `on_reports` (a progress view). The job fails with the servers'
@@ -227,10 +259,16 @@ class LocalCluster:
                 if on_reports is not None:
                     on_reports([r for r in reports if isinstance(r, dict)])
                 if time.monotonic() - last_progress > self.config.timeout_s:
-                    states = [r if isinstance(r, str) else f"server {r['index']}: version {r['version']}, "
-                              f"{r['live_workers']} live" for r in reports]
-                    raise TimeoutError(f"workers {sorted(expected - set(done))} made no progress for "
-                                       f"{self.config.timeout_s:g} s; {'; '.join(states)}") from None
+                    states = [
+                        r
+                        if isinstance(r, str)
+                        else f"server {r['index']}: version {r['version']}, {r['live_workers']} live"
+                        for r in reports
+                    ]
+                    raise TimeoutError(
+                        f"workers {sorted(expected - set(done))} made no progress for "
+                        f"{self.config.timeout_s:g} s; {'; '.join(states)}"
+                    ) from None
                 continue
             if "error" in outcome:
                 raise RuntimeError(f"worker {index} failed: {outcome['error']}")

@@ -23,21 +23,38 @@ def summary_line(report: dict[str, Any]) -> str:
     """One server's figures as text: version, updates/s, staleness mean/max, live workers, duplicates ignored."""
     staleness = report["staleness"]
     resumed = "" if report.get("resumed_from") is None else f", resumed at {report['resumed_from']}"
-    return (f"server {report['index']}: version {report['version']}, {report['updates_per_s']:.1f} updates/s, "
-            f"staleness mean {staleness['mean']:.2f} max {staleness['max']}, {report['live_workers']} live workers, "
-            f"{report['duplicates']} duplicates ignored{resumed}")
+    return (
+        f"server {report['index']}: version {report['version']}, {report['updates_per_s']:.1f} updates/s, "
+        f"staleness mean {staleness['mean']:.2f} max {staleness['max']}, {report['live_workers']} live workers, "
+        f"{report['duplicates']} duplicates ignored{resumed}"
+    )
 
 
 def _table(reports: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for column in ("server", "version", "updates/s", "staleness mean", "staleness max", "live workers",
-                   "pushes applied", "duplicates"):
+    for column in (
+        "server",
+        "version",
+        "updates/s",
+        "staleness mean",
+        "staleness max",
+        "live workers",
+        "pushes applied",
+        "duplicates",
+    ):
         table.add_column(column, justify="right")
     for report in reports:
         staleness = report["staleness"]
-        table.add_row(str(report["index"]), str(report["version"]), f"{report['updates_per_s']:.1f}",
-                      f"{staleness['mean']:.2f}", str(staleness["max"]), str(report["live_workers"]),
-                      str(report["pushes_applied"]), str(report["duplicates"]))
+        table.add_row(
+            str(report["index"]),
+            str(report["version"]),
+            f"{report['updates_per_s']:.1f}",
+            f"{staleness['mean']:.2f}",
+            str(staleness["max"]),
+            str(report["live_workers"]),
+            str(report["pushes_applied"]),
+            str(report["duplicates"]),
+        )
     return table
 
 

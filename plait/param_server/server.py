@@ -98,8 +98,10 @@ class ShardServer:
         one, e.g. restored from a checkpoint, keeps its record)."""
         problem = spec_mismatch(self.spec, tuple(spec))
         if problem:
-            raise ConfigError(f"worker {name!r} has a different model from the servers': {problem}. Fix: build the "
-                              f"workers' model with the same configuration as the servers'.")
+            raise ConfigError(
+                f"worker {name!r} has a different model from the servers': {problem}. Fix: build the "
+                f"workers' model with the same configuration as the servers'."
+            )
         with self.cond:
             record = self.workers.get(wid)
             if record is None or not record.alive:
@@ -132,8 +134,13 @@ class ShardServer:
             record = self.workers.get(wid)
             if record is not None and record.alive:
                 record.alive = False
-                log.warning("server %d: worker %s is dead (%s); %d live workers remain", self.settings.index,
-                            record.name, reason, self.live_count())
+                log.warning(
+                    "server %d: worker %s is dead (%s); %d live workers remain",
+                    self.settings.index,
+                    record.name,
+                    reason,
+                    self.live_count(),
+                )
                 self._retire(wid)
 
     def sweep(self) -> None:
@@ -161,8 +168,10 @@ class ShardServer:
         with self.cond:
             record = self._member(wid)
             while not self.settings.consistency.may_pull(record.clock, self._slowest_clock()):
-                if not self.cond.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic()))) and \
-                        time.monotonic() >= deadline:
+                if (
+                    not self.cond.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+                    and time.monotonic() >= deadline
+                ):
                     raise TimeoutError(f"pull by {record.name} waited {timeout_s:g} s for the slowest worker")
                 record = self._member(wid)
             return {"version": self.version, "params": {n: p.detach().clone() for n, p in self.params.items()}}
@@ -213,8 +222,11 @@ class ShardServer:
     def _apply(self, entries: list[tuple[WorkerRecord, int, int, dict[str, Tensor]]]) -> None:
         """One optimizer step on the mean of `entries`' gradients (one entry outside BSP), under the lock."""
         for name, param in self.params.items():
-            param.grad = torch.stack([grads[name].to(param.dtype) for *_, grads in entries]).mean(dim=0) \
-                if len(entries) > 1 else entries[0][3][name].to(param.dtype).clone()
+            param.grad = (
+                torch.stack([grads[name].to(param.dtype) for *_, grads in entries]).mean(dim=0)
+                if len(entries) > 1
+                else entries[0][3][name].to(param.dtype).clone()
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for record, seq, version, _ in entries:
@@ -237,10 +249,14 @@ class ShardServer:
         """Write the shard, optimizer state, version and applied seqs to a temporary file, then os.replace it."""
         path = self.checkpoint_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        state = {"version": self.version, "params": {n: p.detach().clone() for n, p in self.params.items()},
-                 "optimizer": self.optimizer.state_dict(), "pushes_applied": self.pushes_applied,
-                 "last_seq": {wid: (r.name, r.last_seq, r.applied, r.alive) for wid, r in self.workers.items()},
-                 "staleness": dict(self.staleness.counts)}
+        state = {
+            "version": self.version,
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "pushes_applied": self.pushes_applied,
+            "last_seq": {wid: (r.name, r.last_seq, r.applied, r.alive) for wid, r in self.workers.items()},
+            "staleness": dict(self.staleness.counts),
+        }
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
         return path
@@ -260,20 +276,25 @@ class ShardServer:
         # them as dead would let a round close on the first worker to reconnect alone, one round ahead of the
         # others on this shard only. They also count for BSP's start barrier (joined).
         for wid, (name, last_seq, applied, alive) in state["last_seq"].items():
-            self.workers[wid] = WorkerRecord(name, 0, time.monotonic(), alive=alive, last_seq=last_seq,
-                                             applied=applied)
+            self.workers[wid] = WorkerRecord(name, 0, time.monotonic(), alive=alive, last_seq=last_seq, applied=applied)
         self.joined, self.resumed_from = len(self.workers), self.version
-        log.warning("server %d resumed from %s at version %d", self.settings.index, self.checkpoint_path(),
-                    self.version)
+        log.warning(
+            "server %d resumed from %s at version %d", self.settings.index, self.checkpoint_path(), self.version
+        )
 
     def report(self, with_params: bool = False) -> dict[str, Any]:
         """Counters for progress and tests; with the shard (and history) when asked."""
         with self.cond:
             elapsed = max(1e-9, time.monotonic() - self.started)
             report: dict[str, Any] = {
-                "index": self.settings.index, "version": self.version, "updates_per_s": self.version / elapsed,
-                "pushes_applied": self.pushes_applied, "duplicates": self.duplicates, "dropped": self.dropped,
-                "live_workers": self.live_count(), "staleness": self.staleness.as_dict(),
+                "index": self.settings.index,
+                "version": self.version,
+                "updates_per_s": self.version / elapsed,
+                "pushes_applied": self.pushes_applied,
+                "duplicates": self.duplicates,
+                "dropped": self.dropped,
+                "live_workers": self.live_count(),
+                "staleness": self.staleness.as_dict(),
                 "resumed_from": self.resumed_from,
                 "applied_by_worker": {r.name: r.applied for r in self.workers.values()},
             }

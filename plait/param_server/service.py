@@ -58,9 +58,15 @@ class Service:
             if self.log_every_s and time.monotonic() - last_log >= self.log_every_s:
                 last_log = time.monotonic()
                 report = self.server.report()
-                log.info("server %d: version %d, %.1f updates/s, staleness mean %.2f max %d, %d live workers",
-                         report["index"], report["version"], report["updates_per_s"], report["staleness"]["mean"],
-                         report["staleness"]["max"], report["live_workers"])
+                log.info(
+                    "server %d: version %d, %.1f updates/s, staleness mean %.2f max %d, %d live workers",
+                    report["index"],
+                    report["version"],
+                    report["updates_per_s"],
+                    report["staleness"]["mean"],
+                    report["staleness"]["max"],
+                    report["live_workers"],
+                )
 
     def _handle(self, conn: Connection) -> None:
         """Serve one connection; on EOF declare its worker dead (unless it left cleanly)."""
@@ -123,8 +129,12 @@ def request(conn: Connection, op: str, timeout_s: float, **kwargs: Any) -> Any:
     if reply[0] == "ok":
         return reply[1]
     _, kind, message = reply
-    error_class = {"ConfigError": ConfigError, "TimeoutError": TimeoutError, "PermissionError": PermissionError,
-                   "KeyError": KeyError}.get(kind, RuntimeError)
+    error_class = {
+        "ConfigError": ConfigError,
+        "TimeoutError": TimeoutError,
+        "PermissionError": PermissionError,
+        "KeyError": KeyError,
+    }.get(kind, RuntimeError)
     raise error_class(message)
 
 

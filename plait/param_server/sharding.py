@@ -43,11 +43,15 @@ def model_spec(model: nn.Module) -> tuple[ParamSpec, ...]:
 def assign_shards(spec: tuple[ParamSpec, ...], num_servers: int) -> list[list[str]]:
     """Parameter names per server, balanced by element count (greedy LPT); every server gets at least one."""
     if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
-        raise ConfigError(f"servers={num_servers!r}: a parameter server needs at least one server process. "
-                          f"Fix: pass --servers 1 or more.")
+        raise ConfigError(
+            f"servers={num_servers!r}: a parameter server needs at least one server process. "
+            f"Fix: pass --servers 1 or more."
+        )
     if num_servers > len(spec):
-        raise ConfigError(f"servers={num_servers} but the model has only {len(spec)} parameter tensors, and a "
-                          f"server must own at least one whole tensor. Fix: use at most {len(spec)} servers.")
+        raise ConfigError(
+            f"servers={num_servers} but the model has only {len(spec)} parameter tensors, and a "
+            f"server must own at least one whole tensor. Fix: use at most {len(spec)} servers."
+        )
     loads = [0] * num_servers
     shards: list[list[str]] = [[] for _ in range(num_servers)]
     for param in sorted(spec, key=lambda p: (-p.numel, p.name)):
@@ -65,13 +69,17 @@ def spec_mismatch(expected: tuple[ParamSpec, ...], actual: tuple[ParamSpec, ...]
     missing = [name for name in expected_by_name if name not in actual_by_name]
     extra = [name for name in actual_by_name if name not in expected_by_name]
     if missing or extra:
-        return (f"parameters missing from the worker's model: {missing[:3]}{'...' if len(missing) > 3 else ''}; "
-                f"unknown to the servers: {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        return (
+            f"parameters missing from the worker's model: {missing[:3]}{'...' if len(missing) > 3 else ''}; "
+            f"unknown to the servers: {extra[:3]}{'...' if len(extra) > 3 else ''}"
+        )
     for name, want in expected_by_name.items():
         got = actual_by_name[name]
         if want != got:
-            return (f"parameter {name!r} is {got.shape} {got.dtype} on the worker but {want.shape} {want.dtype} "
-                    f"on the servers")
+            return (
+                f"parameter {name!r} is {got.shape} {got.dtype} on the worker but {want.shape} {want.dtype} "
+                f"on the servers"
+            )
     return None
 
 

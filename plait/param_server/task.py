@@ -40,8 +40,13 @@ class AdditionGPT:
         """The same initial weights in every process (seeded)."""
         torch.manual_seed(self.seed)
         data = self.data
-        config = GPTConfig(vocab_size=data.vocab_size, seq_len=data.seq_len, n_layer=self.n_layer,
-                           n_head=self.n_head, d_model=self.width_override or self.d_model)
+        config = GPTConfig(
+            vocab_size=data.vocab_size,
+            seq_len=data.seq_len,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            d_model=self.width_override or self.d_model,
+        )
         return GPT(config)
 
     def batch_of(self, worker: int, step: int) -> tuple[Tensor, Tensor]:

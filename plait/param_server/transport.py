@@ -28,7 +28,7 @@ def authkey() -> bytes:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """"host:port" -> (host, port)."""
+    """ "host:port" -> (host, port)."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"server address {text!r} is not HOST:PORT (e.g. 10.0.0.5:29600).")
@@ -63,9 +63,11 @@ def connect(address: tuple[str, int], timeout_s: float) -> Connection:
             return no_delay(Client(address, authkey=authkey()))
         except (ConnectionRefusedError, ConnectionResetError, FileNotFoundError, OSError) as error:
             if time.monotonic() >= deadline:
-                raise ServerUnreachable(f"cannot reach the parameter server at {address[0]}:{address[1]} within "
-                                        f"{timeout_s:g} s ({error}). Fix: start the servers first, check the "
-                                        f"address, the firewall and PLAIT_PS_AUTHKEY.") from error
+                raise ServerUnreachable(
+                    f"cannot reach the parameter server at {address[0]}:{address[1]} within "
+                    f"{timeout_s:g} s ({error}). Fix: start the servers first, check the "
+                    f"address, the firewall and PLAIT_PS_AUTHKEY."
+                ) from error
             time.sleep(0.05)
 
 

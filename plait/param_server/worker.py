@@ -34,8 +34,16 @@ log = get_logger(__name__)
 class PSWorker:
     """A worker of a parameter-server job; `model` is this worker's replica (the servers' model, same spec)."""
 
-    def __init__(self, addresses: list[tuple[str, int]], model: nn.Module, name: str, *, timeout_s: float = 60.0,
-                 heartbeat_s: float = 0.25, retries: int = 3) -> None:
+    def __init__(
+        self,
+        addresses: list[tuple[str, int]],
+        model: nn.Module,
+        name: str,
+        *,
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 0.25,
+        retries: int = 3,
+    ) -> None:
         self.addresses, self.model, self.name = list(addresses), model, name
         self.wid = f"{name}-{uuid.uuid4().hex[:8]}"
         self.timeout_s, self.heartbeat_s, self.retries = timeout_s, heartbeat_s, retries
@@ -90,8 +98,9 @@ class PSWorker:
         no longer has, e.g. after it restarted from a checkpoint, or sent by a worker it declared dead)."""
         shards = list(range(len(self.addresses))) if shards is None else shards
         grads = {index: {name: _grad(self.params[name]) for name in self.shard_names[index]} for index in shards}
-        replies = self._each(lambda index: self._call(index, "push", seq=seq, version=self.versions[index],
-                                                      grads=grads[index]), shards)
+        replies = self._each(
+            lambda index: self._call(index, "push", seq=seq, version=self.versions[index], grads=grads[index]), shards
+        )
         return [index for index, reply in zip(shards, replies) if not reply["applied"]]
 
     def step(self, seq: int, loss_of: Callable[[nn.Module], Tensor]) -> tuple[float, bool]:
@@ -113,8 +122,13 @@ class PSWorker:
             if not shards:
                 self.acked += 1
                 return first_loss, True
-            log.warning("%s: step %d was not applied by servers %s (attempt %d); pulling and pushing again",
-                        self.name, seq, shards, attempt + 1)
+            log.warning(
+                "%s: step %d was not applied by servers %s (attempt %d); pulling and pushing again",
+                self.name,
+                seq,
+                shards,
+                attempt + 1,
+            )
         return first_loss, False
 
     def _beat(self) -> None:

@@ -21,7 +21,25 @@ from plait.planner.predict import Prediction, predict
 from plait.planner.search import PlanResult, plan
 
 __all__ = [
-    "CATALOGUE", "Hardware", "IMPLEMENTATIONS", "Implementation", "InterOpPlan", "IntraOpPlan", "LayerProfile",
-    "ModelSpec", "NAMED", "PlanResult", "Prediction", "balanced_stages", "block_operators", "from_hf_config",
-    "get_hardware", "inter_op_plan", "plan", "predict", "profile_layers", "resolve_model", "solve_intra_op",
+    "CATALOGUE",
+    "Hardware",
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "InterOpPlan",
+    "IntraOpPlan",
+    "LayerProfile",
+    "ModelSpec",
+    "NAMED",
+    "PlanResult",
+    "Prediction",
+    "balanced_stages",
+    "block_operators",
+    "from_hf_config",
+    "get_hardware",
+    "inter_op_plan",
+    "plan",
+    "predict",
+    "profile_layers",
+    "resolve_model",
+    "solve_intra_op",
 ]

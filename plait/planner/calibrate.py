@@ -153,6 +153,20 @@ def measure_memory_bandwidth(mib: int = 64, repeats: int = 3) -> float:
     return 2 * src.numel() * 4 / min(times)
 
 
+def _collective_calls(comm: Any, x: torch.Tensor, size: int, rank: int, peer: int | None) -> dict[str, Any]:
+    """One call per collective of ``COLLECTIVES`` on ``x`` (``size`` elements per rank), through plait's Comm."""
+    return {
+        "all_reduce": lambda: comm.all_reduce(x, "dp"),
+        "all_gather": lambda: comm.all_gather(x[:size], "dp"),
+        "reduce_scatter": lambda: comm.reduce_scatter(x, "dp"),
+        "all_to_all": lambda: comm.all_to_all(x, "dp", 0, 0),
+        "broadcast": lambda: comm.broadcast(x, "dp"),
+        "send_recv": lambda: comm.send_recv(
+            [(x, peer)] if rank == 0 else [], [(x, peer)] if rank == 1 else [], axis="dp"
+        ),
+    }
+
+
 def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: Any) -> None:
     """One calibration rank: every collective through plait's Comm, timed on rank 0."""
     import torch.distributed as dist
@@ -169,15 +183,7 @@ def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: An
         timings: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
         for size in SIZES:
             x = torch.ones(size * world)
-            calls = {
-                "all_reduce": lambda: comm.all_reduce(x, "dp"),
-                "all_gather": lambda: comm.all_gather(x[:size], "dp"),
-                "reduce_scatter": lambda: comm.reduce_scatter(x, "dp"),
-                "all_to_all": lambda: comm.all_to_all(x, "dp", 0, 0),
-                "broadcast": lambda: comm.broadcast(x, "dp"),
-                "send_recv": lambda: comm.send_recv([(x, peer)] if rank == 0 else [],
-                                                    [(x, peer)] if rank == 1 else [], axis="dp"),
-            }
+            calls = _collective_calls(comm, x, size, rank, peer)
             for op, call in calls.items():
                 samples = []
                 for _ in range(repeats + 1):
@@ -226,24 +232,48 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
     fits = {op: fit_alpha_beta([b for b, _ in rows], [t for _, t in rows]) for op, rows in timings.items()}
     link = 1 / fits["send_recv"][1]
     hardware = Hardware(
-        name=THIS_MACHINE, peak_flops={"fp32": flops, "bf16": flops, "fp16": flops},
+        name=THIS_MACHINE,
+        peak_flops={"fp32": flops, "bf16": flops, "fp16": flops},
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc,
-        memory_bandwidth=bandwidth, intra_node_bandwidth=link, inter_node_bandwidth=link,
-        devices_per_node=nproc, intra_node_latency=fits["send_recv"][0], inter_node_latency=fits["send_recv"][0],
-        block_overhead=overhead, split_backward=split, measured=fits, measured_ranks=nproc, compute_units=min(float(nproc), max(1.0, together / alone)),
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=link,
+        inter_node_bandwidth=link,
+        devices_per_node=nproc,
+        intra_node_latency=fits["send_recv"][0],
+        inter_node_latency=fits["send_recv"][0],
+        block_overhead=overhead,
+        split_backward=split,
+        measured=fits,
+        measured_ranks=nproc,
+        compute_units=min(float(nproc), max(1.0, together / alone)),
         source=f"plait calibrate, {nproc} gloo processes, {time.strftime('%Y-%m-%d %H:%M')}",
     )
-    data = {"hardware": hardware.to_dict(), "timings": {op: rows for op, rows in timings.items()},
-            "seconds": time.perf_counter() - started}
+    data = {
+        "hardware": hardware.to_dict(),
+        "timings": {op: rows for op, rows in timings.items()},
+        "seconds": time.perf_counter() - started,
+    }
     path = Path(out) if out else calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
-    logger.info("calibrated this machine in %.1f s: %.1f GFLOP/s matmul, %.1f GB/s memory -> %s",
-                data["seconds"], flops / 1e9, bandwidth / 1e9, path)
+    logger.info(
+        "calibrated this machine in %.1f s: %.1f GFLOP/s matmul, %.1f GB/s memory -> %s",
+        data["seconds"],
+        flops / 1e9,
+        bandwidth / 1e9,
+        path,
+    )
     data["path"] = str(path)
     return data
 
 
-__all__ = ["SIZES", "calibrate", "fit_alpha_beta", "measure_block_overhead", "measure_matmul_flops",
-           "measure_memory_bandwidth", "measure_split_backward",
-           "sustained_matmul_flops"]
+__all__ = [
+    "SIZES",
+    "calibrate",
+    "fit_alpha_beta",
+    "measure_block_overhead",
+    "measure_matmul_flops",
+    "measure_memory_bandwidth",
+    "measure_split_backward",
+    "sustained_matmul_flops",
+]

@@ -84,9 +84,17 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
     # reduces and copies on the same processors the ranks compute on, so nothing overlaps
-    "plait-cpu": Implementation(name="plait-cpu", overlap_dp=False, overlap_cp=False, grad_bytes=4,
-                                state_accounting="plait", compute_efficiency=1.0, memory_efficiency=1.0,
-                                comm_efficiency=1.0, reserved_bytes=0.0),
+    "plait-cpu": Implementation(
+        name="plait-cpu",
+        overlap_dp=False,
+        overlap_cp=False,
+        grad_bytes=4,
+        state_accounting="plait",
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        comm_efficiency=1.0,
+        reserved_bytes=0.0,
+    ),
 }
 
 
@@ -114,8 +122,9 @@ def spans_nodes(layout: Layout, axis: str, devices_per_node: int) -> bool:
 
 
 # ---------------------------------------------------------------------- collectives
-def collective_time(hw: Hardware, op: str, nbytes: float, n: int, inter_node: bool,
-                    comm_efficiency: float = COMM_EFFICIENCY) -> float:
+def collective_time(
+    hw: Hardware, op: str, nbytes: float, n: int, inter_node: bool, comm_efficiency: float = COMM_EFFICIENCY
+) -> float:
     """Seconds for one ``op`` over ``n`` ranks on ``nbytes`` of payload (the whole tensor; for all-to-all and
     all-gather the full result), by the alpha-beta formulas of the module docstring."""
     if n <= 1 or nbytes <= 0:
@@ -187,8 +196,9 @@ def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e:
     return replicated + split + scores
 
 
-def block_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int,
-               seq: int) -> BlockTime:
+def block_time(
+    spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int
+) -> BlockTime:
     """Per-device time of one block on a micro-batch of ``micro_batch`` samples of ``seq`` tokens under
     ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision)."""
     t, cp, e = layout.tp, layout.cp, act_bytes(layout.precision)
@@ -208,14 +218,19 @@ def block_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layo
     cp_bwd_exposed = max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_bwd
     recomputed = layout.recompute == "full"
     return BlockTime(
-        forward=fwd, backward=2 * fwd, recompute=fwd if recomputed else 0.0,
-        forward_comm=2 * tp_one + cp_fwd_exposed, backward_comm=2 * tp_one + cp_bwd_exposed,
-        recompute_comm=(2 * tp_one + cp_fwd_exposed) if recomputed else 0.0, flops=flops,
+        forward=fwd,
+        backward=2 * fwd,
+        recompute=fwd if recomputed else 0.0,
+        forward_comm=2 * tp_one + cp_fwd_exposed,
+        backward_comm=2 * tp_one + cp_bwd_exposed,
+        recompute_comm=(2 * tp_one + cp_fwd_exposed) if recomputed else 0.0,
+        flops=flops,
     )
 
 
-def _context_comm(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int,
-                  e: int) -> tuple[float, float]:
+def _context_comm(
+    spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int, e: int
+) -> tuple[float, float]:
     """Context parallel traffic of one block (forward, backward). Ring attention (Liu et al. 2023): cp - 1 steps
     passing this rank's K and V blocks, b (s/cp) 2 k d bytes each; backward passes K, V and their gradients.
     Ulysses (Jacobs et al. 2023): all-to-alls of q, k, v and the output forward, and of their gradients backward."""
@@ -230,23 +245,32 @@ def _context_comm(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: L
         return (cp - 1) * step, 2 * (cp - 1) * step
     q_bytes = micro_batch * seq * spec.hidden * e / layout.tp  # the full sequence's heads, redistributed
     kv_full = micro_batch * seq * 2 * spec.kv * spec.head_dim * e / layout.tp
-    one_way = 2 * collective_time(hw, "all_to_all", q_bytes, cp, inter, impl.comm_efficiency) + \
-        collective_time(hw, "all_to_all", kv_full, cp, inter, impl.comm_efficiency)
+    one_way = 2 * collective_time(hw, "all_to_all", q_bytes, cp, inter, impl.comm_efficiency) + collective_time(
+        hw, "all_to_all", kv_full, cp, inter, impl.comm_efficiency
+    )
     return one_way, one_way
 
 
-def head_time(spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int,
-              seq: int) -> tuple[float, float, float, float]:
+def head_time(
+    spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int
+) -> tuple[float, float, float, float]:
     """Forward time, backward time and forward FLOPs of the output layer (vocab-parallel across tp) on the last
     stage, and the forward time of the vocab-parallel embedding's tp all-reduce on the first."""
     s_local = seq // layout.cp
     flops = logits_flops(spec, micro_batch, s_local) / layout.tp
     e = act_bytes(layout.precision)
     logits_bytes = 3 * micro_batch * s_local * spec.vocab * 4 / layout.tp  # fp32 logits, softmax, gradient
-    fwd = flops / (hw.flops(layout.precision) * impl.compute_efficiency) + \
-        logits_bytes / (hw.memory_bandwidth * impl.memory_efficiency)
-    embed_ar = collective_time(hw, "all_reduce", micro_batch * s_local * spec.hidden * e, layout.tp,
-                               spans_nodes(layout, "tp", hw.devices_per_node), impl.comm_efficiency)
+    fwd = flops / (hw.flops(layout.precision) * impl.compute_efficiency) + logits_bytes / (
+        hw.memory_bandwidth * impl.memory_efficiency
+    )
+    embed_ar = collective_time(
+        hw,
+        "all_reduce",
+        micro_batch * s_local * spec.hidden * e,
+        layout.tp,
+        spans_nodes(layout, "tp", hw.devices_per_node),
+        impl.comm_efficiency,
+    )
     return fwd, 2 * fwd, flops, embed_ar
 
 
@@ -255,7 +279,21 @@ def with_efficiency(impl: Implementation, compute_efficiency: float) -> Implemen
 
 
 __all__ = [
-    "ADAM_BYTES_PER_PARAM", "BlockTime", "COMM_EFFICIENCY", "COMPUTE_EFFICIENCY", "IMPLEMENTATIONS", "Implementation",
-    "MEMORY_EFFICIENCY", "act_bytes", "axis_stride", "block_flops", "block_time", "block_traffic",
-    "collective_time", "head_time", "logits_flops", "spans_nodes", "with_efficiency",
+    "ADAM_BYTES_PER_PARAM",
+    "BlockTime",
+    "COMM_EFFICIENCY",
+    "COMPUTE_EFFICIENCY",
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "MEMORY_EFFICIENCY",
+    "act_bytes",
+    "axis_stride",
+    "block_flops",
+    "block_time",
+    "block_traffic",
+    "collective_time",
+    "head_time",
+    "logits_flops",
+    "spans_nodes",
+    "with_efficiency",
 ]

@@ -92,8 +92,10 @@ class Hardware:
     def flops(self, precision: str) -> float:
         """Peak dense matmul FLOP/s at ``precision`` (a ``Layout.precision``)."""
         if precision not in self.peak_flops:
-            raise ConfigError(f"{self.name} has no peak FLOP/s for precision {precision!r}. "
-                              f"Fix: use one of {', '.join(self.peak_flops)}.")
+            raise ConfigError(
+                f"{self.name} has no peak FLOP/s for precision {precision!r}. "
+                f"Fix: use one of {', '.join(self.peak_flops)}."
+            )
         return self.peak_flops[precision]
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,8 +110,18 @@ class Hardware:
         return cls(**data)
 
 
-def _gpu(name: str, bf16_tflops: float, tf32_tflops: float, memory_gb: float, hbm_tb_s: float, nvlink_gb_s: float,
-         network_gbit_s: float, pcie_gb_s: float, host_tb_per_node: float, source: str) -> Hardware:
+def _gpu(
+    name: str,
+    bf16_tflops: float,
+    tf32_tflops: float,
+    memory_gb: float,
+    hbm_tb_s: float,
+    nvlink_gb_s: float,
+    network_gbit_s: float,
+    pcie_gb_s: float,
+    host_tb_per_node: float,
+    source: str,
+) -> Hardware:
     return Hardware(
         name=name,
         peak_flops={"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": tf32_tflops * TB},
@@ -157,8 +169,10 @@ def get_hardware(name: str | Hardware) -> Hardware:
     if key == THIS_MACHINE:
         path = calibration_path()
         if not path.is_file():
-            raise ConfigError(f"no calibration of this machine at {path}. Fix: run `plait calibrate` first "
-                              f"(a few seconds), or pick one of {', '.join(CATALOGUE)}.")
+            raise ConfigError(
+                f"no calibration of this machine at {path}. Fix: run `plait calibrate` first "
+                f"(a few seconds), or pick one of {', '.join(CATALOGUE)}."
+            )
         return Hardware.from_dict(json.loads(path.read_text())["hardware"])
     options = ", ".join([*CATALOGUE, THIS_MACHINE])
     raise ConfigError(f"unknown GPU {name!r}. Fix: use one of {options} (aliases: {', '.join(ALIASES)}).")

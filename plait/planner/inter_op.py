@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from plait.errors import ConfigError
 
@@ -29,22 +29,28 @@ class InterOpPlan:
     latency: float
 
 
-def inter_op_plan(num_layers: int, num_devices: int, submesh_sizes: Sequence[int],
-                  stage_time: Callable[[int, int, int], float], microbatches: int) -> InterOpPlan:
+def inter_op_plan(
+    num_layers: int,
+    num_devices: int,
+    submesh_sizes: Sequence[int],
+    stage_time: Callable[[int, int, int], float],
+    microbatches: int,
+) -> InterOpPlan:
     """Alpa's inter-op DP (module docstring). ``stage_time(start, end, devices)`` is the time of layers
     [start, end) on a sub-mesh of ``devices`` (math.inf where it does not fit)."""
     if num_layers < 1 or num_devices < 1:
         raise ConfigError(f"inter-op planning needs layers and devices >= 1 (got {num_layers}, {num_devices}).")
     sizes = sorted({n for n in submesh_sizes if 1 <= n <= num_devices})
-    times = {(k, i, n): stage_time(k, i, n) for k in range(num_layers) for i in range(k + 1, num_layers + 1)
-             for n in sizes}
+    times = {
+        (k, i, n): stage_time(k, i, n) for k in range(num_layers) for i in range(k + 1, num_layers + 1) for n in sizes
+    }
     candidates = sorted({t for t in times.values() if math.isfinite(t)})
     best: InterOpPlan | None = None
     for t_max in candidates:
         if best is not None and (microbatches - 1) * t_max >= best.latency:
             break
 
-        @lru_cache(maxsize=None)
+        @cache
         def first(k: int, d: int) -> tuple[float, tuple[tuple[int, int, int], ...]]:
             if k == num_layers:
                 return (0.0, ()) if d == 0 else (math.inf, ())
@@ -52,7 +58,7 @@ def inter_op_plan(num_layers: int, num_devices: int, submesh_sizes: Sequence[int
             for i in range(k + 1, num_layers + 1):
                 for n in sizes:
                     t = times[(k, i, n)]
-                    if n > d or t > t_max:
+                    if n > d or t > t_max:  # noqa: B023 - called within this iteration
                         continue
                     rest, stages = first(i, d - n)
                     if t + rest < found[0]:
@@ -66,9 +72,11 @@ def inter_op_plan(num_layers: int, num_devices: int, submesh_sizes: Sequence[int
                 best = InterOpPlan(stages, tuple(times[s] for s in stages), latency)
         first.cache_clear()
     if best is None:
-        raise ConfigError(f"no way to place {num_layers} layers on {num_devices} devices with sub-meshes of "
-                          f"{list(sizes)} devices: every stage is too slow or too big. Fix: add devices or allow "
-                          f"larger sub-meshes.")
+        raise ConfigError(
+            f"no way to place {num_layers} layers on {num_devices} devices with sub-meshes of "
+            f"{list(sizes)} devices: every stage is too slow or too big. Fix: add devices or allow "
+            f"larger sub-meshes."
+        )
     return best
 
 
@@ -91,7 +99,7 @@ def balanced_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]
     while len(parts) < stages:  # split the longest part: no part grows, so the bound still holds
         index = max(range(len(parts)), key=lambda j: parts[j][1] - parts[j][0])
         start, end = parts[index]
-        parts[index:index + 1] = [(start, end - 1), (end - 1, end)]
+        parts[index : index + 1] = [(start, end - 1), (end - 1, end)]
     return parts
 
 

@@ -29,9 +29,15 @@ from plait.planner.costs import collective_time
 from plait.planner.hardware import Hardware
 from plait.planner.models import ModelSpec
 
-RESHARD_OPS = {("H", "R"): "all_gather", ("S", "R"): "all_gather", ("P", "R"): "all_reduce",
-               ("P", "S"): "reduce_scatter", ("P", "H"): "reduce_scatter", ("H", "S"): "all_to_all",
-               ("S", "H"): "all_to_all"}
+RESHARD_OPS = {
+    ("H", "R"): "all_gather",
+    ("S", "R"): "all_gather",
+    ("P", "R"): "all_reduce",
+    ("P", "S"): "reduce_scatter",
+    ("P", "H"): "reduce_scatter",
+    ("H", "S"): "all_to_all",
+    ("S", "H"): "all_to_all",
+}
 """The collective that converts an activation from one layout to another (R -> H or S is a local slice)."""
 
 
@@ -60,11 +66,19 @@ class IntraOpPlan:
 
     def tp_plan(self) -> dict[str, str]:
         """The choice as a plait tensor-parallel plan for the reference GPT's blocks (module path -> style)."""
-        names = {"qkv": ("attn.q", "attn.k", "attn.v"), "out": ("attn.o",), "up": ("mlp.up", "mlp.gate"),
-                 "down": ("mlp.down",)}
+        names = {
+            "qkv": ("attn.q", "attn.k", "attn.v"),
+            "out": ("attn.o",),
+            "up": ("mlp.up", "mlp.gate"),
+            "down": ("mlp.down",),
+        }
         styles = {"column": "colwise", "row": "rowwise", "replicate": "replicate", "sequence": "sequence"}
-        return {f"blocks.*.{path}": styles[self.choice[op]] for op, paths in names.items() for path in paths
-                if op in self.choice}
+        return {
+            f"blocks.*.{path}": styles[self.choice[op]]
+            for op, paths in names.items()
+            for path in paths
+            if op in self.choice
+        }
 
 
 def reshard_cost(source: str, target: str, nbytes: float, tp: int, hw: Hardware) -> float:
@@ -76,8 +90,9 @@ def reshard_cost(source: str, target: str, nbytes: float, tp: int, hw: Hardware)
     return collective_time(hw, RESHARD_OPS[(source, target)], nbytes, tp, inter_node=tp > hw.devices_per_node)
 
 
-def block_operators(spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_bytes: int = 2,
-                    peak_fraction: float = 0.66) -> list[Operator]:
+def block_operators(
+    spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_bytes: int = 2, peak_fraction: float = 0.66
+) -> list[Operator]:
     """The operators of one transformer block for ``tokens`` tokens, with their strategies' costs."""
     h, f, e = spec.hidden, spec.ffn, act_bytes
     flops_rate = hw.flops("bf16") * peak_fraction
@@ -88,12 +103,16 @@ def block_operators(spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_byt
         t_full = 2 * tokens * d_in * d_out / flops_rate
         w = d_in * d_out * e
         grad_sync = collective_time(hw, "all_reduce", w, tp, inter_node=tp > hw.devices_per_node)
-        return Operator(name, (
-            Strategy("replicate", "R", "R", t_full, w),
-            Strategy("column", "R", "H", t_full / tp, w / tp),
-            Strategy("row", "H", "P", t_full / tp, w / tp),
-            Strategy("sequence", "S", "S", t_full / tp + grad_sync, w),
-        ), tokens * d_out * e)
+        return Operator(
+            name,
+            (
+                Strategy("replicate", "R", "R", t_full, w),
+                Strategy("column", "R", "H", t_full / tp, w / tp),
+                Strategy("row", "H", "P", t_full / tp, w / tp),
+                Strategy("sequence", "S", "S", t_full / tp + grad_sync, w),
+            ),
+            tokens * d_out * e,
+        )
 
     def pointwise(name: str, width: int, split_hidden: bool) -> Operator:
         t_full = 4 * tokens * width * e / bandwidth
@@ -104,14 +123,23 @@ def block_operators(spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_byt
 
     attn_flops = 4 * tokens * tokens * h / flops_rate  # one sequence of ``tokens``
     kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, inter_node=tp > hw.devices_per_node)
-    attention = Operator("attention", (
-        Strategy("replicate", "R", "R", attn_flops, 0.0),
-        Strategy("heads", "H", "H", attn_flops / tp, 0.0),
-        Strategy("sequence", "S", "S", attn_flops / tp + kv_gather, 0.0),
-    ), tokens * h * e)
+    attention = Operator(
+        "attention",
+        (
+            Strategy("replicate", "R", "R", attn_flops, 0.0),
+            Strategy("heads", "H", "H", attn_flops / tp, 0.0),
+            Strategy("sequence", "S", "S", attn_flops / tp + kv_gather, 0.0),
+        ),
+        tokens * h * e,
+    )
     return [
-        pointwise("norm1", h, False), linear("qkv", h, h + kv), attention, linear("out", h, h),
-        pointwise("norm2", h, False), linear("up", h, (2 if spec.gated else 1) * f), pointwise("act", f, True),
+        pointwise("norm1", h, False),
+        linear("qkv", h, h + kv),
+        attention,
+        linear("out", h, h),
+        pointwise("norm2", h, False),
+        linear("up", h, (2 if spec.gated else 1) * f),
+        pointwise("act", f, True),
         linear("down", f, h),
     ]
 
@@ -121,8 +149,14 @@ def _edge_costs(ops: list[Operator], tp: int, hw: Hardware) -> list[np.ndarray]:
     edges = []
     for u, src in enumerate(ops):
         dst = ops[(u + 1) % len(ops)]
-        edges.append(np.array([[reshard_cost(a.gives, b.needs, src.output_bytes, tp, hw) for b in dst.strategies]
-                               for a in src.strategies]))
+        edges.append(
+            np.array(
+                [
+                    [reshard_cost(a.gives, b.needs, src.output_bytes, tp, hw) for b in dst.strategies]
+                    for a in src.strategies
+                ]
+            )
+        )
     return edges
 
 
@@ -138,20 +172,20 @@ def solve_intra_op(ops: list[Operator], tp: int, hw: Hardware, memory_budget: fl
     total = int(e_offset[-1])
     c = np.zeros(total)
     for v, op in enumerate(ops):
-        c[s_offset[v]:s_offset[v + 1]] = [s.cost for s in op.strategies]
+        c[s_offset[v] : s_offset[v + 1]] = [s.cost for s in op.strategies]
     for u, edge in enumerate(edges):
-        c[e_offset[u]:e_offset[u + 1]] = np.where(np.isfinite(edge), edge, big).ravel()
+        c[e_offset[u] : e_offset[u + 1]] = np.where(np.isfinite(edge), edge, big).ravel()
     rows, lower, upper = [], [], []
     for v in range(len(ops)):  # one strategy per operator
         row = np.zeros(total)
-        row[s_offset[v]:s_offset[v + 1]] = 1
+        row[s_offset[v] : s_offset[v + 1]] = 1
         rows.append(row), lower.append(1), upper.append(1)
     for u, edge in enumerate(edges):
         v = (u + 1) % len(ops)
         n_i, n_j = edge.shape
         for i in range(n_i):  # sum_j e[i, j] = s_u[i]
             row = np.zeros(total)
-            row[e_offset[u] + i * n_j:e_offset[u] + (i + 1) * n_j] = 1
+            row[e_offset[u] + i * n_j : e_offset[u] + (i + 1) * n_j] = 1
             row[s_offset[u] + i] = -1
             rows.append(row), lower.append(0), upper.append(0)
         for j in range(n_j):  # sum_i e[i, j] = s_v[j]
@@ -162,17 +196,21 @@ def solve_intra_op(ops: list[Operator], tp: int, hw: Hardware, memory_budget: fl
     if math.isfinite(memory_budget):
         row = np.zeros(total)
         for v, op in enumerate(ops):
-            row[s_offset[v]:s_offset[v + 1]] = [s.memory for s in op.strategies]
+            row[s_offset[v] : s_offset[v + 1]] = [s.memory for s in op.strategies]
         rows.append(row), lower.append(0), upper.append(memory_budget)
     integrality = np.zeros(total)
-    integrality[:s_offset[-1]] = 1
-    result = milp(c, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality,
-                  bounds=Bounds(0, 1))
+    integrality[: s_offset[-1]] = 1
+    result = milp(
+        c, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality, bounds=Bounds(0, 1)
+    )
     if result.x is None or result.fun >= big:
-        raise ConfigError(f"no sharding of the block fits a memory budget of {memory_budget:.3g} bytes at tp={tp}. "
-                          f"Fix: raise the budget or the tp degree.")
-    choice = {op.name: op.strategies[int(np.argmax(result.x[s_offset[v]:s_offset[v + 1]]))].name
-              for v, op in enumerate(ops)}
+        raise ConfigError(
+            f"no sharding of the block fits a memory budget of {memory_budget:.3g} bytes at tp={tp}. "
+            f"Fix: raise the budget or the tp degree."
+        )
+    choice = {
+        op.name: op.strategies[int(np.argmax(result.x[s_offset[v] : s_offset[v + 1]]))].name for v, op in enumerate(ops)
+    }
     return IntraOpPlan(choice, float(result.fun))
 
 

@@ -52,7 +52,6 @@ from plait.layout import Layout
 from plait.planner.costs import Implementation, act_bytes
 from plait.planner.models import ModelSpec
 
-
 STATE_FLOATS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
 """fp32 state tensors each optimizer keeps per parameter element."""
 
@@ -108,11 +107,22 @@ class MemoryEstimate:
         return self.total - self.host
 
 
-def activation_bytes(seq: int, batch: int, hidden: int, heads: int, layers: int, tp: int = 1,
-                     recompute_layers: int = 0, act_bytes: int = 2, sequence_parallel: bool = False) -> float:
+def activation_bytes(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    layers: int,
+    tp: int = 1,
+    recompute_layers: int = 0,
+    act_bytes: int = 2,
+    sequence_parallel: bool = False,
+) -> float:
     """Activations held for backward by ``layers`` transformer layers (Korthikanti et al. 2022)."""
     sbh = seq * batch * hidden
-    per_layer = sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) if tp > 1 else sbh * (34 + 5 * heads * seq / hidden)
+    per_layer = (
+        sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) if tp > 1 else sbh * (34 + 5 * heads * seq / hidden)
+    )
     if sequence_parallel and tp > 1:
         per_layer = sbh * (34 + 5 * heads * seq / hidden) / tp
         sbh = sbh / tp  # a recomputed layer keeps only its input, split along the sequence
@@ -153,8 +163,14 @@ def estimate_memory(
         layers = activations["layers"]
         recomputed = layers if recompute == "full" else (0 if recompute == "none" else len(recompute))
         estimate.activations = activation_bytes(
-            activations["seq"], activations["batch"], activations["hidden"], activations["heads"], layers,
-            tp=layout.tp, recompute_layers=recomputed, act_bytes=2 if layout.precision != "fp32" else 4,
+            activations["seq"],
+            activations["batch"],
+            activations["hidden"],
+            activations["heads"],
+            layers,
+            tp=layout.tp,
+            recompute_layers=recomputed,
+            act_bytes=2 if layout.precision != "fp32" else 4,
             sequence_parallel=layout.sequence_parallel,
         )
     return estimate
@@ -174,13 +190,21 @@ class MemoryBreakdown:
 
     @property
     def device(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers + \
-            self.reserved
+        return (
+            self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers + self.reserved
+        )
 
     def as_dict(self) -> dict[str, float]:
-        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer_states,
-                "activations": self.activations, "buffers": self.buffers, "reserved": self.reserved,
-                "host": self.host, "device": self.device}
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer_states,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "reserved": self.reserved,
+            "host": self.host,
+            "device": self.device,
+        }
 
 
 def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple[float, float, float, float]:
@@ -198,14 +222,16 @@ def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple
     return params, params_and_grads - params, states, host
 
 
-def block_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: Implementation,
-                           recomputed: bool) -> float:
+def block_activation_bytes(
+    spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: Implementation, recomputed: bool
+) -> float:
     """Bytes one block keeps for backward for one micro-batch (module docstring)."""
     s_local, t, e = seq // layout.cp, layout.tp, act_bytes(layout.precision)
     sp = layout.sequence_parallel
     if recomputed:
-        return activation_bytes(s_local, micro_batch, spec.hidden, spec.heads, 1, recompute_layers=1,
-                                act_bytes=e) / (t if sp else 1)
+        return activation_bytes(s_local, micro_batch, spec.hidden, spec.heads, 1, recompute_layers=1, act_bytes=e) / (
+            t if sp else 1
+        )
     full = activation_bytes(s_local, micro_batch, spec.hidden, spec.heads, 1, tp=1 if sp else t, act_bytes=e)
     if sp:
         full /= t
@@ -214,9 +240,18 @@ def block_activation_bytes(spec: ModelSpec, layout: Layout, micro_batch: int, se
     return full
 
 
-def stage_memory(spec: ModelSpec, layout: Layout, impl: Implementation, micro_batch: int, seq: int,
-                 stage_params: float, stage_blocks: int, in_flight: int, last_stage: bool,
-                 block_params: float) -> MemoryBreakdown:
+def stage_memory(
+    spec: ModelSpec,
+    layout: Layout,
+    impl: Implementation,
+    micro_batch: int,
+    seq: int,
+    stage_params: float,
+    stage_blocks: int,
+    in_flight: int,
+    last_stage: bool,
+    block_params: float,
+) -> MemoryBreakdown:
     """Per-device bytes of one pipeline stage holding ``stage_params`` parameters (before tp) and
     ``stage_blocks`` blocks, with ``in_flight`` stage-micro-batches of activations alive at the peak (counted in
     units of the stage's blocks / virtual stages)."""

@@ -90,10 +90,17 @@ class ModelSpec:
     def to_gpt_config(self) -> dict[str, Any]:
         """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model."""
         return {
-            "n_layer": self.layers, "d_model": self.hidden, "n_head": self.heads, "n_kv_head": self.kv,
-            "d_ff": self.ffn, "vocab_size": self.vocab, "seq_len": self.seq,
-            "mlp": "swiglu" if self.gated else "gelu", "position": "learned" if self.learned_positions else "rope",
-            "norm": "layernorm" if self.learned_positions else "rmsnorm", "bias": self.bias,
+            "n_layer": self.layers,
+            "d_model": self.hidden,
+            "n_head": self.heads,
+            "n_kv_head": self.kv,
+            "d_ff": self.ffn,
+            "vocab_size": self.vocab,
+            "seq_len": self.seq,
+            "mlp": "swiglu" if self.gated else "gelu",
+            "position": "learned" if self.learned_positions else "rope",
+            "norm": "layernorm" if self.learned_positions else "rmsnorm",
+            "bias": self.bias,
         }
 
 
@@ -110,8 +117,9 @@ class LayerProfile:
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
-    return ModelSpec(name, layers, hidden, heads, 4 * hidden, 50257, 1024, tied_embeddings=True,
-                     learned_positions=True, bias=True)
+    return ModelSpec(
+        name, layers, hidden, heads, 4 * hidden, 50257, 1024, tied_embeddings=True, learned_positions=True, bias=True
+    )
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
@@ -122,11 +130,14 @@ NAMED: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         # Radford et al. 2019 (GPT-2), Table 2; vocab 50257, context 1024.
-        _gpt2("gpt2", 12, 768, 12), _gpt2("gpt2-medium", 24, 1024, 16),
-        _gpt2("gpt2-large", 36, 1280, 20), _gpt2("gpt2-xl", 48, 1600, 25),
+        _gpt2("gpt2", 12, 768, 12),
+        _gpt2("gpt2-medium", 24, 1024, 16),
+        _gpt2("gpt2-large", 36, 1280, 20),
+        _gpt2("gpt2-xl", 48, 1600, 25),
         # Brown et al. 2020 (GPT-3), Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048.
-        ModelSpec("gpt3-175b", 96, 12288, 96, 4 * 12288, 50257, 2048, tied_embeddings=True, learned_positions=True,
-                  bias=True),
+        ModelSpec(
+            "gpt3-175b", 96, 12288, 96, 4 * 12288, 50257, 2048, tied_embeddings=True, learned_positions=True, bias=True
+        ),
         # Touvron et al. 2023 (LLaMA), Table 2; Llama 2 (Touvron et al. 2023b) for 70B (GQA, 8 kv heads).
         _llama("llama-7b", 32, 4096, 32, 32, 11008, 32000, 2048),
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, 2048),
@@ -164,7 +175,11 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str) -> Mo
     hidden = int(first("hidden_size", "n_embd", "d_model"))
     kind = str(data.get("model_type", ""))
     gated = str(first("hidden_act", "activation_function", default="gelu")) in ("silu", "swiglu") or kind in (
-        "llama", "mistral", "qwen2", "gemma")
+        "llama",
+        "mistral",
+        "qwen2",
+        "gemma",
+    )
     gpt2 = kind == "gpt2"
     return ModelSpec(
         name=str(data.get("_name_or_path") or default_name),
@@ -196,23 +211,40 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
         model = model.config
     if is_hf_model(model):  # a transformers model or its PretrainedConfig: the same keys as its config.json
         config = model if hasattr(model, "to_dict") and not isinstance(model, nn.Module) else model.config
-        return spec_from_hf_dict(config.to_dict(), f"{type(config).__name__} of {type(model).__name__}",
-                                 str(getattr(config, "model_type", "") or type(model).__name__)).with_seq(seq)
+        return spec_from_hf_dict(
+            config.to_dict(),
+            f"{type(config).__name__} of {type(model).__name__}",
+            str(getattr(config, "model_type", "") or type(model).__name__),
+        ).with_seq(seq)
     if isinstance(model, GPTConfig):
-        return ModelSpec("gpt", model.n_layer, model.d_model, model.n_head, model.ffn_dim, model.vocab_size,
-                         model.seq_len, kv_heads=model.kv_heads, gated=model.mlp == "swiglu",
-                         learned_positions=model.position == "learned", bias=model.bias).with_seq(seq)
+        return ModelSpec(
+            "gpt",
+            model.n_layer,
+            model.d_model,
+            model.n_head,
+            model.ffn_dim,
+            model.vocab_size,
+            model.seq_len,
+            kv_heads=model.kv_heads,
+            gated=model.mlp == "swiglu",
+            learned_positions=model.position == "learned",
+            bias=model.bias,
+        ).with_seq(seq)
     if isinstance(model, (str, Path)):
         key = str(model).lower()
         if key in NAMED:
             return NAMED[key].with_seq(seq)
         if str(model).endswith(".json") or Path(model).is_file():
             return from_hf_config(model).with_seq(seq)
-        raise ConfigError(f"unknown model {model!r}. Fix: use one of {', '.join(NAMED)}, a Hugging Face "
-                          f"config.json path, a GPTConfig, a plait GPT or a transformers model.")
-    raise ConfigError(f"cannot plan for a {type(model).__name__}. Fix: pass a model name, a config.json path, a "
-                      f"GPTConfig, a GPT, a transformers model or config, a ModelSpec, or "
-                      f"profile_layers(blocks, example).")
+        raise ConfigError(
+            f"unknown model {model!r}. Fix: use one of {', '.join(NAMED)}, a Hugging Face "
+            f"config.json path, a GPTConfig, a plait GPT or a transformers model."
+        )
+    raise ConfigError(
+        f"cannot plan for a {type(model).__name__}. Fix: pass a model name, a config.json path, a "
+        f"GPTConfig, a GPT, a transformers model or config, a ModelSpec, or "
+        f"profile_layers(blocks, example)."
+    )
 
 
 def profile_layers(blocks: list[nn.Module], example: torch.Tensor) -> list[LayerProfile]:
@@ -225,18 +257,32 @@ def profile_layers(blocks: list[nn.Module], example: torch.Tensor) -> list[Layer
         saved: list[int] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved.append(tensor.numel() * tensor.element_size())
+            saved.append(tensor.numel() * tensor.element_size())  # noqa: B023 - called within this iteration
             return tensor
 
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = block(x)
         params = sum(p.numel() for p in block.parameters())
-        profiles.append(LayerProfile(f"{index}:{type(block).__name__}", float(counter.get_total_flops()), params,
-                                     float(sum(saved)), float(out.numel() * out.element_size())))
+        profiles.append(
+            LayerProfile(
+                f"{index}:{type(block).__name__}",
+                float(counter.get_total_flops()),
+                params,
+                float(sum(saved)),
+                float(out.numel() * out.element_size()),
+            )
+        )
         x = out.detach()
     return profiles
 
 
-__all__ = ["LayerProfile", "ModelSpec", "NAMED", "from_hf_config", "profile_layers", "resolve_model",
-           "spec_from_hf_dict"]
+__all__ = [
+    "LayerProfile",
+    "ModelSpec",
+    "NAMED",
+    "from_hf_config",
+    "profile_layers",
+    "resolve_model",
+    "spec_from_hf_dict",
+]

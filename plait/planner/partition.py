@@ -27,9 +27,9 @@ from torch import Tensor, nn
 
 from plait.errors import LayoutError
 from plait.logging import get_logger
-from plait.planner.profile import LayerChain, LayerProfile, as_chain, measure_stages, profile_layers
 from plait.parallel.pipeline.schedule import build_schedule
 from plait.parallel.pipeline.simulate import simulate
+from plait.planner.profile import LayerChain, LayerProfile, as_chain, measure_stages, profile_layers
 
 logger = get_logger(__name__)
 
@@ -75,20 +75,25 @@ class Partition:
         unit = self.time_unit
         scale = 1e3 if unit == "ms" else 1.0
         slowest = max(range(self.num_stages), key=lambda k: self.stage_times[k])
-        head = (f"{self.num_stages} stages over {self.bounds[-1]} units, cuts={self.cuts}: bottleneck "
-                f"{self.bottleneck * scale:.4g}{unit} (stage {slowest}), balance {self.balance:.0%} "
-                f"(mean / slowest stage)")
+        head = (
+            f"{self.num_stages} stages over {self.bounds[-1]} units, cuts={self.cuts}: bottleneck "
+            f"{self.bottleneck * scale:.4g}{unit} (stage {slowest}), balance {self.balance:.0%} "
+            f"(mean / slowest stage)"
+        )
         if self.link_times and max(self.link_times) >= max(self.stage_times):
             head += f"; the slowest link ({max(self.link_times) * scale:.4g}{unit}) is the bottleneck"
         lines = [head, f"{'stage':>5}  {'units':<40} {'predicted':>10} {'measured':>10} {'memory':>12}"]
         for k in range(self.num_stages):
             lo, hi = self.bounds[k], self.bounds[k + 1]
             names = self.unit_names[lo:hi] if self.unit_names else ()
-            units = f"{lo}..{hi - 1}" + (f" ({names[0]}..{names[-1]})" if len(names) > 1 else
-                                          f" ({names[0]})" if names else "")
+            units = f"{lo}..{hi - 1}" + (
+                f" ({names[0]}..{names[-1]})" if len(names) > 1 else f" ({names[0]})" if names else ""
+            )
             measured = f"{self.measured_times[k] * scale:.4g}{unit}" if self.measured_times else "-"
-            lines.append(f"{k:>5}  {units:<40} {self.stage_times[k] * scale:>8.4g}{unit:<2} {measured:>10} "
-                         f"{_bytes(self.stage_memory[k]):>12}")
+            lines.append(
+                f"{k:>5}  {units:<40} {self.stage_times[k] * scale:>8.4g}{unit:<2} {measured:>10} "
+                f"{_bytes(self.stage_memory[k]):>12}"
+            )
         limit = "no memory limit" if self.memory_limit is None else f"memory <= {_bytes(self.memory_limit)} per stage"
         lines.append(f"objective: minimise the slowest stage (a pipeline's throughput is 1 / bottleneck), {limit}.")
         return "\n".join(lines)
@@ -104,18 +109,29 @@ def _bytes(value: float) -> str:
 def _check_numbers(name: str, values: Sequence[float], n: int) -> list[float]:
     values = [float(v) for v in values]
     if len(values) != n:
-        raise LayoutError(f"{name} has {len(values)} entries, but there are {n} layers" +
-                          (" - 1 cuts" if name == "comm" else "") + f". Fix: give {n} values.")
+        raise LayoutError(
+            f"{name} has {len(values)} entries, but there are {n} layers"
+            + (" - 1 cuts" if name == "comm" else "")
+            + f". Fix: give {n} values."
+        )
     bad = [i for i, v in enumerate(values) if not math.isfinite(v) or v < 0]
     if bad:
         raise LayoutError(f"{name}[{bad[0]}] = {values[bad[0]]} must be a finite number >= 0.")
     return values
 
 
-def partition(times: Sequence[float], memory: Sequence[float], p: int, memory_limit: float | None = None, *,
-              activations: Sequence[float] | None = None, in_flight: Sequence[int] | None = None,
-              comm: Sequence[float] | None = None, comm_overlaps: bool = True,
-              unit_names: Sequence[str] = ()) -> Partition:
+def partition(
+    times: Sequence[float],
+    memory: Sequence[float],
+    p: int,
+    memory_limit: float | None = None,
+    *,
+    activations: Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+    comm: Sequence[float] | None = None,
+    comm_overlaps: bool = True,
+    unit_names: Sequence[str] = (),
+) -> Partition:
     """The contiguous split of ``len(times)`` layers into ``p`` stages that minimises the slowest stage (module
     doc), each stage's memory ``sum(memory) + in_flight[k] * sum(activations)`` within ``memory_limit``.
 
@@ -148,8 +164,12 @@ def partition(times: Sequence[float], memory: Sequence[float], p: int, memory_li
         return m_sum[j] - m_sum[i] + flight[k] * (a_sum[j] - a_sum[i])
 
     limit = math.inf if memory_limit is None else float(memory_limit)
-    bounds = _solve(n, p, lambda k, i, j: stage_time(i, j) if stage_memory(k, i, j) <= limit else math.inf,
-                    lambda i: links[i - 1] if comm_overlaps else 0.0)
+    bounds = _solve(
+        n,
+        p,
+        lambda k, i, j: stage_time(i, j) if stage_memory(k, i, j) <= limit else math.inf,
+        lambda i: links[i - 1] if comm_overlaps else 0.0,
+    )
     if bounds is None:
         raise LayoutError(_infeasible(n, p, limit, stage_memory, unit_names))
     ranges = list(zip(bounds, bounds[1:]))
@@ -200,21 +220,34 @@ def _infeasible(n: int, p: int, limit: float, stage_memory, names: Sequence[str]
         alone = min(stage_memory(k, i, i + 1) for k in stages)
         if alone > limit:
             name = f" ({names[i]})" if names else ""
-            return (f"layer {i}{name} alone needs {_bytes(alone)} (parameters and states plus its activations for "
-                    f"the micro-batches in flight), more than memory_limit={_bytes(limit)}. Fix: raise the limit "
-                    f"to at least {_bytes(alone)}, use fewer micro-batches in flight, recompute activations, or "
-                    f"shard that layer (tensor parallel / ZeRO).")
+            return (
+                f"layer {i}{name} alone needs {_bytes(alone)} (parameters and states plus its activations for "
+                f"the micro-batches in flight), more than memory_limit={_bytes(limit)}. Fix: raise the limit "
+                f"to at least {_bytes(alone)}, use fewer micro-batches in flight, recompute activations, or "
+                f"shard that layer (tensor parallel / ZeRO)."
+            )
     fit = _solve(n, p, stage_memory, lambda i: 0.0)
     smallest = max(stage_memory(k, i, j) for k, (i, j) in enumerate(zip(fit, fit[1:])))
-    return (f"no split of {n} layers into {p} stages keeps every stage within memory_limit={_bytes(limit)}; the "
-            f"smallest limit any split meets is {_bytes(smallest)} ({smallest:.0f} bytes, cuts={fit[1:-1]}). Fix: "
-            f"memory_limit >= {smallest:.0f}, or more pipeline stages.")
+    return (
+        f"no split of {n} layers into {p} stages keeps every stage within memory_limit={_bytes(limit)}; the "
+        f"smallest limit any split meets is {_bytes(smallest)} ({smallest:.0f} bytes, cuts={fit[1:-1]}). Fix: "
+        f"memory_limit >= {smallest:.0f}, or more pipeline stages."
+    )
 
 
-def auto_partition(layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor, p: int,
-                   memory_limit: float | None = None, *, schedule: str = "1f1b", microbatches: int | None = None,
-                   state_bytes_per_param_byte: float = 4.0, p2p_bytes_per_s: float | None = None,
-                   repeats: int = 5, measure: bool = True) -> Partition:
+def auto_partition(
+    layers: Sequence[nn.Module] | LayerChain,
+    sample_input: Tensor,
+    p: int,
+    memory_limit: float | None = None,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int | None = None,
+    state_bytes_per_param_byte: float = 4.0,
+    p2p_bytes_per_s: float | None = None,
+    repeats: int = 5,
+    measure: bool = True,
+) -> Partition:
     """Profile ``layers`` on ``sample_input`` (one micro-batch), partition them into ``p`` stages, and (``measure``)
     time the chosen stages. For the reference GPT pass ``gpt_layers(model)``: the cuts are then block indices.
 
@@ -228,8 +261,9 @@ def auto_partition(layers: Sequence[nn.Module] | LayerChain, sample_input: Tenso
     times, memory, acts, outputs, names = _units(chain, profiles, state_bytes_per_param_byte)
     in_flight = simulate(build_schedule(schedule, p, microbatches or p)).peak_activations
     comm = [2 * b / p2p_bytes_per_s for b in outputs[:-1]] if p2p_bytes_per_s else None
-    result = partition(times, memory, p, memory_limit, activations=acts, in_flight=in_flight, comm=comm,
-                       unit_names=names)
+    result = partition(
+        times, memory, p, memory_limit, activations=acts, in_flight=in_flight, comm=comm, unit_names=names
+    )
     result = replace(result, time_unit="ms")
     if measure:
         measured = measure_stages(chain, sample_input, chain.layer_bounds(result.bounds), repeats=repeats)
@@ -238,8 +272,9 @@ def auto_partition(layers: Sequence[nn.Module] | LayerChain, sample_input: Tenso
     return result
 
 
-def _units(chain: LayerChain, profiles: list[LayerProfile], state_factor: float
-           ) -> tuple[list[float], list[float], list[float], list[int], list[str]]:
+def _units(
+    chain: LayerChain, profiles: list[LayerProfile], state_factor: float
+) -> tuple[list[float], list[float], list[float], list[int], list[str]]:
     """Per-unit time, static memory, activation bytes, output bytes and name: lead / trail layers folded into
     the first / last unit."""
     groups = [list(range(chain.lead + 1))]

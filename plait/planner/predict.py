@@ -27,13 +27,21 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.parallel.pipeline import build_schedule, simulate
 from plait.parallel.pipeline.simulate import Costs
 from plait.planner.costs import (
-    ADAM_BYTES_PER_PARAM, IMPLEMENTATIONS, Implementation, act_bytes, block_flops, block_time, collective_time,
-    head_time, logits_flops, spans_nodes,
+    ADAM_BYTES_PER_PARAM,
+    IMPLEMENTATIONS,
+    Implementation,
+    act_bytes,
+    block_flops,
+    block_time,
+    collective_time,
+    head_time,
+    logits_flops,
+    spans_nodes,
 )
 from plait.planner.hardware import Hardware, get_hardware
 from plait.planner.inter_op import balanced_stages
@@ -41,8 +49,17 @@ from plait.planner.memory import MemoryBreakdown, stage_memory
 from plait.planner.models import ModelSpec, resolve_model
 from plait.planner.sharing import shared_makespan
 
-TIME_PARTS = ("compute", "tp_comm", "cp_comm", "zero3_comm", "pp_bubble", "dp_comm", "optimizer", "offload",
-              "shared_processors")
+TIME_PARTS = (
+    "compute",
+    "tp_comm",
+    "cp_comm",
+    "zero3_comm",
+    "pp_bubble",
+    "dp_comm",
+    "optimizer",
+    "offload",
+    "shared_processors",
+)
 
 
 @dataclass
@@ -91,11 +108,21 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "hardware": self.hardware, "layout": self.layout.to_dict(),
-            "global_batch": self.global_batch, "micro_batch": self.micro_batch, "seq": self.seq,
-            "step_time_s": self.step_time, "time_s": dict(self.time), "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.tflops_per_device, "mfu": self.mfu, "hfu": self.hfu,
-            "memory_bytes": self.memory.as_dict(), "memory_limit_bytes": self.memory_limit, "fits": self.fits,
+            "model": self.model,
+            "hardware": self.hardware,
+            "layout": self.layout.to_dict(),
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "seq": self.seq,
+            "step_time_s": self.step_time,
+            "time_s": dict(self.time),
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "memory_bytes": self.memory.as_dict(),
+            "memory_limit_bytes": self.memory_limit,
+            "fits": self.fits,
             "stages": [list(s) for s in self.stages],
         }
 
@@ -103,26 +130,43 @@ class Prediction:
 def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
     """Raise LayoutError (problem + fix) for a layout this model cannot use; return the micro-batch size."""
     if spec.heads % layout.tp or (spec.kv % layout.tp and layout.tp % spec.kv):
-        raise LayoutError(f"tp={layout.tp} does not split {spec.heads} heads / {spec.kv} kv heads of {spec.name}. "
-                          f"Fix: use a tp that divides {spec.heads}.")
+        raise LayoutError(
+            f"tp={layout.tp} does not split {spec.heads} heads / {spec.kv} kv heads of {spec.name}. "
+            f"Fix: use a tp that divides {spec.heads}."
+        )
     if spec.seq % layout.cp:
-        raise LayoutError(f"cp={layout.cp} does not divide the sequence length {spec.seq}. Fix: use a cp that "
-                          f"divides {spec.seq}.")
+        raise LayoutError(
+            f"cp={layout.cp} does not divide the sequence length {spec.seq}. Fix: use a cp that divides {spec.seq}."
+        )
     chunks = layout.pp * layout.virtual_stages
     if chunks > spec.layers:
-        raise LayoutError(f"pp x virtual_stages = {chunks} chunks, but {spec.name} has {spec.layers} layers. "
-                          f"Fix: use pp x virtual_stages <= {spec.layers}.")
+        raise LayoutError(
+            f"pp x virtual_stages = {chunks} chunks, but {spec.name} has {spec.layers} layers. "
+            f"Fix: use pp x virtual_stages <= {spec.layers}."
+        )
     if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
-        raise LayoutError(f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
-                          f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'.")
+        raise LayoutError(
+            f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
+            f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'."
+        )
     if layout.zero and layout.dp * layout.cp == 1:
         raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
     return layout.check_batch(global_batch)
 
 
 @lru_cache(maxsize=4096)
-def _pipeline(schedule: str, p: int, m: int, v: int, forward: tuple[float, ...], backward: tuple[float, ...],
-              p2p: float, split: float = 1.0, units: float = 0.0, replicas: int = 1) -> tuple[float, float, int]:
+def _pipeline(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    forward: tuple[float, ...],
+    backward: tuple[float, ...],
+    p2p: float,
+    split: float = 1.0,
+    units: float = 0.0,
+    replicas: int = 1,
+) -> tuple[float, float, int]:
     """(makespan, slowest rank's busy time, peak in-flight chunk-micro-batches on any rank) for m micro-batches.
     ``split``: zero-bubble's I + W over B (``Hardware.split_backward``); ``units`` > 0: the ``replicas`` x p ranks
     share that many processors (``plait.planner.sharing``)."""
@@ -133,8 +177,12 @@ def _pipeline(schedule: str, p: int, m: int, v: int, forward: tuple[float, ...],
     costs = Costs(F=list(forward), B=list(backward), I=halves, W=halves, p2p=p2p)
     plan = build_schedule(schedule, p, sim_m, v)
     result = simulate(plan, costs)
-    per_mb = max(sum(forward[s] + (backward[s] * split if schedule == "zero-bubble" else backward[s])
-                     for s in range(r, p * v, p)) for r in range(p))
+    per_mb = max(
+        sum(
+            forward[s] + (backward[s] * split if schedule == "zero-bubble" else backward[s]) for s in range(r, p * v, p)
+        )
+        for r in range(p)
+    )
     extra = (m - sim_m) * per_mb
     makespan = result.makespan + extra
     if units and units < replicas * p:  # in the steady state all p stages of every replica are busy
@@ -152,8 +200,9 @@ def _stages(layers: int, chunks: int, first_extra: float, last_extra: float) -> 
     return balanced_stages(costs, chunks)
 
 
-def pipeline_closed_form(schedule: str, p: int, m: int, v: int, forward: float, backward: float,
-                         p2p: float) -> tuple[float, float, int]:
+def pipeline_closed_form(
+    schedule: str, p: int, m: int, v: int, forward: float, backward: float, p2p: float
+) -> tuple[float, float, int]:
     """(makespan, busy, peak in-flight chunk-micro-batches) of equal stages with chunk times ``forward`` and
     ``backward``: 1F1B and GPipe (m + p - 1)(F + B) (Narayanan et al. 2021, sec. 2.2), interleaved
     m (F + B) + (p - 1)(F + B) / v with per-rank F, B (their sec. 2.2.2), ZB-H1 m (F + B) + (p - 1) F when
@@ -170,7 +219,8 @@ def pipeline_closed_form(schedule: str, p: int, m: int, v: int, forward: float, 
     else:
         bubble = (p - 1) * (rank_f + rank_b)
     in_flight = {"gpipe": m * v, "naive": 1, "interleaved": min(m * v, 2 * (p - 1) + (v - 1) * p + 1)}.get(
-        schedule, min(p, m))
+        schedule, min(p, m)
+    )
     return busy + bubble + 2 * (p - 1) * p2p, busy, in_flight
 
 
@@ -178,16 +228,25 @@ def _rounded(values: list[float], unit: float) -> tuple[float, ...]:
     return tuple(round(x / unit, 4) for x in values)
 
 
-def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", global_batch: int | None = None,
-            seq: int | None = None, world_size: int | None = None,
-            implementation: str | Implementation = "plait", exact: bool = True) -> Prediction:
+def predict(
+    model: Any,
+    layout: Layout,
+    hardware: str | Hardware = "h100",
+    global_batch: int | None = None,
+    seq: int | None = None,
+    world_size: int | None = None,
+    implementation: str | Implementation = "plait",
+    exact: bool = True,
+) -> Prediction:
     """Predict ``layout`` for ``model`` (name, config.json, GPTConfig, GPT or ModelSpec) on ``hardware``.
     ``global_batch`` is in samples (default: dp x microbatches, one sample per micro-batch). ``exact=False``
     times the pipeline with closed forms on the slowest chunk instead of the simulator (the search's fast pass)."""
     spec = resolve_model(model, seq)
     if not isinstance(spec, ModelSpec):
-        raise LayoutError("predict() needs a transformer ModelSpec; a profiled model is planned by plan(). "
-                          "Fix: pass a model name, config.json, GPTConfig or ModelSpec.")
+        raise LayoutError(
+            "predict() needs a transformer ModelSpec; a profiled model is planned by plan(). "
+            "Fix: pass a model name, config.json, GPTConfig or ModelSpec."
+        )
     hw = get_hardware(hardware)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     layout = layout.resolve(world_size) if (world_size or not layout.is_resolved) else layout
@@ -213,7 +272,9 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
             f, bw = f + head_f, bw + head_b
         fwd.append(f)
         bwd.append(bw)
-        compute.append(n * (blk.forward + blk.backward + blk.recompute) + (head_f + head_b if end == spec.layers else 0))
+        compute.append(
+            n * (blk.forward + blk.backward + blk.recompute) + (head_f + head_b if end == spec.layers else 0)
+        )
     stage_params = []
     for r in range(p):
         blocks = sum(chunks[c][1] - chunks[c][0] for c in range(r, p * v, p))
@@ -229,8 +290,11 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
         gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
-        scatter = collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_inter,
-                                  impl.comm_efficiency) if p == 1 else 0.0
+        scatter = (
+            collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_inter, impl.comm_efficiency)
+            if p == 1
+            else 0.0
+        )
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
@@ -239,24 +303,50 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
         bwd = [x * (1 + max(0.0, gather + scatter - hide_b) / rank_b) for x in bwd]
 
     message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
-    p2p = collective_time(hw, "send_recv", message, 2, spans_nodes(layout, "pp", hw.devices_per_node),
-                          impl.comm_efficiency) if p > 1 else 0.0
+    p2p = (
+        collective_time(
+            hw, "send_recv", message, 2, spans_nodes(layout, "pp", hw.devices_per_node), impl.comm_efficiency
+        )
+        if p > 1
+        else 0.0
+    )
     unit = max(fwd) or 1.0
     schedule = layout.schedule if p > 1 else "1f1b"
     split = hw.split_backward if schedule == "zero-bubble" else 1.0
     shared = hw.compute_units if hw.compute_units and layout.world_size > hw.compute_units else 0.0
     if exact:
-        makespan, busy, in_flight = _pipeline(schedule, p, m, v, _rounded(fwd, unit), _rounded(bwd, unit),
-                                              round(p2p / unit, 4), split, shared, layout.world_size // p)
+        makespan, busy, in_flight = _pipeline(
+            schedule,
+            p,
+            m,
+            v,
+            _rounded(fwd, unit),
+            _rounded(bwd, unit),
+            round(p2p / unit, 4),
+            split,
+            shared,
+            layout.world_size // p,
+        )
         makespan, busy = makespan * unit, busy * unit
     else:
         slowest = max(range(p * v), key=lambda c: fwd[c] + bwd[c])
         makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, fwd[slowest], bwd[slowest] * split, p2p)
     slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
     rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in range(slow, p * v, p))
-    tp_time = m * rank_blocks * 4 * collective_time(hw, "all_reduce", b * (s // layout.cp) * spec.hidden * e, t,
-                                                    spans_nodes(layout, "tp", hw.devices_per_node),
-                                                    impl.comm_efficiency) * ((6 / 4) if layout.recompute == "full" else 1)
+    tp_time = (
+        m
+        * rank_blocks
+        * 4
+        * collective_time(
+            hw,
+            "all_reduce",
+            b * (s // layout.cp) * spec.hidden * e,
+            t,
+            spans_nodes(layout, "tp", hw.devices_per_node),
+            impl.comm_efficiency,
+        )
+        * ((6 / 4) if layout.recompute == "full" else 1)
+    )
 
     # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
     grads = psi_max * impl.grad_bytes
@@ -270,8 +360,11 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
             window = bwd[slow]
             tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
             reduce = max(reduce - window, tail)
-        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency) \
-            if layout.zero else 0.0
+        gather = (
+            collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
+            if layout.zero
+            else 0.0
+        )
         dp_time = reduce + gather
     owned = psi_max / n_shard if layout.zero >= 1 else psi_max
     optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0
@@ -282,11 +375,18 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
             offload += owned * 2 * 16 / hw.nvme_bandwidth  # read and write the fp32 states
     step = makespan + dp_time + optimizer + offload
     time = {
-        "compute": 0.0, "tp_comm": tp_time if t > 1 else 0.0,
-        "cp_comm": max(0.0, m * rank_blocks * (blk.forward_comm + blk.backward_comm + blk.recompute_comm)
-                       - (tp_time if t > 1 else 0.0)),
-        "zero3_comm": m * zero3, "pp_bubble": max(0.0, makespan - busy), "dp_comm": dp_time,
-        "optimizer": optimizer, "offload": offload, "shared_processors": 0.0,
+        "compute": 0.0,
+        "tp_comm": tp_time if t > 1 else 0.0,
+        "cp_comm": max(
+            0.0,
+            m * rank_blocks * (blk.forward_comm + blk.backward_comm + blk.recompute_comm) - (tp_time if t > 1 else 0.0),
+        ),
+        "zero3_comm": m * zero3,
+        "pp_bubble": max(0.0, makespan - busy),
+        "dp_comm": dp_time,
+        "optimizer": optimizer,
+        "offload": offload,
+        "shared_processors": 0.0,
     }
     time["compute"] = max(0.0, makespan - time["pp_bubble"] - time["tp_comm"] - time["cp_comm"] - time["zero3_comm"])
     # ranks sharing ``compute_units`` processors (CPU ranks from ``plait calibrate``): a rank's idle time (bubble)
@@ -307,13 +407,26 @@ def predict(model: Any, layout: Layout, hardware: str | Hardware = "h100", globa
         held = in_flight if p > 1 else 1
         if p > 1 and layout.schedule in ("gpipe", "naive"):
             held = m * v if layout.schedule == "gpipe" else 1
-        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == (p * v - 1) % p,
-                           spec.block_parameters)
+        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == (p * v - 1) % p, spec.block_parameters)
         if worst is None or mem.device > worst.device:
             worst = mem
     assert worst is not None
-    return Prediction(spec.name, layout, hw.name, global_batch, b, s, step, time, model_flops, hardware_flops,
-                      hw.flops(layout.precision), worst, hw.memory_bytes, chunks)
+    return Prediction(
+        spec.name,
+        layout,
+        hw.name,
+        global_batch,
+        b,
+        s,
+        step,
+        time,
+        model_flops,
+        hardware_flops,
+        hw.flops(layout.precision),
+        worst,
+        hw.memory_bytes,
+        chunks,
+    )
 
 
 def fmt_bytes(n: float) -> str:
@@ -326,4 +439,13 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
-__all__ = ["Prediction", "TIME_PARTS", "check_layout", "fmt_bytes", "pipeline_closed_form", "fmt_time", "math", "predict"]
+__all__ = [
+    "Prediction",
+    "TIME_PARTS",
+    "check_layout",
+    "fmt_bytes",
+    "pipeline_closed_form",
+    "fmt_time",
+    "math",
+    "predict",
+]

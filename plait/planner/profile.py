@@ -64,8 +64,10 @@ class LayerChain:
         if len(self.names) != len(self.modules):
             raise ValueError(f"LayerChain has {len(self.modules)} modules but {len(self.names)} names.")
         if self.lead < 0 or self.trail < 0 or self.lead + self.trail >= len(self.modules):
-            raise ValueError(f"LayerChain of {len(self.modules)} modules with lead={self.lead}, trail={self.trail} "
-                             f"leaves no unit to cut. Fix: lead + trail < number of modules.")
+            raise ValueError(
+                f"LayerChain of {len(self.modules)} modules with lead={self.lead}, trail={self.trail} "
+                f"leaves no unit to cut. Fix: lead + trail < number of modules."
+            )
 
     @property
     def num_units(self) -> int:
@@ -83,8 +85,10 @@ def as_chain(layers: Sequence[nn.Module] | LayerChain) -> LayerChain:
         return layers
     modules = tuple(layers)
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise ValueError("layers must be a non-empty sequence of nn.Module (e.g. an nn.Sequential, or "
-                         "gpt_layers(model) for the reference GPT).")
+        raise ValueError(
+            "layers must be a non-empty sequence of nn.Module (e.g. an nn.Sequential, or "
+            "gpt_layers(model) for the reference GPT)."
+        )
     names = tuple(f"{i}" for i in range(len(modules)))
     return LayerChain(modules, names)
 
@@ -130,8 +134,10 @@ def gpt_layers(model: nn.Module) -> LayerChain:
     unit k is block k (the first unit carries the embedding, the last the head) and cuts are block indices."""
     missing = [name for name in ("tok_embed", "blocks", "norm_f", "lm_head") if getattr(model, name, None) is None]
     if missing:
-        raise LayoutError(f"gpt_layers needs a whole reference GPT, but {', '.join(missing)} is missing. Fix: pass "
-                          f"the full plait.models.GPT before it is split into stages.")
+        raise LayoutError(
+            f"gpt_layers needs a whole reference GPT, but {', '.join(missing)} is missing. Fix: pass "
+            f"the full plait.models.GPT before it is split into stages."
+        )
     keys = sorted(model.blocks.keys(), key=int)
     modules = (_Embedding(model), *(_Block(model.blocks[k]) for k in keys), _Head(model))
     names = ("embedding", *(f"blocks.{k}" for k in keys), "head")
@@ -155,8 +161,10 @@ def _leaf(value: Tensor) -> Tensor:
 
 def _output_tensor(output: Any, name: str) -> Tensor:
     if not isinstance(output, Tensor) or not output.is_floating_point():
-        raise ValueError(f"layer {name} returned {type(output).__name__}, but a pipeline stage passes one floating "
-                         f"point tensor on. Fix: wrap the layer so that it returns a single tensor.")
+        raise ValueError(
+            f"layer {name} returned {type(output).__name__}, but a pipeline stage passes one floating "
+            f"point tensor on. Fix: wrap the layer so that it returns a single tensor."
+        )
     return output
 
 
@@ -195,8 +203,9 @@ def _time_once(modules: Sequence[nn.Module], value: Tensor, name: str) -> tuple[
     return middle - start, time.perf_counter() - middle
 
 
-def _median_times(pieces: Sequence[tuple[Sequence[nn.Module], Tensor, str]], repeats: int,
-                  warmup: int) -> list[tuple[float, float]]:
+def _median_times(
+    pieces: Sequence[tuple[Sequence[nn.Module], Tensor, str]], repeats: int, warmup: int
+) -> list[tuple[float, float]]:
     """Median forward and backward seconds of each piece (modules, input, name). The repeats go round robin over
     the pieces, so a burst of load from other processes spreads over all of them instead of one piece's runs."""
     runs: list[list[tuple[float, float]]] = [[] for _ in pieces]
@@ -213,14 +222,15 @@ def _inputs(chain: LayerChain, sample_input: Tensor, bounds: Sequence[int]) -> l
     values, value = [sample_input], sample_input
     with torch.no_grad():
         for k in range(len(bounds) - 1):
-            for module, name in zip(chain.modules[bounds[k]:bounds[k + 1]], chain.names[bounds[k]:bounds[k + 1]]):
+            for module, name in zip(chain.modules[bounds[k] : bounds[k + 1]], chain.names[bounds[k] : bounds[k + 1]]):
                 value = _output_tensor(module(value), name)
             values.append(value)
     return values
 
 
-def profile_layers(layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor, repeats: int = 5,
-                   warmup: int = 2) -> list[LayerProfile]:
+def profile_layers(
+    layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor, repeats: int = 5, warmup: int = 2
+) -> list[LayerProfile]:
     """Time and size each layer of the chain on ``sample_input`` (one micro-batch), in order (module doc)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0.")
@@ -233,34 +243,55 @@ def profile_layers(layers: Sequence[nn.Module] | LayerChain, sample_input: Tenso
         activation, _ = saved_activation_bytes(module, values[i])
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         output = values[i + 1]
-        profiles.append(LayerProfile(name, times[i][0], times[i][1], param_bytes, activation,
-                                     output.numel() * output.element_size()))
+        profiles.append(
+            LayerProfile(
+                name, times[i][0], times[i][1], param_bytes, activation, output.numel() * output.element_size()
+            )
+        )
     return profiles
 
 
-def measure_stages(layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor, bounds: Sequence[int],
-                   repeats: int = 5, warmup: int = 2) -> list[float]:
+def measure_stages(
+    layers: Sequence[nn.Module] | LayerChain,
+    sample_input: Tensor,
+    bounds: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[float]:
     """Median forward + backward seconds of each stage, stage k running modules ``bounds[k]:bounds[k+1]`` of the
     chain as one piece (its input computed by the stages before it)."""
     return measure_splits(layers, sample_input, [bounds], repeats, warmup)[0]
 
 
-def measure_splits(layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor,
-                   splits: Sequence[Sequence[int]], repeats: int = 5, warmup: int = 2) -> list[list[float]]:
+def measure_splits(
+    layers: Sequence[nn.Module] | LayerChain,
+    sample_input: Tensor,
+    splits: Sequence[Sequence[int]],
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[list[float]]:
     """``measure_stages`` for several splits at once, their stages timed round robin, so that two splits are
     compared under the same load."""
     chain = as_chain(layers)
     pieces = []
     for bounds in splits:
         values = _inputs(chain, sample_input, bounds)
-        pieces += [(chain.modules[bounds[k]:bounds[k + 1]], values[k], f"stage {k}") for k in range(len(bounds) - 1)]
+        pieces += [(chain.modules[bounds[k] : bounds[k + 1]], values[k], f"stage {k}") for k in range(len(bounds) - 1)]
     times = [f + b for f, b in _median_times(pieces, repeats, warmup)]
     out, start = [], 0
     for bounds in splits:
-        out.append(times[start:start + len(bounds) - 1])
+        out.append(times[start : start + len(bounds) - 1])
         start += len(bounds) - 1
     return out
 
 
-__all__ = ["LayerChain", "LayerProfile", "as_chain", "gpt_layers", "measure_splits", "measure_stages",
-           "profile_layers", "saved_activation_bytes"]
+__all__ = [
+    "LayerChain",
+    "LayerProfile",
+    "as_chain",
+    "gpt_layers",
+    "measure_splits",
+    "measure_stages",
+    "profile_layers",
+    "saved_activation_bytes",
+]

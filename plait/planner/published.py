@@ -43,14 +43,30 @@ class PublishedRow:
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(f"gpt-{self.billions:g}b", self.layers, self.hidden, self.heads, 4 * self.hidden, 51200,
-                         2048, learned_positions=True, bias=True)
+        return ModelSpec(
+            f"gpt-{self.billions:g}b",
+            self.layers,
+            self.hidden,
+            self.heads,
+            4 * self.hidden,
+            51200,
+            2048,
+            learned_positions=True,
+            bias=True,
+        )
 
     @property
     def layout(self) -> Layout:
         dp = self.gpus // (self.tp * self.pp)
-        return Layout(dp=dp, tp=self.tp, pp=self.pp, microbatches=self.batch // dp, schedule="1f1b",
-                      recompute="full", precision="fp16")
+        return Layout(
+            dp=dp,
+            tp=self.tp,
+            pp=self.pp,
+            microbatches=self.batch // dp,
+            schedule="1f1b",
+            recompute="full",
+            precision="fp16",
+        )
 
 
 MEGATRON_2021: tuple[PublishedRow, ...] = (

@@ -18,8 +18,15 @@ from plait.planner.search import PlanResult
 
 def layout_text(p: Prediction) -> str:
     lay = p.layout
-    parts = [f"dp{lay.dp}", f"tp{lay.tp}", f"pp{lay.pp}", f"cp{lay.cp}", f"zero{lay.zero}", f"mbs{p.micro_batch}",
-             f"m{lay.microbatches}"]
+    parts = [
+        f"dp{lay.dp}",
+        f"tp{lay.tp}",
+        f"pp{lay.pp}",
+        f"cp{lay.cp}",
+        f"zero{lay.zero}",
+        f"mbs{p.micro_batch}",
+        f"m{lay.microbatches}",
+    ]
     if lay.pp > 1:
         parts.append(lay.schedule + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
     if lay.sequence_parallel:
@@ -33,9 +40,11 @@ def layout_text(p: Prediction) -> str:
 
 def memory_text(p: Prediction) -> str:
     m = p.memory
-    text = (f"{fmt_bytes(m.device)} = params {fmt_bytes(m.parameters)} + grads {fmt_bytes(m.gradients)} + "
-            f"optim {fmt_bytes(m.optimizer_states)} + act {fmt_bytes(m.activations)} + other "
-            f"{fmt_bytes(m.buffers + m.reserved)}")
+    text = (
+        f"{fmt_bytes(m.device)} = params {fmt_bytes(m.parameters)} + grads {fmt_bytes(m.gradients)} + "
+        f"optim {fmt_bytes(m.optimizer_states)} + act {fmt_bytes(m.activations)} + other "
+        f"{fmt_bytes(m.buffers + m.reserved)}"
+    )
     return text + (f" (host {fmt_bytes(m.host)})" if m.host else "")
 
 
@@ -44,13 +53,23 @@ def time_text(p: Prediction) -> str:
 
 
 def plan_table(result: PlanResult) -> Table:
-    table = Table(title=f"{result.model.name} ({result.model.parameters / 1e9:.1f}B) on {result.world_size} x "
-                        f"{result.hardware.name}, global batch {result.global_batch} x {result.model.seq} tokens")
+    table = Table(
+        title=f"{result.model.name} ({result.model.parameters / 1e9:.1f}B) on {result.world_size} x "
+        f"{result.hardware.name}, global batch {result.global_batch} x {result.model.seq} tokens"
+    )
     for column in ("#", "layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory per GPU", "time breakdown"):
         table.add_column(column, overflow="fold")
     for rank, p in enumerate(result.candidates, 1):
-        table.add_row(str(rank), layout_text(p), fmt_time(p.step_time), f"{p.tokens_per_s:,.0f}",
-                      f"{p.tflops_per_device:.0f}", f"{p.mfu:.1%}", memory_text(p), time_text(p))
+        table.add_row(
+            str(rank),
+            layout_text(p),
+            fmt_time(p.step_time),
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.tflops_per_device:.0f}",
+            f"{p.mfu:.1%}",
+            memory_text(p),
+            time_text(p),
+        )
     return table
 
 
@@ -58,8 +77,9 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
     console = console or Console()
     console.print(plan_table(result))
     console.print(f"why #2 loses: {result.why_runner_up_loses()}")
-    console.print(f"searched {result.evaluated} layouts ({result.pruned} pruned by memory or shape) in "
-                  f"{result.seconds:.2f} s")
+    console.print(
+        f"searched {result.evaluated} layouts ({result.pruned} pruned by memory or shape) in {result.seconds:.2f} s"
+    )
 
 
 def print_prediction(p: Prediction, console: Console | None = None) -> None:
@@ -67,11 +87,16 @@ def print_prediction(p: Prediction, console: Console | None = None) -> None:
     table = Table(title=f"{p.model} on {p.world_size} x {p.hardware}: {layout_text(p)}")
     table.add_column("quantity")
     table.add_column("predicted", overflow="fold")
-    rows = [("step time", fmt_time(p.step_time)), ("breakdown", time_text(p)),
-            ("tokens/s", f"{p.tokens_per_s:,.0f}"), ("TFLOP/s per GPU (hardware)", f"{p.tflops_per_device:.1f}"),
-            ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"), ("memory per GPU", memory_text(p)),
-            ("fits", f"{'yes' if p.fits else 'NO'} (limit {fmt_bytes(p.memory_limit)})"),
-            ("stages (layers)", " | ".join(f"{a}-{b - 1}" for a, b in p.stages))]
+    rows = [
+        ("step time", fmt_time(p.step_time)),
+        ("breakdown", time_text(p)),
+        ("tokens/s", f"{p.tokens_per_s:,.0f}"),
+        ("TFLOP/s per GPU (hardware)", f"{p.tflops_per_device:.1f}"),
+        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
+        ("memory per GPU", memory_text(p)),
+        ("fits", f"{'yes' if p.fits else 'NO'} (limit {fmt_bytes(p.memory_limit)})"),
+        ("stages (layers)", " | ".join(f"{a}-{b - 1}" for a, b in p.stages)),
+    ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
@@ -79,10 +104,13 @@ def print_prediction(p: Prediction, console: Console | None = None) -> None:
 
 def plan_toml(p: Prediction, model_fields: dict[str, object]) -> str:
     """A RunConfig TOML (``plait train --config``) for prediction ``p``, with the prediction as comments."""
-    header = [f"# plait plan: {p.model} on {p.world_size} x {p.hardware}",
-              f"# predicted step {fmt_time(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, "
-              f"{p.tflops_per_device:.0f} TFLOP/s per GPU, MFU {p.mfu:.1%}",
-              f"# memory per GPU {memory_text(p)}", ""]
+    header = [
+        f"# plait plan: {p.model} on {p.world_size} x {p.hardware}",
+        f"# predicted step {fmt_time(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, "
+        f"{p.tflops_per_device:.0f} TFLOP/s per GPU, MFU {p.mfu:.1%}",
+        f"# memory per GPU {memory_text(p)}",
+        "",
+    ]
     body = {"layout": p.layout.to_dict(), "model": dict(model_fields), "train": {"global_batch": p.global_batch}}
     return "\n".join(header) + tomli_w.dumps(body)
 
@@ -93,5 +121,4 @@ def write_plan_toml(p: Prediction, model_fields: dict[str, object], path: str | 
     return path
 
 
-__all__ = ["layout_text", "memory_text", "plan_table", "plan_toml", "print_plan", "print_prediction",
-           "write_plan_toml"]
+__all__ = ["layout_text", "memory_text", "plan_table", "plan_toml", "print_plan", "print_prediction", "write_plan_toml"]

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.layout import Layout
 from plait.errors import ConfigError, LayoutError
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation
 from plait.planner.hardware import Hardware, get_hardware
@@ -58,8 +58,10 @@ class PlanResult:
         delta = second.time[part] - best.time[part]
         if delta <= 0:
             return f"runner-up is {gap:.1%} slower overall (no single part dominates)"
-        return (f"runner-up ({second.layout.short()}) is {gap:.1%} slower: its {part.replace('_', ' ')} takes "
-                f"{second.time[part]:.3g} s vs {best.time[part]:.3g} s")
+        return (
+            f"runner-up ({second.layout.short()}) is {gap:.1%} slower: its {part.replace('_', ' ')} takes "
+            f"{second.time[part]:.3g} s vs {best.time[part]:.3g} s"
+        )
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -78,8 +80,9 @@ def _divisors(n: int) -> list[int]:
     return [int(d) for d in divisors(n)]
 
 
-def _shapes(spec: ModelSpec, hw: Hardware, world_size: int, batch: int | None,
-            max_cp: int) -> list[tuple[int, int, int, int]]:
+def _shapes(
+    spec: ModelSpec, hw: Hardware, world_size: int, batch: int | None, max_cp: int
+) -> list[tuple[int, int, int, int]]:
     """Every (tp, cp, pp, dp) with tp x cp x pp x dp = ``world_size`` that the search may use: tp a power of two
     within a node dividing the heads (and the kv heads, or divided by them), cp a power of two dividing the
     sequence with >= 512 tokens per rank, pp up to the layer count, and dp dividing ``batch`` (None: any dp)."""
@@ -95,17 +98,22 @@ def _shapes(spec: ModelSpec, hw: Hardware, world_size: int, batch: int | None,
 
 def _tp_cp(spec: ModelSpec, hw: Hardware, max_cp: int) -> list[tuple[int, int]]:
     """The (tp, cp) pairs ``_shapes`` allows for this model on this hardware, whatever the device count."""
-    return [(tp, cp) for tp in _powers_of_two(hw.devices_per_node) if spec.heads % tp == 0 and
-            (spec.kv % tp == 0 or tp % spec.kv == 0) for cp in _powers_of_two(max_cp)
-            if spec.seq % cp == 0 and (cp == 1 or spec.seq // cp >= 512)]
+    return [
+        (tp, cp)
+        for tp in _powers_of_two(hw.devices_per_node)
+        if spec.heads % tp == 0 and (spec.kv % tp == 0 or tp % spec.kv == 0)
+        for cp in _powers_of_two(max_cp)
+        if spec.seq % cp == 0 and (cp == 1 or spec.seq // cp >= 512)
+    ]
 
 
 def _no_shape_error(spec: ModelSpec, hw: Hardware, world_size: int, batch: int, max_cp: int) -> ConfigError:
     """Why no (tp, cp, pp, dp) splits ``world_size`` devices for a global batch of ``batch``, and the nearest
     global batches and device counts that do split."""
     dps = sorted({dp for *_, dp in _shapes(spec, hw, world_size, None, max_cp)})
-    batches = sorted({b for dp in dps for b in (batch // dp * dp, -(-batch // dp) * dp) if b > 0},
-                     key=lambda b: (abs(b - batch), b))[:3]
+    batches = sorted(
+        {b for dp in dps for b in (batch // dp * dp, -(-batch // dp) * dp) if b > 0}, key=lambda b: (abs(b - batch), b)
+    )[:3]
     counts: set[int] = set()
     for dp in _divisors(batch):  # world = tp x cp x pp x dp with dp dividing the batch
         for tp, cp in _tp_cp(spec, hw, max_cp):
@@ -113,19 +121,32 @@ def _no_shape_error(spec: ModelSpec, hw: Hardware, world_size: int, batch: int, 
     below = max((c for c in counts if c < world_size), default=None)
     above = min((c for c in counts if c > world_size), default=None)
     near = " or ".join(str(c) for c in (below, above) if c is not None)
-    batch_fix = (f"a global batch that dp splits: {' or '.join(map(str, batches))} (dp can be "
-                 f"{', '.join(map(str, dps[:6]))}{'...' if len(dps) > 6 else ''} on {world_size} devices)"
-                 if batches else "another device count")
+    batch_fix = (
+        f"a global batch that dp splits: {' or '.join(map(str, batches))} (dp can be "
+        f"{', '.join(map(str, dps[:6]))}{'...' if len(dps) > 6 else ''} on {world_size} devices)"
+        if batches
+        else "another device count"
+    )
     return ConfigError(
         f"no layout of {world_size} devices splits a global batch of {batch} for {spec.name}: dp must divide the "
         f"batch, tp ({hw.devices_per_node} per node at most) and cp are powers of two, and pp <= {spec.layers} "
-        f"layers. Fix: use {batch_fix}, or {near} devices with global batch {batch}.")
+        f"layers. Fix: use {batch_fix}, or {near} devices with global batch {batch}."
+    )
 
 
-def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | None = None,
-         global_batch: int | None = None, top: int = 5, precision: str = "bf16",
-         implementation: str | Implementation = "plait", max_micro_batch: int = 8,
-         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble"), max_cp: int = 16) -> PlanResult:
+def plan(
+    model: Any,
+    world_size: int,
+    gpu: str | Hardware = "h100",
+    seq: int | None = None,
+    global_batch: int | None = None,
+    top: int = 5,
+    precision: str = "bf16",
+    implementation: str | Implementation = "plait",
+    max_micro_batch: int = 8,
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble"),
+    max_cp: int = 16,
+) -> PlanResult:
     """Rank every layout of ``world_size`` devices for ``model`` (see module doc); raises ConfigError when
     nothing fits, naming the smallest memory any layout needs and what would help."""
     started = time.perf_counter()
@@ -133,8 +154,10 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
         raise ConfigError(f"cannot plan for {world_size!r} devices. Fix: give --gpus as a positive whole number.")
     spec = resolve_model(model, seq)
     if not isinstance(spec, ModelSpec):
-        raise ConfigError("plan() ranks layouts of a transformer ModelSpec. Fix: pass a model name, config.json, "
-                          "GPTConfig or GPT (profiled models: use inter_op_plan on their layer costs).")
+        raise ConfigError(
+            "plan() ranks layouts of a transformer ModelSpec. Fix: pass a model name, config.json, "
+            "GPTConfig or GPT (profiled models: use inter_op_plan on their layer costs)."
+        )
     hw = get_hardware(gpu)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
     batch = global_batch or max(1, world_size)
@@ -150,17 +173,31 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
         for mbs in [b for b in _powers_of_two(min(max_micro_batch, per_dp)) if per_dp % b == 0]:
             m = per_dp // mbs
             for schedule, v in _schedules(pp, m, spec.layers, schedules):
-                for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                    base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, microbatches=m, schedule=schedule,
-                                  virtual_stages=v, precision=precision, sequence_parallel=tp > 1)
+                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                    base = Layout(
+                        dp=dp,
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        zero=zero,
+                        microbatches=m,
+                        schedule=schedule,
+                        virtual_stages=v,
+                        precision=precision,
+                        sequence_parallel=tp > 1,
+                    )
                     params, grads, states, host = model_state_bytes(stage_psi, base, impl)
                     floor = params + grads + states - (states if zero else 0.0)  # with offload
                     least_states = min(least_states, floor + impl.reserved_bytes)
                     if floor + impl.reserved_bytes > hw.memory_bytes:
                         pruned += 1
                         continue
-                    for option in ({}, {"recompute": "full"}, {"offload": "cpu"},
-                                   {"recompute": "full", "offload": "cpu"}):
+                    for option in (
+                        {},
+                        {"recompute": "full"},
+                        {"offload": "cpu"},
+                        {"recompute": "full", "offload": "cpu"},
+                    ):
                         if "offload" in option and not zero:
                             continue
                         layout = Layout(**{**base.to_dict(), **option})
@@ -179,7 +216,8 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
             f"({fmt_bytes(hw.memory_bytes)} each) at global batch {batch}, seq {spec.seq}: the smallest model-state "
             f"footprint any layout reaches is {fmt_bytes(least_states)} per device before activations. Fix: use "
             f"more devices ({_more_devices(least_states, hw.memory_bytes, world_size)}), a GPU with "
-            f"more memory, a shorter --seq or a smaller --global-batch.")
+            f"more memory, a shorter --seq or a smaller --global-batch."
+        )
     best_of: dict[tuple[Any, ...], Prediction] = {}
     for candidate in found:  # one entry per structure: its fastest (then smallest) ZeRO / recompute / offload
         lay = candidate.layout
@@ -187,13 +225,20 @@ def plan(model: Any, world_size: int, gpu: str | Hardware = "h100", seq: int | N
         rank = (round(candidate.step_time, 12), candidate.memory.device)
         if key not in best_of or rank < (round(best_of[key].step_time, 12), best_of[key].memory.device):
             best_of[key] = candidate
-    shortlist = sorted(best_of.values(), key=lambda p: (round(p.step_time, 12), p.memory.device))[:max(3 * top, 8)]
+    shortlist = sorted(best_of.values(), key=lambda p: (round(p.step_time, 12), p.memory.device))[: max(3 * top, 8)]
     exact = [predict(spec, c.layout, hw, batch, implementation=impl, exact=True) for c in shortlist]
     exact = [c for c in exact if c.fits] or exact
     exact.sort(key=lambda p: (round(p.step_time, 12), p.memory.device))
     result = PlanResult(spec, hw, world_size, batch, exact[:top], evaluated, pruned, time.perf_counter() - started)
-    logger.info("planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s", spec.name, world_size, hw.name,
-                evaluated, pruned, result.seconds)
+    logger.info(
+        "planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s",
+        spec.name,
+        world_size,
+        hw.name,
+        evaluated,
+        pruned,
+        result.seconds,
+    )
     return result
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import tomli_w
 
-from plait.layout import Layout, from_mapping
 from plait.errors import ConfigError, LayoutError
+from plait.layout import Layout, from_mapping
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -69,8 +69,9 @@ class Fault:
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or key not in ("rank", "step", "action", "code", "attempt"):
-                raise ConfigError(f"{FAULT_ENV}={text!r}: {item!r} is not rank=, step=, action=, code= or "
-                                  f"attempt=. {usage}")
+                raise ConfigError(
+                    f"{FAULT_ENV}={text!r}: {item!r} is not rank=, step=, action=, code= or attempt=. {usage}"
+                )
             if key == "action":
                 if value not in ACTIONS:
                     raise ConfigError(f"{FAULT_ENV}={text!r}: action={value!r} is not one of {ACTIONS}. {usage}")
@@ -116,8 +117,10 @@ def watchdog_seconds(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         seconds = -1.0
     if not seconds >= 0:
-        raise ConfigError(f"{WATCHDOG_ENV}={text!r} must be a number of seconds >= 0. Fix: e.g. {WATCHDOG_ENV}=60 "
-                          f"(0 turns the hang watchdog off).")
+        raise ConfigError(
+            f"{WATCHDOG_ENV}={text!r} must be a number of seconds >= 0. Fix: e.g. {WATCHDOG_ENV}=60 "
+            f"(0 turns the hang watchdog off)."
+        )
     return seconds
 
 
@@ -135,8 +138,14 @@ class Watchdog:
     operation and the watched thread's stack. The watched thread is the one that creates the watchdog.
     """
 
-    def __init__(self, rank: int, timeout_s: float, on_hang: Callable[[str], None] = _exit_hung,
-                 collective_paths: tuple[str, ...] = COLLECTIVE_PATHS, poll_s: float | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        timeout_s: float,
+        on_hang: Callable[[str], None] = _exit_hung,
+        collective_paths: tuple[str, ...] = COLLECTIVE_PATHS,
+        poll_s: float | None = None,
+    ) -> None:
         self.rank, self.timeout_s, self.on_hang, self.collective_paths = rank, timeout_s, on_hang, collective_paths
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.01, timeout_s / 20))
         self.operation, self._progress, self._timed = "starting", time.monotonic(), True
@@ -173,14 +182,19 @@ class Watchdog:
 
     def in_collective(self, stack: list[traceback.FrameSummary]) -> bool:
         """Whether a frame of the stack is in a collective (torch.distributed.elastic's wrappers do not count)."""
-        return any(path in entry.filename and _ELASTIC not in entry.filename
-                   for entry in stack for path in self.collective_paths)
+        return any(
+            path in entry.filename and _ELASTIC not in entry.filename
+            for entry in stack
+            for path in self.collective_paths
+        )
 
     def report(self, idle_s: float, stack: list[traceback.FrameSummary]) -> str:
         where = "".join(traceback.format_list(stack[-8:])).rstrip() or "  (not running)"
-        return (f"rank {self.rank}: hang watchdog: no progress for {idle_s:.1f} s outside any collective "
-                f"({WATCHDOG_ENV}={self.timeout_s:g}); last operation: {self.operation}. The main thread is at:\n"
-                f"{where}\nExiting with code {WATCHDOG_EXIT_CODE} so that the launcher stops (or restarts) the job.")
+        return (
+            f"rank {self.rank}: hang watchdog: no progress for {idle_s:.1f} s outside any collective "
+            f"({WATCHDOG_ENV}={self.timeout_s:g}); last operation: {self.operation}. The main thread is at:\n"
+            f"{where}\nExiting with code {WATCHDOG_EXIT_CODE} so that the launcher stops (or restarts) the job."
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):

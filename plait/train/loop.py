@@ -24,12 +24,12 @@ from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine
 from plait.errors import ConfigError
-from plait.train.fault import RankGuard, resume_metrics
 from plait.logging import get_logger
-from plait.train.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
 from plait.models import GPT, GPTConfig, lm_loss
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig
+from plait.train.fault import RankGuard, resume_metrics
+from plait.train.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
 
 log = get_logger(__name__)
 EVAL_OFFSET = 10**9
@@ -74,8 +74,10 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
     layout = config.layout.resolve(world.world_size)
     layout.check_batch(config.train.global_batch)
     if config.train.pipeline_trace and layout.pp == 1:
-        raise ConfigError(f"train.pipeline_trace={config.train.pipeline_trace!r} needs pipeline parallelism, but "
-                          f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it.")
+        raise ConfigError(
+            f"train.pipeline_trace={config.train.pipeline_trace!r} needs pipeline parallelism, but "
+            f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it."
+        )
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
     model_fields = {"vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len, **config.model}
     try:
@@ -109,8 +111,11 @@ def _note_restart(attempt: int, step: int, save_every: int) -> None:
     if attempt:
         log.info("restart %d of %d: resuming at step %d", attempt, max_restarts, step)
     if max_restarts and not save_every:
-        log.warning("the launcher may restart this job %d time(s), but train.save_every=0: a restart starts over "
-                    "from step 0. Fix: --set train.save_every=N.", max_restarts)
+        log.warning(
+            "the launcher may restart this job %d time(s), but train.save_every=0: a restart starts over "
+            "from step 0. Fix: --set train.save_every=N.",
+            max_restarts,
+        )
 
 
 class _Progress:
@@ -125,8 +130,14 @@ class _Progress:
             if console.is_terminal:
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-                self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+                self.bar = Progress(
+                    TextColumn("[bold]train"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(),
+                    console=console,
+                )
                 self.task = self.bar.add_task("train", total=total, completed=start, info="")
                 self.bar.start()
 
@@ -152,8 +163,7 @@ def run(config: RunConfig, world: World | None = None, trace: str | None = None,
         return _run(config, world, guard, trace, trace_steps)
 
 
-def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = None,
-         trace_steps: int = 10) -> Summary:
+def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = None, trace_steps: int = 10) -> Summary:
     if trace is not None and trace_steps < 1:  # before any collective, on every rank
         raise ConfigError(f"--trace-steps {trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
     guard.beat("building the model", timed=False)  # unbounded for a large model; collectives time out on their own
@@ -171,8 +181,12 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     writer = MetricsWriter(run_dir) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
-        log.info("%s | model %.2fM parameters | %s", engine.mesh, sum(p.numel() for p in engine.model.parameters()) / 1e6,
-                 run_dir)
+        log.info(
+            "%s | model %.2fM parameters | %s",
+            engine.mesh,
+            sum(p.numel() for p in engine.model.parameters()) / 1e6,
+            run_dir,
+        )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
     loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
     eval_loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
@@ -218,22 +232,42 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
         trace = Path(train.pipeline_trace)
         timeline = engine.save_pipeline_trace(trace, png=trace.with_suffix(".png"))
         if lead:
-            log.info("pipeline timeline of step %d: bubble %.1f%% -> %s, %s", engine.step,
-                     100 * timeline.bubble_fraction, trace, trace.with_suffix(".png"))
+            log.info(
+                "pipeline timeline of step %d: bubble %.1f%% -> %s, %s",
+                engine.step,
+                100 * timeline.bubble_fraction,
+                trace,
+                trace.with_suffix(".png"),
+            )
     guard.beat("final evaluation")
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
     guard.beat("writing the run folder", timed=False)
     summary = Summary(
-        run_dir=str(run_dir), steps=engine.step, final_loss=stats.loss if stats else float("nan"),
-        eval_loss=result.loss, accuracy=result.accuracy, tokens_per_s=tokens / seconds if seconds else 0.0,
-        seconds=seconds, world_size=world.world_size, layout=engine.layout.short(),
+        run_dir=str(run_dir),
+        steps=engine.step,
+        final_loss=stats.loss if stats else float("nan"),
+        eval_loss=result.loss,
+        accuracy=result.accuracy,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        seconds=seconds,
+        world_size=world.world_size,
+        layout=engine.layout.short(),
     )
     if writer:
         writer.write(eval_record(engine.step, result))
         writer.close()
         (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
-        plot_metrics(writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks")
-        log.info("done: %d steps in %.1f s, final loss %.4f, eval accuracy %.1f%% (%d samples), %s tok/s -> %s",
-                 engine.step, seconds, summary.final_loss, 100 * result.accuracy, result.total,
-                 f"{summary.tokens_per_s:,.0f}", run_dir)
+        plot_metrics(
+            writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks"
+        )
+        log.info(
+            "done: %d steps in %.1f s, final loss %.4f, eval accuracy %.1f%% (%d samples), %s tok/s -> %s",
+            engine.step,
+            seconds,
+            summary.final_loss,
+            100 * result.accuracy,
+            result.total,
+            f"{summary.tokens_per_s:,.0f}",
+            run_dir,
+        )
     return summary

@@ -99,11 +99,16 @@ class StepMeter:
         self.peak, source = peak_flops(self.device, engine.layout.precision, engine.mesh.world_size)
         self.memory_field = "max_allocated_bytes" if self.device.type == "cuda" else "max_rss_bytes"
         if self.peak is None:
-            log.info("MFU unknown (null in metrics.jsonl): %s. Fix: run `plait calibrate` to measure this machine.",
-                     source)
+            log.info(
+                "MFU unknown (null in metrics.jsonl): %s. Fix: run `plait calibrate` to measure this machine.", source
+            )
         else:
-            log.info("MFU against %.4g TFLOP/s peak (%s); %.4g model FLOPs per token", self.peak / 1e12, source,
-                     self.flops_per_token)
+            log.info(
+                "MFU against %.4g TFLOP/s peak (%s); %.4g model FLOPs per token",
+                self.peak / 1e12,
+                source,
+                self.flops_per_token,
+            )
 
     def before_step(self) -> None:
         """Start a step's memory peak (CUDA: reset the allocator's peak; CPU RSS peaks are process-lifetime)."""
@@ -123,8 +128,9 @@ class StepMeter:
             "mfu": mfu,
             "model_flops_per_token": self.flops_per_token,
             self.memory_field: [int(v) for v in rows[:, 0].tolist()],
-            "comm_bytes_per_rank": {a: [int(v) for v in rows[:, 1 + i].tolist()] for i, a in enumerate(self.axes)
-                                    if rows[:, 1 + i].any()},
+            "comm_bytes_per_rank": {
+                a: [int(v) for v in rows[:, 1 + i].tolist()] for i, a in enumerate(self.axes) if rows[:, 1 + i].any()
+            },
         }
 
 
@@ -170,8 +176,13 @@ def plot_metrics(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     ax.set_yscale("log")
     if evals:
         acc = ax.twinx()
-        acc.plot([r["step"] for r in evals], [100 * r["accuracy"] for r in evals], "s--", color="tab:green",
-                 label="eval accuracy")
+        acc.plot(
+            [r["step"] for r in evals],
+            [100 * r["accuracy"] for r in evals],
+            "s--",
+            color="tab:green",
+            label="eval accuracy",
+        )
         acc.set_ylabel("accuracy (%)")
         acc.set_ylim(0, 100)
         acc.legend(loc="center right")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from plait.comm import Comm
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.models.hf import is_hf_model
 from plait.models.layers import Attention
@@ -53,19 +53,24 @@ def plan_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan | Non
             f"{type(model).__name__} has none. Fix: use plait's GPT (or its Attention layer), a Hugging Face model "
             f"whose attention goes through transformers' AttentionInterface (Llama, GPT-2), or cp=1."
         )
-    check_positions_argument(model, "positions", "accept forward(x, positions=None) and hand the positions to the "
-                                                 "blocks (as plait's GPT does)")
+    check_positions_argument(
+        model,
+        "positions",
+        "accept forward(x, positions=None) and hand the positions to the blocks (as plait's GPT does)",
+    )
     for path, attention in layers:
         check_dropout(path, getattr(attention.core, "dropout", 0.0))
-        check_ulysses_heads(path, attention.q.out_features // attention.head_dim,
-                            attention.k.out_features // attention.head_dim, layout)
+        check_ulysses_heads(
+            path, attention.q.out_features // attention.head_dim, attention.k.out_features // attention.head_dim, layout
+        )
     kv_groups = tuple(attention.q.out_features // attention.k.out_features for _, attention in layers)
     sequence_split = layout.tp if layout.sequence_parallel else 1
     return ContextPlan(mode, cp, tuple(path for path, _ in layers), kv_groups, sequence_split=sequence_split)
 
 
-def apply_context_parallel(model: nn.Module, plan: ContextPlan, comm: Comm, loss_fn: LossFn,
-                           stages: list[StageRole] | None = None) -> ContextParallelLoss:
+def apply_context_parallel(
+    model: nn.Module, plan: ContextPlan, comm: Comm, loss_fn: LossFn, stages: list[StageRole] | None = None
+) -> ContextParallelLoss:
     """Swap the attention cores, install the sequence-sharding hooks (on ``model``, or with pp > 1 on this
     rank's pipeline ``stages`` as (module, is first, is last)); returns the loss the Engine must use."""
     sharding = SequenceSharding(plan.mode, comm.size(AXIS), comm.mesh.index(AXIS))
@@ -78,6 +83,11 @@ def apply_context_parallel(model: nn.Module, plan: ContextPlan, comm: Comm, loss
             attention.core = core_class(comm, sharding, kv_group=kv_groups[path], causal=True, axis=AXIS)
         handle = ContextParallelModel(model, sharding, comm, sequence_parallel=plan.sequence_split, stages=stages)
     model._plait_context_parallel = handle  # type: ignore[assignment]
-    log.info("context parallel: %s over cp=%d (rank %d of the cp group), %d attention layers",
-             plan.mode, sharding.size, sharding.index, len(plan.attention_paths))
+    log.info(
+        "context parallel: %s over cp=%d (rank %d of the cp group), %d attention layers",
+        plan.mode,
+        sharding.size,
+        sharding.index,
+        len(plan.attention_paths),
+    )
     return ContextParallelLoss(loss_fn, handle)

@@ -23,8 +23,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.parallel.context.hooks import AXIS, ContextParallelModel
 from plait.parallel.context.plan import ContextPlan, check_dropout, check_positions_argument, check_ulysses_heads
 from plait.parallel.context.ring import RingAttention
@@ -38,8 +38,14 @@ CORE_ATTRIBUTE = "plait_context_core"
 
 
 def context_parallel_attention(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: this rank's queries over the whole (sharded) sequence,
     returned as [B, T/cp, H, D] like every AttentionInterface function (no attention weights)."""
@@ -59,9 +65,13 @@ def context_parallel_attention(
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The attention modules of a transformers model: those whose class is named *Attention and that carry the
     model config and an ``is_causal`` flag (what transformers' attention modules pass to the interface)."""
-    return [(path, module) for path, module in model.named_modules()
-            if type(module).__name__.endswith("Attention") and hasattr(module, "is_causal")
-            and getattr(module, "config", None) is not None]
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if type(module).__name__.endswith("Attention")
+        and hasattr(module, "is_causal")
+        and getattr(module, "config", None) is not None
+    ]
 
 
 def plan_hf_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan:
@@ -99,11 +109,14 @@ def plan_hf_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan:
 class HuggingFaceContextParallelModel(ContextParallelModel):
     """The sequence-sharding hooks of a transformers model: positions go in as ``position_ids``."""
 
-    def local_call(self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def local_call(
+        self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if rest:
-            raise TypeError(f"a context-parallel {type(self.model).__name__} takes input_ids positionally and "
-                            f"everything else by keyword (attention_mask=..., position_ids=...)")
+            raise TypeError(
+                f"a context-parallel {type(self.model).__name__} takes input_ids positionally and "
+                f"everything else by keyword (attention_mask=..., position_ids=...)"
+            )
         mask = kwargs.pop("attention_mask", None)
         if mask is not None and not bool(mask.all()):
             raise LayoutError(
@@ -115,8 +128,9 @@ class HuggingFaceContextParallelModel(ContextParallelModel):
         return (local_tokens,), {**kwargs, "position_ids": positions}
 
 
-def apply_hf_context_parallel(model: nn.Module, plan: ContextPlan, sharding: SequenceSharding,
-                              comm: Comm) -> HuggingFaceContextParallelModel:
+def apply_hf_context_parallel(
+    model: nn.Module, plan: ContextPlan, sharding: SequenceSharding, comm: Comm
+) -> HuggingFaceContextParallelModel:
     """Register the attention function, attach a kernel to every attention module, switch the model to it."""
     from transformers import AttentionInterface
 
@@ -130,5 +144,10 @@ def apply_hf_context_parallel(model: nn.Module, plan: ContextPlan, sharding: Seq
     return HuggingFaceContextParallelModel(model, sharding, comm)
 
 
-__all__ = ["ATTENTION_NAME", "HuggingFaceContextParallelModel", "apply_hf_context_parallel",
-           "context_parallel_attention", "plan_hf_context_parallel"]
+__all__ = [
+    "ATTENTION_NAME",
+    "HuggingFaceContextParallelModel",
+    "apply_hf_context_parallel",
+    "context_parallel_attention",
+    "plan_hf_context_parallel",
+]

@@ -44,8 +44,15 @@ class ContextParallelModel:
     first stage shards the tokens, later ones recompute their inputs' positions, the last gathers in eval).
     None: ``model`` is the whole model, both first and last."""
 
-    def __init__(self, model: nn.Module, sharding: SequenceSharding, comm: Comm, axis: str = AXIS,
-                 sequence_parallel: int = 1, stages: list[StageRole] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        sharding: SequenceSharding,
+        comm: Comm,
+        axis: str = AXIS,
+        sequence_parallel: int = 1,
+        stages: list[StageRole] | None = None,
+    ) -> None:
         self.model, self.sharding, self.comm, self.axis = model, sharding, comm, axis
         self.sequence_parallel = sequence_parallel
         """Megatron-SP's split of each rank's T/cp tokens (tp with ``sequence_parallel=True``, else 1)."""
@@ -99,8 +106,9 @@ class ContextParallelModel:
             return args, kwargs
         return self.local_call(hidden, index, args[1:], kwargs)
 
-    def local_call(self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def local_call(
+        self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The model's arguments for this rank's tokens at global positions ``index``: plait's GPT takes
         ``forward(x, positions)`` (given positions, if any, are sliced the same way)."""
         given = rest[0] if rest else kwargs.get("positions")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.models.hf import is_hf_model
 
 

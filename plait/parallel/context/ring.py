@@ -30,14 +30,23 @@ def _pass_on(comm: Comm, axis: str, outgoing: Tensor) -> tuple[Tensor, Pending]:
     """Post the ring hop: send ``outgoing`` to the next cp rank, receive the previous rank's into a new buffer."""
     incoming = torch.empty_like(outgoing)
     pending = comm.send_recv(
-        sends=[(outgoing, comm.mesh.peer(axis, 1))], recvs=[(incoming, comm.mesh.peer(axis, -1))],
-        axis=axis, async_op=True,
+        sends=[(outgoing, comm.mesh.peer(axis, 1))],
+        recvs=[(incoming, comm.mesh.peer(axis, -1))],
+        axis=axis,
+        async_op=True,
     )
     return incoming, pending
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, comm: Comm, axis: str, sharding: SequenceSharding, group: int, causal: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    comm: Comm,
+    axis: str,
+    sharding: SequenceSharding,
+    group: int,
+    causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Float32 (o, lse) of local queries [B, H, Tl, D] over the whole ring's keys/values [B, H/group, Tl, D]."""
@@ -65,8 +74,18 @@ def ring_forward(
 
 
 def ring_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, comm: Comm, axis: str,
-    sharding: SequenceSharding, group: int, causal: bool, scale: float,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    comm: Comm,
+    axis: str,
+    sharding: SequenceSharding,
+    group: int,
+    causal: bool,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Float32 (dq, dk, dv) of this rank's q, k, v; every rank's gradient contributions to k, v travel home."""
     n, rank, local_length = sharding.size, sharding.index, q.shape[2]
@@ -88,8 +107,14 @@ def ring_backward(
         for piece in sharding.pieces(source, local_length, causal):
             rows, cols = piece.q_rows, piece.kv_rows
             grad_q_piece, grad_k_piece, grad_v_piece = block_backward(
-                q[:, :, rows], keys[:, :, cols], values[:, :, cols], grad_out[:, :, rows], lse[:, :, rows],
-                delta[:, :, rows], scale, piece.causal,
+                q[:, :, rows],
+                keys[:, :, cols],
+                values[:, :, cols],
+                grad_out[:, :, rows],
+                lse[:, :, rows],
+                delta[:, :, rows],
+                scale,
+                piece.causal,
             )
             grad_q[:, :, rows] += grad_q_piece
             contribution[0][:, :, cols] += sum_kv_groups(grad_k_piece, group)
@@ -107,8 +132,18 @@ def ring_backward(
 
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, comm: Comm, axis: str, sharding: SequenceSharding,
-                group: int, causal: bool, scale: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        comm: Comm,
+        axis: str,
+        sharding: SequenceSharding,
+        group: int,
+        causal: bool,
+        scale: float,
+    ) -> Tensor:
         out, lse = ring_forward(q, k, v, comm, axis, sharding, group, causal, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -131,8 +166,9 @@ class RingAttention(nn.Module):
     repetition is redone locally (GQA costs kv_heads/H of the bytes of full multi-head attention).
     """
 
-    def __init__(self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True,
-                 axis: str = "cp") -> None:
+    def __init__(
+        self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True, axis: str = "cp"
+    ) -> None:
         super().__init__()
         if sharding.mode != "ring":
             raise ValueError(f"RingAttention needs the zigzag ('ring') sharding, got {sharding.mode!r}")
@@ -158,8 +194,15 @@ class RingAttention(nn.Module):
             raise ValueError(f"zigzag ring attention needs an even local length (two chunks), got {q.shape[2]}")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _RingAttentionFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), self.comm, self.axis, self.sharding, heads // kv_heads,
-            self.causal, scale,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            self.comm,
+            self.axis,
+            self.sharding,
+            heads // kv_heads,
+            self.causal,
+            scale,
         )
 
     def extra_repr(self) -> str:

@@ -24,21 +24,26 @@ FP32_ACCUMULATOR = 4
 """Bytes per element of the ring's gradient accumulators (float32 whatever the compute dtype)."""
 
 
-def theory_wire_bytes(mode: str, cp: int, batch: int, heads: int, kv_heads: int, length: int, head_dim: int,
-                      element_size: int = 4) -> dict[str, float]:
+def theory_wire_bytes(
+    mode: str, cp: int, batch: int, heads: int, kv_heads: int, length: int, head_dim: int, element_size: int = 4
+) -> dict[str, float]:
     """{"forward", "backward": wire bytes one rank sends in one attention layer; "calls": sends/all-to-alls}."""
     local_length = length // cp
     if mode == "ring":
         block = batch * kv_heads * local_length * head_dim
         forward = (cp - 1) * 2 * block * element_size
-        return {"forward": forward, "backward": forward + (cp - 1) * 2 * block * FP32_ACCUMULATOR,
-                "calls": 3 * (cp - 1)}
+        return {
+            "forward": forward,
+            "backward": forward + (cp - 1) * 2 * block * FP32_ACCUMULATOR,
+            "calls": 3 * (cp - 1),
+        }
     forward = (cp - 1) / cp * batch * local_length * head_dim * (2 * heads + 2 * kv_heads) * element_size
     return {"forward": forward, "backward": forward, "calls": 8}
 
 
-def measure_wire_bytes(comm: Comm, mode: str, batch: int, heads: int, kv_heads: int, length: int,
-                       head_dim: int, axis: str = "cp") -> dict[str, float]:
+def measure_wire_bytes(
+    comm: Comm, mode: str, batch: int, heads: int, kv_heads: int, length: int, head_dim: int, axis: str = "cp"
+) -> dict[str, float]:
     """Run one causal attention layer forward and backward on this rank's shard (fp32, random inputs) and
     return the wire bytes it sent on ``axis`` in each, and its number of calls, as ``theory_wire_bytes``."""
     sharding = SequenceSharding(mode, comm.size(axis), comm.mesh.index(axis))
@@ -47,13 +52,17 @@ def measure_wire_bytes(comm: Comm, mode: str, batch: int, heads: int, kv_heads: 
     local_length = length // sharding.size
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, local_length, head_dim, generator=generator, requires_grad=True)
-    k, v = (torch.randn(batch, kv_heads, local_length, head_dim, generator=generator, requires_grad=True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(batch, kv_heads, local_length, head_dim, generator=generator, requires_grad=True) for _ in range(2)
+    )
     start = comm.stats.snapshot()
     out = core.attend(q, k, v)
     after_forward = comm.stats.snapshot()
     F.mse_loss(out, torch.zeros_like(out)).backward()
     forward, total = after_forward.since(start), comm.stats.since(start)
     op = "send" if mode == "ring" else "all_to_all"
-    return {"forward": forward.wire(axis), "backward": total.wire(axis) - forward.wire(axis),
-            "calls": total.counts[(axis, op)].calls}
+    return {
+        "forward": forward.wire(axis),
+        "backward": total.wire(axis) - forward.wire(axis),
+        "calls": total.counts[(axis, op)].calls,
+    }

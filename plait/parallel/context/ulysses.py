@@ -33,8 +33,9 @@ class UlyssesAttention(nn.Module):
     every ``kv_group``-th head is exchanged and the repetition is redone after the all-to-all.
     """
 
-    def __init__(self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True,
-                 axis: str = "cp") -> None:
+    def __init__(
+        self, comm: Comm, sharding: SequenceSharding, kv_group: int = 1, causal: bool = True, axis: str = "cp"
+    ) -> None:
         super().__init__()
         if sharding.mode != "ulysses":
             raise ValueError(f"UlyssesAttention needs the contiguous ('ulysses') sharding, got {sharding.mode!r}")
@@ -62,8 +63,7 @@ class UlyssesAttention(nn.Module):
         cp, heads, kv_heads = self.sharding.size, q.shape[HEAD_DIM], k.shape[HEAD_DIM]
         if heads % cp or kv_heads % cp:
             raise ValueError(
-                f"Ulysses splits heads over cp={cp}, but this layer has {heads} query and {kv_heads} "
-                f"key/value heads"
+                f"Ulysses splits heads over cp={cp}, but this layer has {heads} query and {kv_heads} key/value heads"
             )
         group = heads // kv_heads
         q_heads = self._to_heads(q)

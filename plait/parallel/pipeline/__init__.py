@@ -14,6 +14,18 @@ pictures: ``engine.pipeline_timeline()`` (``measured.py``). See docs/pipeline.md
 """
 
 from plait.observe.pipeline_picture import draw_schedule
+from plait.parallel.pipeline.generators import (
+    GENERATORS,
+    gpipe,
+    interleaved,
+    naive,
+    one_f_one_b,
+    pipedream,
+    zero_bubble,
+)
+from plait.parallel.pipeline.measured import gather_timeline
+from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, replica_batch, round_robin
+from plait.parallel.pipeline.runtime import PipelineRunner, TensorMeta, check_schedule
 from plait.parallel.pipeline.schedule import (
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -24,21 +36,9 @@ from plait.parallel.pipeline.schedule import (
     build_schedule,
     lower,
 )
-from plait.parallel.pipeline.generators import (
-    GENERATORS,
-    gpipe,
-    interleaved,
-    naive,
-    one_f_one_b,
-    pipedream,
-    zero_bubble,
-)
 from plait.parallel.pipeline.simulate import Costs, SimResult, Span, as_costs, simulate
 from plait.parallel.pipeline.split import SplitPlan, find_units, local_model, plan_split, split_model
 from plait.parallel.pipeline.stage import PipelineStage
-from plait.parallel.pipeline.runtime import PipelineRunner, TensorMeta, check_schedule
-from plait.parallel.pipeline.measured import gather_timeline
-from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, replica_batch, round_robin
 
 __all__ = [
     "Action",

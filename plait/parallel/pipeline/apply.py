@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.layout import Layout
 from plait.errors import LayoutError, ScheduleError
+from plait.layout import Layout
 from plait.parallel.pipeline.schedule import Schedule, build_schedule
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.split import SplitPlan, local_model, plan_split
@@ -29,14 +29,17 @@ class PipelinePlan:
     split: SplitPlan
 
 
-def plan_pipeline(model: nn.Module, layout: Layout, cuts: list[int] | None = None,
-                  schedule: Schedule | None = None) -> PipelinePlan | None:
+def plan_pipeline(
+    model: nn.Module, layout: Layout, cuts: list[int] | None = None, schedule: Schedule | None = None
+) -> PipelinePlan | None:
     """None when ``layout.pp == 1``; otherwise the checked plan. Raises LayoutError / ScheduleError (pure checks,
     the same on every rank) for what cannot run."""
     if layout.pp == 1:
         if cuts is not None or schedule is not None:
-            raise LayoutError("pipeline_cuts / pipeline_schedule were given, but the layout has pp=1. "
-                              "Fix: set pp > 1, or leave them out.")
+            raise LayoutError(
+                "pipeline_cuts / pipeline_schedule were given, but the layout has pp=1. "
+                "Fix: set pp > 1, or leave them out."
+            )
         return None
     if schedule is None:
         try:

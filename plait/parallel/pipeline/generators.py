@@ -8,7 +8,7 @@ each are derived in docs/pipeline.md and checked against the simulator in tests/
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from plait.errors import ScheduleError
 from plait.parallel.pipeline.schedule import Action, Schedule
@@ -43,8 +43,9 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     _check_sizes(p, m, v)
     if v != 1:
         raise ScheduleError(f"1f1b runs one stage per rank (v=1), got v={v}. Fix: use schedule 'interleaved'.")
-    return _warmup_steady_cooldown(p, m, 1, "1f1b", lambda r: min(p - r - 1, m),
-                                   lambda r, k: Action(r, "F", k), lambda r, k: Action(r, "B", k))
+    return _warmup_steady_cooldown(
+        p, m, 1, "1f1b", lambda r: min(p - r - 1, m), lambda r, k: Action(r, "F", k), lambda r, k: Action(r, "B", k)
+    )
 
 
 def pipedream(p: int, m: int, v: int = 1) -> Schedule:
@@ -107,8 +108,15 @@ def zero_bubble(p: int, m: int, v: int = 1) -> Schedule:
     return Schedule(p, m, acts, 1, "zero-bubble")
 
 
-def _warmup_steady_cooldown(p: int, m: int, v: int, name: str, warmup: Callable[[int], int],
-                            forward: Callable[[int, int], Action], backward: Callable[[int, int], Action]) -> Schedule:
+def _warmup_steady_cooldown(
+    p: int,
+    m: int,
+    v: int,
+    name: str,
+    warmup: Callable[[int], int],
+    forward: Callable[[int, int], Action],
+    backward: Callable[[int, int], Action],
+) -> Schedule:
     """Rank r: ``warmup(r)`` forwards, then (forward, backward) pairs, then the remaining backwards."""
     total, acts = m * v, []
     for r in range(p):

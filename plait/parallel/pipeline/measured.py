@@ -37,8 +37,15 @@ def _encode(runner: PipelineRunner) -> torch.Tensor:
     wall = time.time() - time.perf_counter()  # perf_counter -> wall clock (seconds)
     rows = [[len(runner.timeline), (runner.step_start + wall) * 1e3, 0.0, 0.0, 0.0]]
     for action, start, end in runner.timeline:
-        rows.append([action.stage, COMPUTE_KINDS.index(action.kind), action.microbatch, (start + wall) * 1e3,
-                     (end + wall) * 1e3])
+        rows.append(
+            [
+                action.stage,
+                COMPUTE_KINDS.index(action.kind),
+                action.microbatch,
+                (start + wall) * 1e3,
+                (end + wall) * 1e3,
+            ]
+        )
     return torch.tensor(rows, dtype=torch.float64)
 
 
@@ -55,8 +62,7 @@ def gather_timeline(runner: PipelineRunner) -> SimResult:
     """The last ``train_step`` of every rank of this pp group, in ms from the group's first step start.
     A collective over "pp": every rank of the group must call it."""
     if not runner.timeline:
-        raise ScheduleError("no pipeline step has run yet, so there is no timeline. Fix: call engine.train_step "
-                            "first.")
+        raise ScheduleError("no pipeline step has run yet, so there is no timeline. Fix: call engine.train_step first.")
     comm = runner.comm
     mine = _encode(runner)
     count = torch.tensor([mine.shape[0]], dtype=torch.int64, device=comm.device)
@@ -68,13 +74,22 @@ def gather_timeline(runner: PipelineRunner) -> SimResult:
     timelines: list[list[Span]] = []
     for rows in every:
         n = int(rows[0, 0])
-        timelines.append([Span(float(r[3]) - origin, float(r[4]) - origin,
-                               Action(int(r[0]), COMPUTE_KINDS[int(r[1])], int(r[2]))) for r in rows[1 : n + 1]])
+        timelines.append(
+            [
+                Span(float(r[3]) - origin, float(r[4]) - origin, Action(int(r[0]), COMPUTE_KINDS[int(r[1])], int(r[2])))
+                for r in rows[1 : n + 1]
+            ]
+        )
     makespan = max((spans[-1].end for spans in timelines if spans), default=0.0)
-    return SimResult(runner.schedule, Costs(), timelines, makespan,
-                     busy=[sum(s.end - s.start for s in spans) for spans in timelines],
-                     peak_activations=[_peaks(spans, "BI") for spans in timelines],
-                     peak_unfinished=[_peaks(spans, "BW") for spans in timelines])
+    return SimResult(
+        runner.schedule,
+        Costs(),
+        timelines,
+        makespan,
+        busy=[sum(s.end - s.start for s in spans) for spans in timelines],
+        peak_activations=[_peaks(spans, "BI") for spans in timelines],
+        peak_unfinished=[_peaks(spans, "BW") for spans in timelines],
+    )
 
 
 __all__ = ["gather_timeline"]

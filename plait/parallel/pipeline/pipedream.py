@@ -40,8 +40,8 @@ from torch import nn
 from torch.func import functional_call
 
 from plait.comm import Comm
-from plait.layout import Layout
 from plait.errors import LayoutError, ScheduleError
+from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.pipeline.runtime import Micro, PipelineRunner
 from plait.parallel.pipeline.schedule import Action, Schedule
@@ -88,27 +88,49 @@ def check_pipedream(layout: Layout, options: PipeDreamOptions | None, max_grad_n
     """Refuse, before any communication, what the asynchronous pipeline cannot run (LayoutError, with a fix)."""
     if layout.schedule != "pipedream" or layout.pp == 1:
         if options is not None:
-            raise LayoutError(f"pipedream options were given, but the layout runs schedule={layout.schedule!r} with "
-                              f"pp={layout.pp}. Fix: set schedule='pipedream' and pp > 1, or leave the options out.")
+            raise LayoutError(
+                f"pipedream options were given, but the layout runs schedule={layout.schedule!r} with "
+                f"pp={layout.pp}. Fix: set schedule='pipedream' and pp > 1, or leave the options out."
+            )
         return
     options = options or PipeDreamOptions()
-    if isinstance(options.update_interval, bool) or not isinstance(options.update_interval, int) \
-            or options.update_interval < 1 or layout.microbatches % options.update_interval:
-        raise LayoutError(f"pipedream update_interval={options.update_interval!r} must be a positive divisor of "
-                          f"microbatches={layout.microbatches}. Fix: use 1 or a divisor of {layout.microbatches}.")
+    if (
+        isinstance(options.update_interval, bool)
+        or not isinstance(options.update_interval, int)
+        or options.update_interval < 1
+        or layout.microbatches % options.update_interval
+    ):
+        raise LayoutError(
+            f"pipedream update_interval={options.update_interval!r} must be a positive divisor of "
+            f"microbatches={layout.microbatches}. Fix: use 1 or a divisor of {layout.microbatches}."
+        )
     if options.vertical_sync and not options.stash_weights:
-        raise LayoutError("pipedream vertical_sync=True needs stash_weights=True (it runs older versions). "
-                          "Fix: keep stash_weights=True.")
+        raise LayoutError(
+            "pipedream vertical_sync=True needs stash_weights=True (it runs older versions). "
+            "Fix: keep stash_weights=True."
+        )
     refusals = [
-        (max_grad_norm is not None, f"max_grad_norm={max_grad_norm}: clipping by a global norm needs every stage "
-         "at the same update, but PipeDream's stages update independently",
-         "max_grad_norm=None (plait train: --set train.max_grad_norm=0)"),
-        (layout.precision == "fp16", "precision='fp16': the loss-scaling overflow check is global over the stages, "
-         "which update independently", "precision='bf16' or 'fp32'"),
-        (layout.tp > 1 or layout.cp > 1, f"tp={layout.tp} cp={layout.cp}: tensor and context parallelism are not "
-         "combined with the pipeline", "tp=1 and cp=1"),
-        (layout.zero != 0, f"zero={layout.zero}: a per-micro-batch update of a sharded optimizer is not "
-         "implemented for PipeDream", "zero=0 (replicated stages over dp use DDP's all-reduce)"),
+        (
+            max_grad_norm is not None,
+            f"max_grad_norm={max_grad_norm}: clipping by a global norm needs every stage "
+            "at the same update, but PipeDream's stages update independently",
+            "max_grad_norm=None (plait train: --set train.max_grad_norm=0)",
+        ),
+        (
+            layout.precision == "fp16",
+            "precision='fp16': the loss-scaling overflow check is global over the stages, which update independently",
+            "precision='bf16' or 'fp32'",
+        ),
+        (
+            layout.tp > 1 or layout.cp > 1,
+            f"tp={layout.tp} cp={layout.cp}: tensor and context parallelism are not combined with the pipeline",
+            "tp=1 and cp=1",
+        ),
+        (
+            layout.zero != 0,
+            f"zero={layout.zero}: a per-micro-batch update of a sharded optimizer is not implemented for PipeDream",
+            "zero=0 (replicated stages over dp use DDP's all-reduce)",
+        ),
     ]
     for refused, what, fix in refusals:
         if refused:
@@ -118,13 +140,16 @@ def check_pipedream(layout: Layout, options: PipeDreamOptions | None, max_grad_n
 def round_robin(microbatches: int, replicas: int) -> list[list[int]]:
     """1F1B-RR routing: global micro-batch g goes to replica g mod r; each replica's micro-batches in order."""
     if microbatches < 1 or replicas < 1 or microbatches % replicas:
-        raise ValueError(f"{microbatches} micro-batches cannot be dealt evenly to {replicas} replicas. Fix: use a "
-                         f"multiple of {replicas}.")
+        raise ValueError(
+            f"{microbatches} micro-batches cannot be dealt evenly to {replicas} replicas. Fix: use a "
+            f"multiple of {replicas}."
+        )
     return [list(range(d, microbatches, replicas)) for d in range(replicas)]
 
 
-def replica_batch(global_batch: tuple[torch.Tensor, torch.Tensor], microbatches: int, replicas: int,
-                  index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def replica_batch(
+    global_batch: tuple[torch.Tensor, torch.Tensor], microbatches: int, replicas: int, index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Replica ``index``'s rows of a global batch under 1F1B-RR: the batch is cut into ``microbatches`` x
     ``replicas`` micro-batches in order and replica d trains on d, d + r, d + 2r, ... (concatenated, so the
     Engine's split into ``microbatches`` yields them in stream order; update j then averages the stream's
@@ -132,8 +157,10 @@ def replica_batch(global_batch: tuple[torch.Tensor, torch.Tensor], microbatches:
     inputs, targets = global_batch
     total = microbatches * replicas
     if inputs.shape[0] % total:
-        raise ValueError(f"a global batch of {inputs.shape[0]} rows does not cut into {total} micro-batches "
-                         f"(microbatches={microbatches} x replicas={replicas}). Fix: use a multiple of {total} rows.")
+        raise ValueError(
+            f"a global batch of {inputs.shape[0]} rows does not cut into {total} micro-batches "
+            f"(microbatches={microbatches} x replicas={replicas}). Fix: use a multiple of {total} rows."
+        )
     picks = round_robin(total, replicas)[index]
     pieces_in, pieces_target = inputs.chunk(total), targets.chunk(total)
     return torch.cat([pieces_in[g] for g in picks]), torch.cat([pieces_target[g] for g in picks])
@@ -172,9 +199,11 @@ class WeightVersions:
     def get(self, version: int) -> Weights:
         if version not in self.stash:
             if version != self.current:
-                raise ScheduleError(f"weight version {version} was asked for but is not stashed (current "
-                                    f"{self.current}, stashed {sorted(self.stash)}): the schedule feeds this stage "
-                                    f"micro-batches out of the first stage's order. Fix: use vertical_sync=False.")
+                raise ScheduleError(
+                    f"weight version {version} was asked for but is not stashed (current "
+                    f"{self.current}, stashed {sorted(self.stash)}): the schedule feeds this stage "
+                    f"micro-batches out of the first stage's order. Fix: use vertical_sync=False."
+                )
             self.stash[version] = self.copy()
             self.peak = max(self.peak, len(self.stash))
         return self.stash[version]
@@ -202,15 +231,23 @@ class PipeDreamRunner(PipelineRunner):
 
     owns_updates = True
 
-    def __init__(self, stages: Sequence[PipelineStage], schedule: Schedule, comm: Comm, precision: MixedPrecision,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 options: PipeDreamOptions | None = None) -> None:
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        schedule: Schedule,
+        comm: Comm,
+        precision: MixedPrecision,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        options: PipeDreamOptions | None = None,
+    ) -> None:
         if len(stages) != 1:
             raise ScheduleError(f"PipeDream runs one stage per rank, got {len(stages)}. Fix: virtual_stages=1.")
         kinds = {a.kind for actions in schedule.actions for a in actions if not a.is_comm}
         if not kinds <= {"F", "B"}:
-            raise ScheduleError(f"PipeDream runs F and B actions only; the schedule has {sorted(kinds - {'F', 'B'})}. "
-                                f"Fix: use the 'pipedream' generator's 1F1B order.")
+            raise ScheduleError(
+                f"PipeDream runs F and B actions only; the schedule has {sorted(kinds - {'F', 'B'})}. "
+                f"Fix: use the 'pipedream' generator's 1F1B order."
+            )
         self.options = options or PipeDreamOptions()
         if schedule.m % self.options.update_interval:
             raise ScheduleError(f"update_interval={self.options.update_interval} does not divide m={schedule.m}.")
@@ -267,8 +304,9 @@ class PipeDreamRunner(PipelineRunner):
         self.versions.prune({v for v, _ in self._in_flight.values()}, floor)
 
     # ----------------------------------------------------------------- compute
-    def _compute(self, action: Action, micro: Sequence[Micro], inbox: dict, outbox: dict,
-                 loss_sum: torch.Tensor) -> None:
+    def _compute(
+        self, action: Action, micro: Sequence[Micro], inbox: dict, outbox: dict, loss_sum: torch.Tensor
+    ) -> None:
         s, j = action.stage, action.microbatch
         if action.kind == "F":
             version = self.versions.current
@@ -297,8 +335,17 @@ class PipeDreamRunner(PipelineRunner):
                 for name, live in self.versions.live:
                     weights[name].data.copy_(live)  # .data: bypasses autograd's in-place check on purpose
         if self.options.record_versions:
-            self.records.append(VersionRecord(s, self.steps * self.schedule.m + j, version, backward_version,
-                                              self._forward_copies.pop(j), _flat(weights), self.versions.flat_live()))
+            self.records.append(
+                VersionRecord(
+                    s,
+                    self.steps * self.schedule.m + j,
+                    version,
+                    backward_version,
+                    self._forward_copies.pop(j),
+                    _flat(weights),
+                    self.versions.flat_live(),
+                )
+            )
         super()._compute(action, micro, inbox, outbox, loss_sum)
         self._move_grads(weights)
         self._contributors.append(version)
@@ -320,10 +367,23 @@ class PipeDreamRunner(PipelineRunner):
         """This rank's stage in the last step: mean and max staleness (updates between a micro-batch's forward
         version and the update applying its gradient), the updates made and the most versions stashed at once."""
         values = self._staleness or [0]
-        return {self.stage.index: {"mean": sum(values) / len(values), "max": float(max(values)),
-                                   "updates": float(len(self._staleness) // self.options.update_interval),
-                                   "versions_peak": float(self.versions.peak)}}
+        return {
+            self.stage.index: {
+                "mean": sum(values) / len(values),
+                "max": float(max(values)),
+                "updates": float(len(self._staleness) // self.options.update_interval),
+                "versions_peak": float(self.versions.peak),
+            }
+        }
 
 
-__all__ = ["PipeDreamOptions", "PipeDreamRunner", "VersionRecord", "VersionedModule", "WeightVersions",
-           "check_pipedream", "replica_batch", "round_robin"]
+__all__ = [
+    "PipeDreamOptions",
+    "PipeDreamRunner",
+    "VersionRecord",
+    "VersionedModule",
+    "WeightVersions",
+    "check_pipedream",
+    "replica_batch",
+    "round_robin",
+]

@@ -28,9 +28,9 @@ import torch
 
 from plait.comm import Comm
 from plait.comm.collectives import Pending
-from plait.models.loss import apply_loss
 from plait.errors import ScheduleError
 from plait.logging import get_logger
+from plait.models.loss import apply_loss
 from plait.parallel.pipeline.schedule import Action, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
@@ -40,8 +40,20 @@ logger = get_logger(__name__)
 
 AXIS = "pp"
 MAX_DIMS = 8
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 """Dtypes a stage may pass on (index = their code in metadata messages)."""
 
 Micro = tuple[torch.Tensor, torch.Tensor]
@@ -107,15 +119,18 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         p, index = self.mesh.size(AXIS), self.mesh.index(AXIS)
         if schedule.p != p:
-            raise ScheduleError(f"schedule {schedule.name!r} has p={schedule.p}, but the mesh has pp={p}. Fix: build "
-                                f"it for p={p}.")
+            raise ScheduleError(
+                f"schedule {schedule.name!r} has p={schedule.p}, but the mesh has pp={p}. Fix: build it for p={p}."
+            )
         self.schedule = schedule
         self.lowered = check_schedule(schedule)
         self.stages = {stage.index: stage for stage in stages}
         expected = schedule.stages_on(index)
         if sorted(self.stages) != expected:
-            raise ScheduleError(f"pp rank {index} holds stages {sorted(self.stages)}, but the schedule places "
-                                f"{expected} there (stage s on rank s % p).")
+            raise ScheduleError(
+                f"pp rank {index} holds stages {sorted(self.stages)}, but the schedule places "
+                f"{expected} there (stage s on rank s % p)."
+            )
         self.actions = self.lowered.actions[index]
         self.num_stages = schedule.num_stages
         self.last_rank_index = schedule.rank_of(self.num_stages - 1)
@@ -129,8 +144,9 @@ class PipelineRunner:
         """Called with each step's (and evaluation's) first-stage input on every rank before any message, so that
         an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
         split over cp), instead of leaving the later stages waiting for it."""
-        self.param_scope: Callable[[int, str], contextlib.AbstractContextManager[None]] = \
-            lambda stage, kind: contextlib.nullcontext()
+        self.param_scope: Callable[[int, str], contextlib.AbstractContextManager[None]] = lambda stage, kind: (
+            contextlib.nullcontext()
+        )
         """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; set
         by ``plait.parallelize`` to the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
         parameter units there and frees them after)."""
@@ -189,8 +205,10 @@ class PipelineRunner:
                 with self.precision.autocast(), self.param_scope(s, "F"):
                     out = self.stages[s].module(x)
                 if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"pipeline stage {s} returned {type(out).__name__}; stages must pass one tensor. "
-                                    f"Fix: make each chunk's forward return a single tensor.")
+                    raise TypeError(
+                        f"pipeline stage {s} returned {type(out).__name__}; stages must pass one tensor. "
+                        f"Fix: make each chunk's forward return a single tensor."
+                    )
                 metas[s] = TensorMeta.of(out)
                 if s + 1 < self.num_stages:
                     self._send_meta_and(out if with_data else None, metas[s], self._peer(s + 1))
@@ -308,9 +326,13 @@ class PipelineRunner:
         """The last stage differentiates loss / this: m, so that the step's gradients are the batch mean's."""
         return m
 
-    def _post(self, run: Sequence[Action], metas: dict[int, TensorMeta],
-              inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
-              outbox: dict[tuple[str, int, int], torch.Tensor]) -> tuple[Pending, list[torch.Tensor]]:
+    def _post(
+        self,
+        run: Sequence[Action],
+        metas: dict[int, TensorMeta],
+        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+        outbox: dict[tuple[str, int, int], torch.Tensor],
+    ) -> tuple[Pending, list[torch.Tensor]]:
         """Post one run of consecutive send/recv actions as one batched, asynchronous send_recv."""
         to_send: list[tuple[torch.Tensor, int]] = []
         to_recv: list[tuple[torch.Tensor, int]] = []
@@ -337,8 +359,9 @@ class PipelineRunner:
             inbox[key] = (buffer, pending)
         return pending, [t for t, _ in to_send]
 
-    def _wait_for_input(self, action: Action,
-                        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]) -> None:
+    def _wait_for_input(
+        self, action: Action, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]
+    ) -> None:
         """Wait for the batch that carries what ``action`` consumes (a received input or output gradient)."""
         key = ("F" if action.kind == "F" else "B", action.stage, action.microbatch)
         if key in inbox and inbox[key][1] is not None:
@@ -346,19 +369,28 @@ class PipelineRunner:
             pending.wait()
             inbox[key] = (tensor, None)
 
-    def _take(self, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
-              key: tuple[str, int, int]) -> torch.Tensor:
+    def _take(
+        self, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]], key: tuple[str, int, int]
+    ) -> torch.Tensor:
         if key not in inbox:
-            raise ScheduleError(f"action {key[1]}{key[0]}{key[2]} needs a tensor that was never received or handed "
-                                f"over: the lowered schedule is missing its recv.")
+            raise ScheduleError(
+                f"action {key[1]}{key[0]}{key[2]} needs a tensor that was never received or handed "
+                f"over: the lowered schedule is missing its recv."
+            )
         tensor, pending = inbox.pop(key)
         if pending is not None:
             pending.wait()
         return tensor
 
-    def _hand_over(self, kind: str, stage: int, microbatch: int, tensor: torch.Tensor,
-                   inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
-                   outbox: dict[tuple[str, int, int], torch.Tensor]) -> None:
+    def _hand_over(
+        self,
+        kind: str,
+        stage: int,
+        microbatch: int,
+        tensor: torch.Tensor,
+        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+        outbox: dict[tuple[str, int, int], torch.Tensor],
+    ) -> None:
         """Queue a stage's output ("F") or input gradient ("B") for its neighbour: directly when the neighbour
         is on this rank (p = 1), else for the send action that follows."""
         neighbour = stage + 1 if kind == "F" else stage - 1
@@ -367,9 +399,14 @@ class PipelineRunner:
         else:
             outbox[(kind, stage, microbatch)] = tensor.contiguous()
 
-    def _compute(self, action: Action, micro: Sequence[Micro],
-                 inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
-                 outbox: dict[tuple[str, int, int], torch.Tensor], loss_sum: torch.Tensor) -> None:
+    def _compute(
+        self,
+        action: Action,
+        micro: Sequence[Micro],
+        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+        outbox: dict[tuple[str, int, int], torch.Tensor],
+        loss_sum: torch.Tensor,
+    ) -> None:
         s, j, kind = action.stage, action.microbatch, action.kind
         stage = self.stages[s]
         if kind == "F":

@@ -110,8 +110,9 @@ class Schedule:
         return "\n".join([self.header()] + [" ".join(map(str, acts)) for acts in self.actions]) + "\n"
 
     @classmethod
-    def from_text(cls, text: str, p: int | None = None, m: int | None = None, v: int | None = None,
-                  name: str | None = None) -> Schedule:
+    def from_text(
+        cls, text: str, p: int | None = None, m: int | None = None, v: int | None = None, name: str | None = None
+    ) -> Schedule:
         """Parse ``to_text`` output or a hand-written schedule: one line per rank (optionally "3: ..."),
         '#' lines are comments; p, m, v come from the arguments, the header, or are inferred (p = number of
         rank lines, m = largest micro-batch + 1, v = stages / p)."""
@@ -138,8 +139,9 @@ class Schedule:
         return path
 
     @classmethod
-    def from_csv(cls, path: str | Path, p: int | None = None, m: int | None = None, v: int | None = None,
-                 name: str | None = None) -> Schedule:
+    def from_csv(
+        cls, path: str | Path, p: int | None = None, m: int | None = None, v: int | None = None, name: str | None = None
+    ) -> Schedule:
         """Read ``rank,action,...`` rows (any order; '#' lines and a 'rank,...' title row are skipped)."""
         rows: list[tuple[int | None, list[str]]] = []
         meta: dict[str, str] = {}
@@ -157,8 +159,15 @@ class Schedule:
         return cls._build(rows, meta, p, m, v, name or meta.get("name") or Path(path).stem)
 
     @classmethod
-    def _build(cls, rows: list[tuple[int | None, list[str]]], meta: dict[str, str], p: int | None,
-               m: int | None, v: int | None, name: str | None) -> Schedule:
+    def _build(
+        cls,
+        rows: list[tuple[int | None, list[str]]],
+        meta: dict[str, str],
+        p: int | None,
+        m: int | None,
+        v: int | None,
+        name: str | None,
+    ) -> Schedule:
         parsed = [(rank, [Action.parse(t) for t in tokens]) for rank, tokens in rows]
         if p is None:
             p = int(meta["p"]) if "p" in meta else max([len(parsed)] + [r + 1 for r, _ in parsed if r is not None])
@@ -196,28 +205,36 @@ class Schedule:
                 if a.microbatch >= self.m:
                     raise ScheduleError(f"rank {rank}: {a} names micro-batch {a.microbatch}, but m={self.m}.")
                 if self.rank_of(a.stage) != rank:
-                    raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
-                                        f"{self.rank_of(a.stage)} (stage s lives on rank s % p).")
+                    raise ScheduleError(
+                        f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
+                        f"{self.rank_of(a.stage)} (stage s lives on rank s % p)."
+                    )
                 if a in where:
                     raise ScheduleError(f"rank {rank}: {a} appears twice. Fix: run each action exactly once.")
                 if a.is_comm and self.peer(a) is None:
-                    raise ScheduleError(f"rank {rank}: {a} has no peer (stage {a.stage} exchanges nothing "
-                                        f"{'forward' if a.kind in ('SF', 'RB') else 'backward'} with another rank).")
+                    raise ScheduleError(
+                        f"rank {rank}: {a} has no peer (stage {a.stage} exchanges nothing "
+                        f"{'forward' if a.kind in ('SF', 'RB') else 'backward'} with another rank)."
+                    )
                 where[a] = rank
         for s in range(S):
             for j in range(self.m):
                 have = {k for k in COMPUTE_KINDS if Action(s, k, j) in where}
                 if "B" in have and have & {"I", "W"}:
-                    raise ScheduleError(f"stage {s} micro-batch {j} has both {Action(s, 'B', j)} and I/W. "
-                                        f"Fix: use B alone, or I followed by W.")
+                    raise ScheduleError(
+                        f"stage {s} micro-batch {j} has both {Action(s, 'B', j)} and I/W. "
+                        f"Fix: use B alone, or I followed by W."
+                    )
                 split = "B" not in have and bool(have & {"I", "W"})
                 missing = [k for k in (("F", "I", "W") if split else ("F", "B")) if k not in have]
                 if missing:
-                    raise ScheduleError(f"{Action(s, missing[0], j)} is missing (rank {self.rank_of(s)}): every "
-                                        f"stage runs F and B (or I then W) of every micro-batch exactly once.")
+                    raise ScheduleError(
+                        f"{Action(s, missing[0], j)} is missing (rank {self.rank_of(s)}): every "
+                        f"stage runs F and B (or I then W) of every micro-batch exactly once."
+                    )
         if self.is_lowered:
             for a, rank in sorted(where.items(), key=lambda item: not item[0].is_comm):  # unmatched halves first
-                for comm in ([self.peer(a)] if a.is_comm else self.comms(a)):
+                for comm in [self.peer(a)] if a.is_comm else self.comms(a):
                     if comm in where:
                         continue
                     what = "has no matching" if a.is_comm else "needs"
@@ -246,7 +263,7 @@ def _header_fields(line: str) -> dict[str, str]:
     """The key=value fields of a ``HEADER`` line (other comment lines are free text)."""
     if not line.startswith(HEADER):
         return {}
-    fields = dict(kv.split("=", 1) for kv in line[len(HEADER):].split() if "=" in kv)
+    fields = dict(kv.split("=", 1) for kv in line[len(HEADER) :].split() if "=" in kv)
     for key in ("p", "m", "v"):
         if key in fields and not fields[key].isdigit():
             raise ScheduleError(f"schedule header {line!r}: {key}={fields[key]!r} is not a whole number.")

@@ -22,8 +22,9 @@ Definitions (``SimResult``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from plait.logging import get_logger
 from plait.parallel.pipeline.schedule import Action, Schedule, ScheduleError
@@ -112,8 +113,10 @@ class SimResult:
 
     def summary(self) -> str:
         s = self.schedule
-        return (f"{s.name} p={s.p} m={s.m} v={s.v}: makespan {self.makespan:g}, bubble {self.bubble_fraction:.1%}, "
-                f"peak activations per rank {self.peak_activations}")
+        return (
+            f"{s.name} p={s.p} m={s.m} v={s.v}: makespan {self.makespan:g}, bubble {self.bubble_fraction:.1%}, "
+            f"peak activations per rank {self.peak_activations}"
+        )
 
     def to_chrome_trace(self, us_per_unit: float = 1000.0) -> dict[str, Any]:
         """A Chrome/Perfetto trace (open in ui.perfetto.dev): one process, one thread per rank, "X" events;
@@ -126,13 +129,23 @@ class SimResult:
             events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
             for span in spans:
                 a = span.action
-                events.append({
-                    "name": str(a), "cat": names.get(a.kind, "comm"), "ph": "X", "pid": 0, "tid": rank,
-                    "ts": span.start * us_per_unit, "dur": (span.end - span.start) * us_per_unit,
-                    "args": {"stage": a.stage, "kind": a.kind, "microbatch": a.microbatch},
-                })
-        return {"traceEvents": events, "displayTimeUnit": "ms",
-                "otherData": {"bubble_fraction": self.bubble_fraction, "makespan": self.makespan}}
+                events.append(
+                    {
+                        "name": str(a),
+                        "cat": names.get(a.kind, "comm"),
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": rank,
+                        "ts": span.start * us_per_unit,
+                        "dur": (span.end - span.start) * us_per_unit,
+                        "args": {"stage": a.stage, "kind": a.kind, "microbatch": a.microbatch},
+                    }
+                )
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {"bubble_fraction": self.bubble_fraction, "makespan": self.makespan},
+        }
 
 
 def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None) -> SimResult:
@@ -185,8 +198,11 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
                 progress = True
     stuck = [r for r in range(p) if ptr[r] < len(acts[r])]
     if stuck:
-        lines = [f"  rank {r} is at {acts[r][ptr[r]]}, waiting for {waits_for(r)} on rank "
-                 f"{pos[waits_for(r)][0]} (which is at {_at_text(acts, ptr, pos[waits_for(r)][0])})" for r in stuck]
+        lines = [
+            f"  rank {r} is at {acts[r][ptr[r]]}, waiting for {waits_for(r)} on rank "
+            f"{pos[waits_for(r)][0]} (which is at {_at_text(acts, ptr, pos[waits_for(r)][0])})"
+            for r in stuck
+        ]
         raise ScheduleError(_deadlock(schedule, lines))
 
     def span(a: Action) -> Span:
@@ -209,8 +225,7 @@ def _needs(schedule: Schedule, a: Action, pos: dict[Action, tuple[int, int]], lo
     def backward(stage: int) -> Action:
         return Action(stage, "B", j) if Action(stage, "B", j) in pos else Action(stage, "I", j)
 
-    remote = lowered and a.kind in ("F", "B", "I") and bool(
-        [c for c in schedule.comms(a) if c.kind in ("RF", "RB")])
+    remote = lowered and a.kind in ("F", "B", "I") and bool([c for c in schedule.comms(a) if c.kind in ("RF", "RB")])
     if a.kind == "F":
         return [] if s == 0 else [Action(s, "RF", j)] if remote else [Action(s - 1, "F", j)]
     if a.kind in ("B", "I"):
@@ -301,10 +316,15 @@ def _check_rendezvous(schedule: Schedule, pos: dict[Action, tuple[int, int]], pe
                 progress = True
     stuck = [r for r in range(p) if ptr[r] < len(items[r])]
     if stuck:
-        lines = [f"  rank {r} is at {at(r)}, waiting for rank {pos[waits_for(r)][0]} to post {waits_for(r)} "
-                 f"(rank {pos[waits_for(r)][0]} is at {at(pos[waits_for(r)][0])})" for r in stuck]
-        lines.append("  (send/recv order checked as if each blocked until its peer is posted; "
-                     "lower() builds an order that cannot deadlock)")
+        lines = [
+            f"  rank {r} is at {at(r)}, waiting for rank {pos[waits_for(r)][0]} to post {waits_for(r)} "
+            f"(rank {pos[waits_for(r)][0]} is at {at(pos[waits_for(r)][0])})"
+            for r in stuck
+        ]
+        lines.append(
+            "  (send/recv order checked as if each blocked until its peer is posted; "
+            "lower() builds an order that cannot deadlock)"
+        )
         raise ScheduleError(_deadlock(schedule, lines))
 
 
@@ -313,8 +333,10 @@ def _at_text(acts: list[list[Action]], ptr: list[int], rank: int) -> str:
 
 
 def _deadlock(schedule: Schedule, lines: list[str]) -> str:
-    head = (f"deadlock in schedule {schedule.name!r} (p={schedule.p} m={schedule.m} v={schedule.v}): "
-            f"no rank can make progress.")
+    head = (
+        f"deadlock in schedule {schedule.name!r} (p={schedule.p} m={schedule.m} v={schedule.v}): "
+        f"no rank can make progress."
+    )
     return "\n".join([head] + lines)
 
 

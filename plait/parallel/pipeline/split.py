@@ -73,8 +73,10 @@ class SplitPlan:
         return self.paths_of(list(range(self.num_stages)))
 
     def describe(self) -> str:
-        parts = [f"stage {s}: {self.container or 'units'}[{self.bounds[s]}:{self.bounds[s + 1]}]"
-                 for s in range(self.num_stages)]
+        parts = [
+            f"stage {s}: {self.container or 'units'}[{self.bounds[s]}:{self.bounds[s + 1]}]"
+            for s in range(self.num_stages)
+        ]
         return "; ".join(parts)
 
 
@@ -166,8 +168,9 @@ def _remove(root: nn.Module, path: str, container: str) -> None:
         setattr(parent, name, None)
 
 
-def build_stage(model: nn.Module, plan: SplitPlan, stages: list[int] | tuple[int, ...] | int,
-                share: bool = False) -> nn.Module:
+def build_stage(
+    model: nn.Module, plan: SplitPlan, stages: list[int] | tuple[int, ...] | int, share: bool = False
+) -> nn.Module:
     """A copy of ``model`` holding only what ``stages`` hold (one stage, or a rank's union of stages).
 
     Parameter names are those of ``model``. With ``share=True`` the kept parts are ``model``'s own modules

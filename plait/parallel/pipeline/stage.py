@@ -61,8 +61,10 @@ class PipelineStage:
     def params(self) -> list[torch.Tensor]:
         """What the stage trains: its parameters and the buffers that require grad (the last stage's copy of a
         tied parameter, ``split.tie_copy``), looked up now (moving a module to a device replaces its buffers)."""
-        return [*(p for p in self.module.parameters() if p.requires_grad),
-                *(b for b in self.module.buffers() if b.requires_grad)]
+        return [
+            *(p for p in self.module.parameters() if p.requires_grad),
+            *(b for b in self.module.buffers() if b.requires_grad),
+        ]
 
     @property
     def is_first(self) -> bool:
@@ -122,8 +124,9 @@ class PipelineStage:
             for node in merges:
                 handles.append(node.register_prehook(_capture(held.captured, node)))
         try:
-            (grad_input,) = torch.autograd.grad(held.output, held.input, held.grad_output, retain_graph=True,
-                                                allow_unused=True)
+            (grad_input,) = torch.autograd.grad(
+                held.output, held.input, held.grad_output, retain_graph=True, allow_unused=True
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -147,7 +150,9 @@ class PipelineStage:
     # ----------------------------------------------------------------- bookkeeping
     def _peek(self, microbatch: int, kind: str) -> _Held:
         if microbatch not in self._held:
-            raise ScheduleError(f"stage {self.index}: {self.index}{kind}{microbatch} runs before {self.index}F{microbatch}.")
+            raise ScheduleError(
+                f"stage {self.index}: {self.index}{kind}{microbatch} runs before {self.index}F{microbatch}."
+            )
         return self._held[microbatch]
 
     def _take(self, microbatch: int, kind: str) -> _Held:
@@ -169,19 +174,22 @@ class PipelineStage:
 def _capture(store: dict[Node, tuple[Any, ...]], node: Node) -> Any:
     def hook(grad_outputs: tuple[Any, ...]) -> None:
         store[node] = tuple(grad_outputs)
+
     return hook
 
 
-def _roots(node: Node, grads: tuple[Any, ...] | None, params: list[nn.Parameter]
-           ) -> tuple[list[GradientEdge], list[torch.Tensor], list[nn.Parameter]]:
+def _roots(
+    node: Node, grads: tuple[Any, ...] | None, params: list[nn.Parameter]
+) -> tuple[list[GradientEdge], list[torch.Tensor], list[nn.Parameter]]:
     if grads is None:  # the node got no gradient in I (nothing flows to it): its parameters get none either
         return [], [], params
     pairs = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
     return [edge for edge, _ in pairs], [g for _, g in pairs], params
 
 
-def _merge_nodes(output: torch.Tensor, inputs: torch.Tensor, params: list[nn.Parameter]
-                 ) -> dict[Node, list[nn.Parameter]] | None:
+def _merge_nodes(
+    output: torch.Tensor, inputs: torch.Tensor, params: list[nn.Parameter]
+) -> dict[Node, list[nn.Parameter]] | None:
     """The nodes on the input's gradient path with a branch leading only to parameters, each with the
     parameters behind its branches; None when a parameter lies behind two of them (then W is a full re-run)."""
     root = output.grad_fn

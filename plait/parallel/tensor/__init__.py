@@ -7,9 +7,6 @@ from plait.parallel.tensor.apply import apply_tensor_parallel, plan_tensor_paral
 from plait.parallel.tensor.grid import GridLinear, GridMLP, gather_activation, scatter_activation
 from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
 from plait.parallel.tensor.grid_plan import GRID_PLANS, GRID_STYLES, gpt_grid_plan
-from plait.parallel.tensor.linear2d import MLP2D, Linear2D
-from plait.parallel.tensor.linear2p5d import MLP2p5D, Linear2p5D
-from plait.parallel.tensor.linear3d import MLP3D, Linear3D
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -17,6 +14,9 @@ from plait.parallel.tensor.layers import (
     gather_parameters,
     is_tp_sharded,
 )
+from plait.parallel.tensor.linear2d import MLP2D, Linear2D
+from plait.parallel.tensor.linear2p5d import Linear2p5D, MLP2p5D
+from plait.parallel.tensor.linear3d import MLP3D, Linear3D
 from plait.parallel.tensor.loss import GridVocabLoss, VocabParallelLoss, vocab_parallel_cross_entropy
 from plait.parallel.tensor.plan import PLANS, STYLES, apply_plan, default_plan, register_plan, resolve_plan
 

@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.models.loss import lm_loss
-from plait.parallel.tensor.sequence import check_sequence_parallel
-from plait.parallel.tensor.layers import AXIS
 from plait.parallel.tensor.grid import HEAD_AXIS
 from plait.parallel.tensor.grid_plan import apply_grid_plan, default_grid_plan, resolve_grid_plan
+from plait.parallel.tensor.layers import AXIS
 from plait.parallel.tensor.loss import IGNORE_INDEX, GridVocabLoss, VocabParallelLoss
 from plait.parallel.tensor.plan import Plan, ResolvedPlan, apply_plan, default_plan, resolve_plan
+from plait.parallel.tensor.sequence import check_sequence_parallel
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -49,8 +49,13 @@ def plan_tensor_parallel(model: nn.Module, layout: Layout, plan: Plan | None = N
         _check_grid_layout(layout)
         return resolve_grid_plan(model, plan if plan is not None else default_grid_plan(model, layout.tp_mode), layout)
     check_sequence_parallel(layout)
-    return resolve_plan(model, plan if plan is not None else default_plan(model), layout.tp, layout.sequence_parallel,
-                        layout.tp_pad_vocab)
+    return resolve_plan(
+        model,
+        plan if plan is not None else default_plan(model),
+        layout.tp,
+        layout.sequence_parallel,
+        layout.tp_pad_vocab,
+    )
 
 
 def _check_grid_layout(layout: Layout) -> None:
@@ -68,8 +73,12 @@ def cross_entropy_ignore_index(loss_fn: object) -> int | None:
     """The ignore_index of a loss that is plain mean cross-entropy over logits (None for any other loss)."""
     if loss_fn is F.cross_entropy or loss_fn is lm_loss:
         return IGNORE_INDEX
-    if isinstance(loss_fn, nn.CrossEntropyLoss) and loss_fn.weight is None and loss_fn.label_smoothing == 0.0 \
-            and loss_fn.reduction == "mean":
+    if (
+        isinstance(loss_fn, nn.CrossEntropyLoss)
+        and loss_fn.weight is None
+        and loss_fn.label_smoothing == 0.0
+        and loss_fn.reduction == "mean"
+    ):
         return loss_fn.ignore_index
     return None
 

@@ -193,8 +193,14 @@ class GridLinear(nn.Module, abc.ABC):
     MODES: tuple[str, ...] = ()
     NAME = "grid linear"
 
-    def __init__(self, linear: nn.Linear, comm: Comm, name: str = "linear", entered: bool = False,
-                 gather_output: bool | str = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        comm: Comm,
+        name: str = "linear",
+        entered: bool = False,
+        gather_output: bool | str = False,
+    ) -> None:
         super().__init__()
         check_mode(comm, self.MODES, f"{type(self).__name__} ({name})")
         if gather_output not in (True, False, "eval"):
@@ -203,8 +209,11 @@ class GridLinear(nn.Module, abc.ABC):
         self.entered, self.gather_output = entered, gather_output
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = shard_parameter(linear.weight, comm, self.weight_placement(), f"{name}.weight ({self.NAME})")
-        self.bias = None if linear.bias is None else shard_parameter(
-            linear.bias, comm, self.bias_placement(), f"{name}.bias ({self.NAME})")
+        self.bias = (
+            None
+            if linear.bias is None
+            else shard_parameter(linear.bias, comm, self.bias_placement(), f"{name}.bias ({self.NAME})")
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Comm, name: str = "linear", **kwargs: object) -> GridLinear:
@@ -246,8 +255,10 @@ class GridLinear(nn.Module, abc.ABC):
         return out
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, local_weight={tuple(self.weight.shape)}, "
-                f"bias={self.bias is not None}, entered={self.entered}, gather_output={self.gather_output}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, local_weight={tuple(self.weight.shape)}, "
+            f"bias={self.bias is not None}, entered={self.entered}, gather_output={self.gather_output}"
+        )
 
 
 class GridMLP(nn.Module):

@@ -30,19 +30,33 @@ from collections.abc import Callable
 from torch import nn
 
 from plait.comm import Comm, all_gather
-from plait.layout import Layout, tp_grid_dims
 from plait.errors import LayoutError
+from plait.layout import Layout, tp_grid_dims
 from plait.logging import get_logger
 from plait.models.gpt import GPT
 from plait.models.layers import RMSNorm
-from plait.parallel.tensor.grid import HEAD_AXIS, TP_COL, TP_DEP, GridLinear, Placement, split_problems
-from plait.parallel.tensor.grid import vector_placement
+from plait.parallel.tensor.grid import (
+    HEAD_AXIS,
+    TP_COL,
+    TP_DEP,
+    GridLinear,
+    Placement,
+    split_problems,
+    vector_placement,
+)
 from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
 from plait.parallel.tensor.linear2d import Linear2D, summa_placements
 from plait.parallel.tensor.linear2p5d import Linear2p5D
 from plait.parallel.tensor.linear3d import Linear3D, cube_placements
-from plait.parallel.tensor.plan import Plan, ResolvedPlan, gpt_plan, input_hook, match_plan, planned_attention_heads
-from plait.parallel.tensor.plan import registered_plan
+from plait.parallel.tensor.plan import (
+    Plan,
+    ResolvedPlan,
+    gpt_plan,
+    input_hook,
+    match_plan,
+    planned_attention_heads,
+    registered_plan,
+)
 
 log = get_logger(__name__)
 
@@ -53,8 +67,14 @@ GRID_PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
 LINEAR_CLASSES: dict[str, type[GridLinear]] = {"2d": Linear2D, "2.5d": Linear2p5D, "3d": Linear3D}
 
 
-FROM_1D_STYLES = {"vocab": "grid_embedding", "seq_shard": "grid_embedding", "enter": "grid_enter",
-                  "colwise": "grid_in", "rowwise": "grid_out", "colwise_vocab": "grid_vocab"}
+FROM_1D_STYLES = {
+    "vocab": "grid_embedding",
+    "seq_shard": "grid_embedding",
+    "enter": "grid_enter",
+    "colwise": "grid_in",
+    "rowwise": "grid_out",
+    "colwise_vocab": "grid_vocab",
+}
 """How a Megatron 1D style maps to a grid style: the column layer of a pair reads the activation layout, the row
 layer writes it; the position embedding (SP's "seq_shard") is a grid embedding like the token one."""
 
@@ -115,8 +135,10 @@ def _check_grid_module(path: str, module: nn.Module, style: str, mode: str, size
     wanted = {"grid_embedding": (nn.Embedding,), "grid_norm": (nn.LayerNorm, RMSNorm)}.get(style, (nn.Linear,))
     if style != "grid_enter" and type(module) not in wanted:
         names = " or ".join(t.__name__ for t in wanted)
-        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs a {names}. "
-                          f"Fix: give {path} a style that fits it, or use tp_mode='1d'.")
+        raise LayoutError(
+            f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs a {names}. "
+            f"Fix: give {path} a style that fits it, or use tp_mode='1d'."
+        )
     if style in LINEAR_GRID_STYLES:
         placements = linear_placements(mode, style)
         tensors = {"weight": (placements["weight"], module.weight)}
@@ -124,14 +146,18 @@ def _check_grid_module(path: str, module: nn.Module, style: str, mode: str, size
             tensors["bias"] = (placements["bias"], module.bias)
     elif style == "grid_embedding":
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise LayoutError(f"tp plan: {path}: a grid embedding supports neither max_norm, scale_grad_by_freq nor "
-                              f"sparse=True. Fix: build the embedding without them, or use tp_mode='1d'.")
+            raise LayoutError(
+                f"tp plan: {path}: a grid embedding supports neither max_norm, scale_grad_by_freq nor "
+                f"sparse=True. Fix: build the embedding without them, or use tp_mode='1d'."
+            )
         tensors = {"weight": (vector_placement(mode, dim=1), module.weight)}
     elif style == "grid_norm":
         shape = getattr(module, "normalized_shape", (module.weight.shape[0],))
         if len(shape) != 1:
-            raise LayoutError(f"tp plan: {path} normalises over {tuple(shape)}; a grid norm takes one feature dim. "
-                              f"Fix: use tp_mode='1d' for this model.")
+            raise LayoutError(
+                f"tp plan: {path} normalises over {tuple(shape)}; a grid norm takes one feature dim. "
+                f"Fix: use tp_mode='1d' for this model."
+            )
         tensors = {name: (vector_placement(mode), p) for name, p in module.named_parameters(recurse=False)}
     else:
         return
@@ -183,7 +209,8 @@ def apply_grid_plan(resolved: ResolvedPlan, root: nn.Module, comm: Comm, gather_
             # grid_in layers take their input gathered over tp_col: the features (2D / 2.5D) or the batch (3D)
             dim = 0 if mode == "3d" else -1
             module.register_forward_pre_hook(
-                input_hook(lambda x, d=dim: all_gather(x, comm, TP_COL, dim=d), style), with_kwargs=True)
+                input_hook(lambda x, d=dim: all_gather(x, comm, TP_COL, dim=d), style), with_kwargs=True
+            )
             continue
         new = _build_grid(path, module, style, comm, mode, entered_paths, gather_logits)
         parent_path, _, leaf = path.rpartition(".")
@@ -193,8 +220,9 @@ def apply_grid_plan(resolved: ResolvedPlan, root: nn.Module, comm: Comm, gather_
     return done
 
 
-def _build_grid(path: str, module: nn.Module, style: str, comm: Comm, mode: str, entered_paths: list[str],
-                gather_logits: bool | str) -> nn.Module:
+def _build_grid(
+    path: str, module: nn.Module, style: str, comm: Comm, mode: str, entered_paths: list[str], gather_logits: bool | str
+) -> nn.Module:
     if style == "grid_embedding":
         return GridEmbedding.from_embedding(module, comm, path)  # type: ignore[arg-type]
     if style == "grid_norm":
@@ -206,5 +234,12 @@ def _build_grid(path: str, module: nn.Module, style: str, comm: Comm, mode: str,
     return LINEAR_CLASSES[mode].from_linear(module, comm, path, **kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["GRID_PLANS", "GRID_STYLES", "apply_grid_plan", "default_grid_plan", "gpt_grid_plan",
-           "linear_placements", "resolve_grid_plan"]
+__all__ = [
+    "GRID_PLANS",
+    "GRID_STYLES",
+    "apply_grid_plan",
+    "default_grid_plan",
+    "gpt_grid_plan",
+    "linear_placements",
+    "resolve_grid_plan",
+]

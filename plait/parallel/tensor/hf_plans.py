@@ -34,8 +34,10 @@ def gpt2_plan(model: nn.Module) -> Plan:
     """GPT-2: vocab-parallel (tied) embedding and head, fused q/k/v split by heads, MLP split on its width."""
     assert isinstance(model, GPT2LMHeadModel)
     if model.config.add_cross_attention:
-        raise LayoutError("the built-in GPT-2 tensor-parallel plan does not cover cross-attention "
-                          "(config.add_cross_attention=True). Fix: pass tp_plan= covering crossattention, or tp=1.")
+        raise LayoutError(
+            "the built-in GPT-2 tensor-parallel plan does not cover cross-attention "
+            "(config.add_cross_attention=True). Fix: pass tp_plan= covering crossattention, or tp=1."
+        )
     return {
         "transformer.wte": "vocab",
         "transformer.h.*.attn": "enter",
@@ -79,8 +81,10 @@ def _gpt2_localize(module: nn.Module, tp: int) -> None:
 
 
 def _llama_heads(module: nn.Module) -> dict[str, int]:
-    return {"attention heads (num_attention_heads)": module.config.num_attention_heads,
-            "key/value heads (num_key_value_heads)": module.config.num_key_value_heads}
+    return {
+        "attention heads (num_attention_heads)": module.config.num_attention_heads,
+        "key/value heads (num_key_value_heads)": module.config.num_key_value_heads,
+    }
 
 
 register_plan(GPT2LMHeadModel, gpt2_plan)

@@ -70,8 +70,9 @@ def padded_size(size: int, parts: int) -> int:
     return -(-size // parts) * parts
 
 
-def _slice(tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1,
-           pad: bool = False) -> nn.Parameter:
+def _slice(
+    tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1, pad: bool = False
+) -> nn.Parameter:
     """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter; with
     ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated. ``pad``:
     first pad ``dim`` with zeros to a multiple of t (``param.tp_full_size`` keeps the real size)."""
@@ -117,9 +118,17 @@ class ColumnParallelLinear(nn.Module):
     evaluation, so metrics such as accuracy see whole logits. ``transposed``: the weight is [in, out_local].
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
-                 gather_output: bool | str = False, input_mode: str = "copy", transposed: bool = False,
-                 out_features: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        comm: Comm,
+        axis: str = AXIS,
+        gather_output: bool | str = False,
+        input_mode: str = "copy",
+        transposed: bool = False,
+        out_features: int | None = None,
+    ) -> None:
         super().__init__()
         if gather_output not in (True, False, "eval"):
             raise ValueError(f"gather_output={gather_output!r}: use True, False or 'eval'")
@@ -136,9 +145,18 @@ class ColumnParallelLinear(nn.Module):
         """The real output width; less than the padded local x tp under ``pad`` (a padded vocabulary)."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, comm: Comm, axis: str = AXIS, gather_output: bool | str = False,
-                    input_mode: str = "copy", name: str = "linear", transposed: bool = False,
-                    fused_parts: int = 1, pad: bool = False) -> ColumnParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Module,
+        comm: Comm,
+        axis: str = AXIS,
+        gather_output: bool | str = False,
+        input_mode: str = "copy",
+        name: str = "linear",
+        transposed: bool = False,
+        fused_parts: int = 1,
+        pad: bool = False,
+    ) -> ColumnParallelLinear:
         """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out]). ``pad``:
         out_features padded with zero rows to a multiple of tp; their outputs are -inf (no probability under a
         softmax, zero gradient) and the gathered output is cut back to out_features."""
@@ -162,16 +180,25 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         out_local, in_features = self.weight.shape[::-1] if self.transposed else self.weight.shape
-        return (f"in={in_features}, out_local={out_local}, bias={self.bias is not None}, axis={self.axis!r}, "
-                f"input={self.input_mode}, gather_output={self.gather_output}, transposed={self.transposed}")
+        return (
+            f"in={in_features}, out_local={out_local}, bias={self.bias is not None}, axis={self.axis!r}, "
+            f"input={self.input_mode}, gather_output={self.gather_output}, transposed={self.transposed}"
+        )
 
 
 class RowParallelLinear(nn.Module):
     """Y = g(X_i A_i^T) + b: input features split over tp; the partial products are summed by an all-reduce
     (``sequence_parallel``: reduce-scattered along the sequence instead), then the whole bias is added once."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Comm, axis: str = AXIS,
-                 sequence_parallel: bool = False, transposed: bool = False) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        comm: Comm,
+        axis: str = AXIS,
+        sequence_parallel: bool = False,
+        transposed: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
@@ -180,12 +207,22 @@ class RowParallelLinear(nn.Module):
         self.transposed = transposed
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
-                    name: str = "linear", transposed: bool = False) -> RowParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Module,
+        comm: Comm,
+        axis: str = AXIS,
+        sequence_parallel: bool = False,
+        name: str = "linear",
+        transposed: bool = False,
+    ) -> RowParallelLinear:
         """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out])."""
         weight = _slice(linear.weight, 0 if transposed else 1, comm, axis, f"{name} (row parallel, in_features)")
-        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
-                                                             requires_grad=linear.bias.requires_grad)
+        bias = (
+            None
+            if linear.bias is None
+            else nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        )
         return cls(weight, bias, comm, axis, sequence_parallel, transposed)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -198,16 +235,25 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         out, in_local = self.weight.shape[::-1] if self.transposed else self.weight.shape
-        return (f"in_local={in_local}, out={out}, bias={self.bias is not None}, axis={self.axis!r}, "
-                f"sequence_parallel={self.sequence_parallel}, transposed={self.transposed}")
+        return (
+            f"in_local={in_local}, out={out}, bias={self.bias is not None}, axis={self.axis!r}, "
+            f"sequence_parallel={self.sequence_parallel}, transposed={self.transposed}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the table on each rank: ids outside the range look up row 0 and are zeroed, so the
     all-reduce (``sequence_parallel``: reduce-scatter along the sequence) of the partial lookups is the lookup."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, comm: Comm, axis: str = AXIS,
-                 sequence_parallel: bool = False, padding_idx: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        vocab_start: int,
+        comm: Comm,
+        axis: str = AXIS,
+        sequence_parallel: bool = False,
+        padding_idx: int | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
@@ -218,8 +264,15 @@ class VocabParallelEmbedding(nn.Module):
         """Local row of the single-device padding_idx when this rank holds it (its gradient stays zero)."""
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, comm: Comm, axis: str = AXIS, sequence_parallel: bool = False,
-                       name: str = "embedding", pad: bool = False) -> VocabParallelEmbedding:
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        comm: Comm,
+        axis: str = AXIS,
+        sequence_parallel: bool = False,
+        name: str = "embedding",
+        pad: bool = False,
+    ) -> VocabParallelEmbedding:
         """``pad``: the table padded with zero rows to a multiple of tp (no id reaches them)."""
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise LayoutError(
@@ -241,8 +294,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from(partial, self.comm, self.axis)
 
     def extra_repr(self) -> str:
-        return (f"rows=[{self.vocab_start}, {self.vocab_end}), dim={self.weight.shape[1]}, axis={self.axis!r}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"rows=[{self.vocab_start}, {self.vocab_end}), dim={self.weight.shape[1]}, axis={self.axis!r}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 @torch.no_grad()

@@ -26,8 +26,14 @@ from plait.comm import Comm, all_gather, copy_to
 from plait.parallel.tensor.grid import ACTIVATION_PLACEMENT, TP_COL, TP_ROW, GridLinear, GridMLP, Placement
 
 
-def summa_linear(x: Tensor, weight: Tensor, bias: Tensor | None, comm: Comm,
-                 replicated_over: str | None = None, entered: bool = False) -> Tensor:
+def summa_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    comm: Comm,
+    replicated_over: str | None = None,
+    entered: bool = False,
+) -> Tensor:
     """Y_ij = X_i* A_*j (+ b_j) from this rank's blocks; ``replicated_over``: an axis over which the weights are
     copies whose gradients must be summed (2.5D's depth); ``entered``: ``x`` is already X_i* (gathered once by a
     parent module for several layers)."""

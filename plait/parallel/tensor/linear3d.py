@@ -47,12 +47,22 @@ class Linear3D(GridLinear):
     MODES = ("3d",)
     NAME = "3D"
 
-    def __init__(self, linear: nn.Linear, comm: Comm, name: str = "linear", reduce_axis: str = TP_DEP,
-                 out_axis: str = TP_COL, entered: bool = False, gather_output: bool | str = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        comm: Comm,
+        name: str = "linear",
+        reduce_axis: str = TP_DEP,
+        out_axis: str = TP_COL,
+        entered: bool = False,
+        gather_output: bool | str = False,
+    ) -> None:
         if {reduce_axis, out_axis} != {TP_DEP, TP_COL}:
-            raise LayoutError(f"{name}: a 3D layer reduces over one of tp_dep / tp_col and splits its output over the "
-                              f"other (got reduce_axis={reduce_axis!r}, out_axis={out_axis!r}). Fix: use "
-                              f"reduce_axis='tp_dep', out_axis='tp_col' or the reverse.")
+            raise LayoutError(
+                f"{name}: a 3D layer reduces over one of tp_dep / tp_col and splits its output over the "
+                f"other (got reduce_axis={reduce_axis!r}, out_axis={out_axis!r}). Fix: use "
+                f"reduce_axis='tp_dep', out_axis='tp_col' or the reverse."
+            )
         self.reduce_axis, self.out_axis = reduce_axis, out_axis
         super().__init__(linear, comm, name, entered, gather_output)
 
@@ -88,8 +98,11 @@ class MLP3D(GridMLP):
 
     @classmethod
     def from_linears(cls, up: nn.Linear, down: nn.Linear, comm: Comm, activation: nn.Module | None = None) -> MLP3D:
-        return cls(Linear3D(up, comm, "up", reduce_axis=TP_DEP, out_axis=TP_COL),
-                   Linear3D(down, comm, "down", reduce_axis=TP_COL, out_axis=TP_DEP), activation)
+        return cls(
+            Linear3D(up, comm, "up", reduce_axis=TP_DEP, out_axis=TP_COL),
+            Linear3D(down, comm, "down", reduce_axis=TP_COL, out_axis=TP_DEP),
+            activation,
+        )
 
 
 __all__ = ["Linear3D", "MLP3D", "cube_placements"]

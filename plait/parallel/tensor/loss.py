@@ -62,8 +62,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(local_logits: Tensor, targets: Tensor, comm: Comm, axis: str = "tp",
-                                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> Tensor:
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor,
+    targets: Tensor,
+    comm: Comm,
+    axis: str = "tp",
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+) -> Tensor:
     """Cross-entropy of logits split over ``axis`` along the last dim ([..., V/t]) against ``targets`` [...].
 
     Equal to ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)``
@@ -96,8 +102,9 @@ class VocabParallelLoss:
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
         if logits.shape[-1] == self.vocab_size:
-            return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(), targets.reshape(-1),
-                                   ignore_index=self.ignore_index)
+            return F.cross_entropy(
+                logits.reshape(-1, self.vocab_size).float(), targets.reshape(-1), ignore_index=self.ignore_index
+            )
         return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, self.ignore_index)
 
 
@@ -108,8 +115,14 @@ class GridVocabLoss:
     (identity backward: every rank's loss is the same, each backpropagates 1/n into its own block) and divided by
     the number of counted tokens of the whole batch. Whole logits (evaluation) take plain cross-entropy."""
 
-    def __init__(self, comm: Comm, vocab_size: int, vocab_axis: str, batch_axes: tuple[str, ...],
-                 ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        vocab_size: int,
+        vocab_axis: str,
+        batch_axes: tuple[str, ...],
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
         self.comm, self.vocab_size, self.vocab_axis, self.batch_axes = comm, vocab_size, vocab_axis, batch_axes
         self.ignore_index = ignore_index
 
@@ -119,8 +132,9 @@ class GridVocabLoss:
         if flat_logits.shape == (flat_targets.numel(), self.vocab_size):
             return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=self.ignore_index)
         local_targets = batch_block(targets, self.comm, self.batch_axes, "grid cross-entropy targets").reshape(-1)
-        per_token = vocab_parallel_cross_entropy(flat_logits, local_targets, self.comm, self.vocab_axis,
-                                                 self.ignore_index, reduction="none")
+        per_token = vocab_parallel_cross_entropy(
+            flat_logits, local_targets, self.comm, self.vocab_axis, self.ignore_index, reduction="none"
+        )
         total = per_token.sum()
         for axis in self.batch_axes:
             total = reduce_from(total, self.comm, axis)

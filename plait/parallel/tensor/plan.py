@@ -42,8 +42,14 @@ from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.models.gpt import GPT
 from plait.models.layers import Attention
-from plait.parallel.tensor.layers import AXIS, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from plait.parallel.tensor.layers import gather_sequence, is_tp_sharded
+from plait.parallel.tensor.layers import (
+    AXIS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_sequence,
+    is_tp_sharded,
+)
 
 log = get_logger(__name__)
 
@@ -155,8 +161,9 @@ class ResolvedPlan:
     pad_vocab: bool = False
 
 
-def resolve_plan(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False,
-                 pad_vocab: bool = False) -> ResolvedPlan:
+def resolve_plan(
+    model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False, pad_vocab: bool = False
+) -> ResolvedPlan:
     """Match ``plan`` against ``model`` and check it for ``tp`` ranks, without communication (the same
     LayoutError on every rank): unknown styles, patterns matching nothing, wrong module types, sizes that do
     not split (``pad_vocab``: the vocabulary of "vocab" / "colwise_vocab" is padded instead), heads / kv heads
@@ -188,7 +195,9 @@ def match_plan(model: nn.Module, plan: Plan, allowed: tuple[str, ...]) -> dict[s
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in allowed:
-            raise LayoutError(f"tp plan entry {pattern!r}: unknown style {style!r}. Fix: use one of {', '.join(allowed)}.")
+            raise LayoutError(
+                f"tp plan entry {pattern!r}: unknown style {style!r}. Fix: use one of {', '.join(allowed)}."
+            )
         hits = [path for path in modules if path and _matches(pattern, path)]
         if not hits:
             near = [p for p in modules if p and p.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1]][:3]
@@ -199,7 +208,9 @@ def match_plan(model: nn.Module, plan: Plan, allowed: tuple[str, ...]) -> dict[s
             )
         for path in hits:
             if path in styles and styles[path] != style:
-                raise LayoutError(f"{path} gets two styles from the tp plan ({styles[path]!r}, {style!r}). Fix: keep one.")
+                raise LayoutError(
+                    f"{path} gets two styles from the tp plan ({styles[path]!r}, {style!r}). Fix: keep one."
+                )
             styles[path] = style
     return styles
 
@@ -216,11 +227,15 @@ def linear_sizes(module: nn.Module) -> tuple[int, int]:
 
 def _check_module(path: str, module: nn.Module, style: str, tp: int, pad_vocab: bool = False) -> None:
     if style in LINEAR_STYLES and type(module) is not nn.Linear and not is_conv1d(module):
-        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear "
-                          f"(or a transformers Conv1D). Fix: give {path} a style that fits it, or remove it from the plan.")
+        raise LayoutError(
+            f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs an nn.Linear "
+            f"(or a transformers Conv1D). Fix: give {path} a style that fits it, or remove it from the plan."
+        )
     if style == "vocab" and type(module) is not nn.Embedding:
-        raise LayoutError(f"tp plan: {path} is a {type(module).__name__}, but style 'vocab' needs an nn.Embedding. "
-                          f"Fix: give {path} a style that fits it, or remove it from the plan.")
+        raise LayoutError(
+            f"tp plan: {path} is a {type(module).__name__}, but style 'vocab' needs an nn.Embedding. "
+            f"Fix: give {path} a style that fits it, or remove it from the plan."
+        )
     if style in ("enter", "seq_shard") or (pad_vocab and style in PADDED_STYLES):
         return
     if style == "rowwise":
@@ -235,7 +250,8 @@ def _check_module(path: str, module: nn.Module, style: str, tp: int, pad_vocab: 
         raise LayoutError(
             f"tp={tp} does not divide the {what} of {path} ({size}){fused}, which style {style!r} splits. "
             f"Fix: choose tp dividing {size // parts} (or resize the model"
-            + (", or pad the vocabulary with Layout(tp_pad_vocab=True)" if style in PADDED_STYLES else "") + ")."
+            + (", or pad the vocabulary with Layout(tp_pad_vocab=True)" if style in PADDED_STYLES else "")
+            + ")."
         )
 
 
@@ -260,16 +276,19 @@ def _check_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int)
             )
 
 
-def _check_registered_attention(modules: dict[str, nn.Module], styles: dict[str, str], tp: int,
-                                sequence_parallel: bool) -> None:
+def _check_registered_attention(
+    modules: dict[str, nn.Module], styles: dict[str, str], tp: int, sequence_parallel: bool
+) -> None:
     """The same head check for attention modules registered with ``register_attention`` (e.g. Hugging Face's)."""
     for path, module in modules.items():
         spec = ATTENTION.get(type(module))
         if spec is None or not any(p.startswith(path + ".") for p in styles):
             continue
         if sequence_parallel and not spec.sequence_parallel:
-            raise LayoutError(f"sequence_parallel=True is not supported for {type(module).__name__} ({path}). "
-                              f"Fix: use sequence_parallel=False with this model.")
+            raise LayoutError(
+                f"sequence_parallel=True is not supported for {type(module).__name__} ({path}). "
+                f"Fix: use sequence_parallel=False with this model."
+            )
         for label, heads in spec.heads(module).items():
             if heads % tp:
                 raise LayoutError(
@@ -317,27 +336,51 @@ def _seq_shard_hook(comm: Comm) -> Callable[..., object]:
         parts, index = comm.size(AXIS), comm.mesh.index(AXIS)
         length = output.shape[-2]  # type: ignore[attr-defined]
         if length % parts:
-            raise LayoutError(f"sequence parallelism: a sequence of {length} does not split over tp={parts}. "
-                              f"Fix: use a sequence length that is a multiple of {parts}.")
+            raise LayoutError(
+                f"sequence parallelism: a sequence of {length} does not split over tp={parts}. "
+                f"Fix: use a sequence length that is a multiple of {parts}."
+            )
         chunk = length // parts
         return output.narrow(-2, index * chunk, chunk)  # type: ignore[attr-defined]
 
     return hook
 
 
-def _build(path: str, module: nn.Module, style: str, comm: Comm, resolved: ResolvedPlan, entered: bool,
-           gather_logits: bool | str) -> nn.Module:
+def _build(
+    path: str,
+    module: nn.Module,
+    style: str,
+    comm: Comm,
+    resolved: ResolvedPlan,
+    entered: bool,
+    gather_logits: bool | str,
+) -> nn.Module:
     transposed, sequence_parallel = is_conv1d(module), resolved.sequence_parallel
     pad = resolved.pad_vocab and style in PADDED_STYLES
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path, transposed=transposed)
     if style == "vocab":
-        return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path,  # type: ignore[arg-type]
-                                                     pad=pad)
+        return VocabParallelEmbedding.from_embedding(
+            module,
+            comm,
+            AXIS,
+            sequence_parallel,
+            name=path,  # type: ignore[arg-type]
+            pad=pad,
+        )
     mode = "entered" if entered else ("sequence" if sequence_parallel else "copy")
     gather = True if style == "colwise_gather" else (gather_logits if style == "colwise_vocab" else False)
-    return ColumnParallelLinear.from_linear(module, comm, AXIS, gather, mode, name=path, transposed=transposed,
-                                            fused_parts=FUSED_PARTS.get(style, 1), pad=pad)
+    return ColumnParallelLinear.from_linear(
+        module,
+        comm,
+        AXIS,
+        gather,
+        mode,
+        name=path,
+        transposed=transposed,
+        fused_parts=FUSED_PARTS.get(style, 1),
+        pad=pad,
+    )
 
 
 def _tie(new: nn.Module, original: nn.Module, tied: dict[int, nn.Module], path: str) -> None:
@@ -345,16 +388,22 @@ def _tie(new: nn.Module, original: nn.Module, tied: dict[int, nn.Module], path: 
     first = tied.setdefault(id(original.weight), new)
     if first is new:
         return
-    same = first.weight.shape == new.weight.shape and first.weight.tp_shard_dim == new.weight.tp_shard_dim \
+    same = (
+        first.weight.shape == new.weight.shape
+        and first.weight.tp_shard_dim == new.weight.tp_shard_dim
         and getattr(first.weight, "tp_fused_parts", 1) == getattr(new.weight, "tp_fused_parts", 1)
+    )
     if not same:
-        raise LayoutError(f"tp plan: {path} shares its weight with another planned module, but their styles split it "
-                          f"differently. Fix: give tied modules matching styles ('vocab' with 'colwise_vocab').")
+        raise LayoutError(
+            f"tp plan: {path} shares its weight with another planned module, but their styles split it "
+            f"differently. Fix: give tied modules matching styles ('vocab' with 'colwise_vocab')."
+        )
     new.weight = first.weight
 
 
-def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
-               gather_logits: bool | str = True) -> list[str]:
+def apply_plan(
+    resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm, gather_logits: bool | str = True
+) -> list[str]:
     """Swap the planned modules in place under every root in ``roots`` (a pipeline rank's local model and its
     stage views share modules: a module found under several roots is swapped by the same parallel layer).
     Paths absent from a root (another pipeline stage's) are skipped. ``gather_logits`` is the
@@ -393,8 +442,12 @@ def apply_plan(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm,
     if resolved.sequence_parallel:
         for root in roots:
             mark_sequence_partial(root)
-    log.info("tensor parallel over tp=%d: %d modules swapped (sequence_parallel=%s)", comm.size(AXIS), len(done),
-             resolved.sequence_parallel)
+    log.info(
+        "tensor parallel over tp=%d: %d modules swapped (sequence_parallel=%s)",
+        comm.size(AXIS),
+        len(done),
+        resolved.sequence_parallel,
+    )
     return done
 
 
@@ -418,7 +471,23 @@ def mark_sequence_partial(model: nn.Module) -> None:
             param.sequence_partial = True  # type: ignore[attr-defined]
 
 
-__all__ = ["ATTENTION", "PLANS", "STYLES", "AttentionHeads", "Plan", "ResolvedPlan", "apply_plan", "default_plan",
-           "gpt_plan", "input_hook", "is_conv1d", "match_plan", "planned_attention_heads",
-           "registered_plan", "load_lazy_plans", "register_attention", "register_plan",
-           "resolve_plan"]
+__all__ = [
+    "ATTENTION",
+    "PLANS",
+    "STYLES",
+    "AttentionHeads",
+    "Plan",
+    "ResolvedPlan",
+    "apply_plan",
+    "default_plan",
+    "gpt_plan",
+    "input_hook",
+    "is_conv1d",
+    "match_plan",
+    "planned_attention_heads",
+    "registered_plan",
+    "load_lazy_plans",
+    "register_attention",
+    "register_plan",
+    "resolve_plan",
+]

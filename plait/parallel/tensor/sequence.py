@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.layout import Layout
 from plait.errors import LayoutError
+from plait.layout import Layout
 from plait.observe.memory import saved_activation_bytes  # re-exported: measured SP activation memory
 
 AXIS = "tp"
@@ -63,6 +63,7 @@ def hand_stage_positions(stages: list[tuple[nn.Module, bool]], tp: int) -> Calla
     ``positions``, a forward pre-hook passes ``arange(tp x local length)`` when none are given (see the module
     doc). Returns the input check the pipeline runner calls on every rank before a step: T must split over tp
     (otherwise only the first stage would notice, and the others would wait for it)."""
+
     def positions_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if len(args) != 1 or kwargs.get("positions") is not None:
             return None  # positions given by the caller
@@ -108,5 +109,9 @@ def sum_over_tp(grads: list[Tensor], comm: Comm, axis: str = AXIS) -> None:
 
 
 __all__ = [
-    "check_sequence_parallel", "hand_stage_positions", "is_sequence_partial", "saved_activation_bytes", "sum_over_tp",
+    "check_sequence_parallel",
+    "hand_stage_positions",
+    "is_sequence_partial",
+    "saved_activation_bytes",
+    "sum_over_tp",
 ]

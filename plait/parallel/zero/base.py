@@ -26,8 +26,8 @@ from plait.comm import Comm
 from plait.layout import Layout
 from plait.parallel.precision import gradient_reduce_dtype
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
-from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards
 from plait.parallel.zero.offload import Placement, is_file_backed
+from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards
 
 
 def require_factory(optimizer: OptimizerFactory | torch.optim.Optimizer, stage: int) -> OptimizerFactory:

@@ -133,8 +133,9 @@ class FullyShardedStrategy(ShardedStrategy):
         axis: str = GRAD_AXIS,
         offload_dir: str | None = None,
     ) -> None:
-        super().__init__(model, comm, optimizer, layout or Layout(zero=3).resolve(comm.mesh.world_size), axis,
-                         offload_dir)
+        super().__init__(
+            model, comm, optimizer, layout or Layout(zero=3).resolve(comm.mesh.world_size), axis, offload_dir
+        )
         self.trace: list[tuple[str, ...]] | None = None
         """Set to a list to record ("gather"/"wait"/"free"/"reduce_scatter", unit, ...) events (tests, debugging)."""
         blocks = find_blocks(model)
@@ -144,7 +145,8 @@ class FullyShardedStrategy(ShardedStrategy):
         modules = {"": model, **dict(blocks)}
         self.units = [
             FlatUnit(name or "root", modules[name], params, comm, axis, self._record)
-            for name, params in groups.items() if params or not name
+            for name, params in groups.items()
+            if params or not name
         ]
         self.root = self.units[0]
         if self.placement.offloaded:  # ZeRO-Offload: the optimizer steps host copies; the shards stay for compute
@@ -172,8 +174,13 @@ class FullyShardedStrategy(ShardedStrategy):
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         log.info(
             "ZeRO-3 over %s=%d: %d units (root + %d blocks), %d parameters, %d per rank at rest, offload=%s",
-            axis, comm.size(axis), len(self.units), len(self.units) - 1,
-            sum(u.layout.numel for u in self.units), sum(u.shard.numel() for u in self.units), self.layout.offload,
+            axis,
+            comm.size(axis),
+            len(self.units),
+            len(self.units) - 1,
+            sum(u.layout.numel for u in self.units),
+            sum(u.shard.numel() for u in self.units),
+            self.layout.offload,
         )
 
     def _record(self, *event: str) -> None:
@@ -339,7 +346,9 @@ class FullyShardedStrategy(ShardedStrategy):
         gathered = [unit.full for unit in self.units if unit.full is not None]
         grads = [p.grad for unit in self.units for p in unit.params if p.grad is not None]
         grads += [unit.local_grad for unit in self.units if unit.local_grad is not None]
-        grads += [unit.shard.grad for unit in self.units if unit.shard is not unit.master and unit.shard.grad is not None]
+        grads += [
+            unit.shard.grad for unit in self.units if unit.shard is not unit.master and unit.shard.grad is not None
+        ]
         return {"parameters": [unit.shard for unit in self.units] + gathered, "gradients": grads}
 
     def held_bytes(self) -> int:
@@ -365,7 +374,8 @@ class FullyShardedStrategy(ShardedStrategy):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged gradients, whole, by parameter name (after ``finish_backward``; collective)."""
         full = self._full_by_param(
-            lambda unit: None if unit.master.grad is None else self.placement.to_compute(unit.master.grad, unit.shard.dtype)
+            lambda unit: (
+                None if unit.master.grad is None else self.placement.to_compute(unit.master.grad, unit.shard.dtype)
+            )
         )
         return {name: full[id(p)] for name, p in self.model.named_parameters() if id(p) in full}
-

@@ -54,8 +54,13 @@ def _neighbour(order: list[FlatUnit], unit: FlatUnit, step: int) -> FlatUnit | N
 class StageScopes:
     """Which of ``units`` each local pipeline stage uses, the scope around its actions and the hooks' work."""
 
-    def __init__(self, units: list[FlatUnit], root: FlatUnit, stage_modules: dict[int, nn.Module],
-                 output_tensors: Callable[[Any], list[torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        root: FlatUnit,
+        stage_modules: dict[int, nn.Module],
+        output_tensors: Callable[[Any], list[torch.Tensor]],
+    ) -> None:
         self.units, self.root = units, root
         self.output_tensors = output_tensors
         self.by_stage: dict[int, list[FlatUnit]] = {}
@@ -64,7 +69,8 @@ class StageScopes:
             held = {id(p) for p in module.parameters()}
             self.by_stage[stage] = [u for u in units if not u.empty and any(id(p) in held for p in u.params)]
         self.blocks: dict[int, list[FlatUnit]] = {
-            stage: [u for u in stage_units if u is not root] for stage, stage_units in self.by_stage.items()}
+            stage: [u for u in stage_units if u is not root] for stage, stage_units in self.by_stage.items()
+        }
         for unit in units:
             unit.in_graph = True  # always refill the one storage: graphs of micro-batches in flight view it
         self.kind: str | None = None
@@ -109,8 +115,12 @@ class StageScopes:
 
     def _per_unit(self, unit: FlatUnit) -> bool:
         """Whether ``unit`` is a block gathered by hooks in the current F/B action."""
-        return self.kind in PER_UNIT_KINDS and unit is not self.root and self.stage is not None \
+        return (
+            self.kind in PER_UNIT_KINDS
+            and unit is not self.root
+            and self.stage is not None
             and unit in self.blocks.get(self.stage, [])
+        )
 
     # ----------------------------------------------------------------- hooks (called by the strategy)
     def pre_forward(self, unit: FlatUnit) -> None:

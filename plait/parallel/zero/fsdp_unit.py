@@ -48,7 +48,12 @@ class FlatUnit:
     """The flat, sharded parameters of ``module`` (named ``name`` in the model) over mesh axis ``axis``."""
 
     def __init__(
-        self, name: str, module: nn.Module, named_params: list[tuple[str, nn.Parameter]], comm: Comm, axis: str,
+        self,
+        name: str,
+        module: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        comm: Comm,
+        axis: str,
         record: Record,
     ) -> None:
         dtypes = {p.dtype for _, p in named_params}

@@ -135,7 +135,7 @@ class Placement:
 
     # ----------------------------------------------------------------- accounting
     def where(self, tensor: torch.Tensor) -> str:
-        """"files", "host" or "device" for a tensor this placement manages."""
+        """ "files", "host" or "device" for a tensor this placement manages."""
         if is_file_backed(tensor):
             return "files"
         if self.offloaded and tensor.device.type == "cpu":

@@ -17,15 +17,23 @@ import torch
 from plait.errors import LayoutError
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta, torch.optim.Adagrad,
-    torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adadelta,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
     torch.optim.Rprop,
 )
 """torch.optim optimizers whose update is elementwise (scalars aside): they run on flat shards unchanged."""
 
 NOT_ELEMENTWISE = {
     "Adafactor": "factors a matrix's second moment into row and column means and scales each step by the "
-                 "parameter's RMS, both over the whole tensor",
+    "parameter's RMS, both over the whole tensor",
     "Muon": "orthogonalises each 2-D parameter's whole update (Newton-Schulz iterations)",
     "SparseAdam": "needs sparse gradients, and ZeRO's reduced gradient shards are dense",
     "LBFGS": "takes dot products over all the parameters as one vector",
@@ -37,8 +45,11 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     """Raise LayoutError for a torch.optim optimizer that is not elementwise (``ELEMENTWISE``) under ZeRO."""
     if isinstance(optimizer, ELEMENTWISE):
         return
-    from_torch = [c for c in type(optimizer).__mro__[:-1]
-                  if c.__module__.startswith("torch.optim") and c is not torch.optim.Optimizer]
+    from_torch = [
+        c
+        for c in type(optimizer).__mro__[:-1]
+        if c.__module__.startswith("torch.optim") and c is not torch.optim.Optimizer
+    ]
     if not from_torch:
         return
     name = from_torch[0].__name__

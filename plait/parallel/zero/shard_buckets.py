@@ -24,6 +24,7 @@ from plait.comm.collectives import Pending
 from plait.parallel.buckets import check_reducible  # noqa: F401 - re-exported for the ZeRO strategy
 from plait.parallel.zero.flat import FlatLayout
 
+
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the master copy: fp32 for 16-bit parameters, the parameter's own dtype from fp32 up."""
     return torch.promote_types(dtype, torch.float32)

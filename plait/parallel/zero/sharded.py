@@ -101,7 +101,12 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         numel = sum(b.layout.numel for b in self.buckets)
         log.info(
             "ZeRO-%d over %s=%d: %d parameters in %d bucket(s), %d per rank (shard), offload=%s",
-            self.stage, axis, self.world, numel, len(self.buckets), sum(b.shard_size for b in self.buckets),
+            self.stage,
+            axis,
+            self.world,
+            numel,
+            len(self.buckets),
+            sum(b.shard_size for b in self.buckets),
             layout.offload,
         )
 
@@ -213,4 +218,3 @@ class ShardedOptimizerStrategy(ShardedStrategy):
             handle.remove()
         self._hooks = []
         super().close()
-
