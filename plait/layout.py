@@ -58,6 +58,9 @@ class Layout:
         reduce_dtype: the dtype data parallelism reduces gradients in, one of ``REDUCE_DTYPES``: "fp32" (the
             fp32 gradients as they are), or "compute": cast to ``precision``'s bf16/fp16 for the all-reduce /
             reduce-scatter (half the bytes; the same as "fp32" when precision is fp32).
+        pipeline_cuts: with pp > 1, the block (or nn.Sequential child) indices where pipeline stages 1, 2, ...
+            start, increasing (pp x virtual_stages - 1 of them); empty: an even split. ``plait plan`` writes the
+            cuts it chose here, so a planned run.toml reaches the runtime unchanged.
     """
 
     dp: int = -1
@@ -78,10 +81,13 @@ class Layout:
     tp_depth: int = 1
     tp_pad_vocab: bool = False
     reduce_dtype: str = "fp32"
+    pipeline_cuts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
             object.__setattr__(self, "recompute", tuple(self.recompute))
+        if isinstance(self.pipeline_cuts, list):
+            object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
         self._check_degrees()
         self._check_choices()
 
@@ -132,6 +138,25 @@ class Layout:
             raise LayoutError(f"recompute={self.recompute!r} must list block indices >= 0. Fix: e.g. recompute=[0, 2].")
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
+        cuts = self.pipeline_cuts
+        if not isinstance(cuts, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in cuts):
+            raise LayoutError(f"pipeline_cuts={cuts!r} must list block indices. Fix: e.g. pipeline_cuts=[6] for pp=2.")
+        if any(i < 1 for i in cuts) or list(cuts) != sorted(set(cuts)):
+            raise LayoutError(
+                f"pipeline_cuts={list(cuts)} must be increasing block indices >= 1 (where stages 1, 2, ... start). "
+                f"Fix: e.g. pipeline_cuts=[4, 8, 12] for 4 stages of a 16-block model."
+            )
+        if cuts and self.pp == 1:
+            raise LayoutError(
+                f"pipeline_cuts={list(cuts)} cut the model into pipeline stages, but pp=1. Fix: set pp > 1, or drop "
+                f"pipeline_cuts."
+            )
+        if cuts and self.pp > 1 and len(cuts) != self.pp * self.virtual_stages - 1:
+            raise LayoutError(
+                f"pipeline_cuts={list(cuts)} make {len(cuts) + 1} stages, but pp={self.pp} x virtual_stages="
+                f"{self.virtual_stages} needs {self.pp * self.virtual_stages}. Fix: give "
+                f"{self.pp * self.virtual_stages - 1} cut(s), or drop pipeline_cuts for an even split."
+            )
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise LayoutError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "
@@ -231,6 +256,7 @@ class Layout:
         data = dataclasses.asdict(self)
         if isinstance(self.recompute, tuple):
             data["recompute"] = list(self.recompute)
+        data["pipeline_cuts"] = list(self.pipeline_cuts)
         return data
 
     @classmethod

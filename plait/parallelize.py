@@ -107,7 +107,7 @@ def parallelize(
             (None: the PLAIT_FIND_UNUSED_PARAMETERS environment variable decides).
         offload_dir: where ZeRO-1/2/3 with offload="nvme" keeps its files (default: PLAIT_OFFLOAD_DIR or the temp dir).
         pipeline_cuts: with pp > 1, the block (or nn.Sequential child) indices where stages 1.. start (default:
-            an even split), e.g. from an automatic partitioner.
+            ``layout.pipeline_cuts``, and without those an even split), e.g. from an automatic partitioner.
         pipeline_schedule: with pp > 1, a custom ``Schedule`` to run instead of ``layout.schedule``'s generator
             (checked by the simulator before anything runs).
         tp_plan: with tp > 1, the tensor-parallel plan ``{module path pattern: style}`` (default: the built-in
@@ -115,6 +115,16 @@ def parallelize(
         pipedream: with schedule="pipedream", how the asynchronous pipeline updates (update interval, vertical
             sync; default ``PipeDreamOptions()``: weight stashing, an update after every micro-batch).
     """
+    if (
+        layout is not None
+        and pipeline_cuts is not None
+        and layout.pipeline_cuts
+        and list(pipeline_cuts) != list(layout.pipeline_cuts)
+    ):
+        raise LayoutError(
+            f"pipeline_cuts={list(pipeline_cuts)} differ from the layout's pipeline_cuts={list(layout.pipeline_cuts)}."
+            f" Fix: give the cuts in one place (the layout, or the pipeline_cuts argument)."
+        )
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layout = (layout or Layout()).resolve(world_size)
     check_available(layout)
@@ -133,7 +143,8 @@ def parallelize(
     if is_hf_model(model):  # a transformers model: forward returns the logits tensor (hooks; names unchanged)
         return_logits(model)
 
-    pipeline = plan_pipeline(model, layout, pipeline_cuts, pipeline_schedule)  # pure checks, before any collective
+    cuts = pipeline_cuts if pipeline_cuts is not None else (list(layout.pipeline_cuts) or None)
+    pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)

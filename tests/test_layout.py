@@ -84,3 +84,34 @@ def test_unsupported_combination_is_named_before_any_work():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(LayoutError, match="offload needs zero"):
         plait.parallelize(model, Layout(offload="cpu"), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_pipeline_cuts_are_checked_and_round_trip():
+    layout = Layout(pp=2, pipeline_cuts=[3])
+    assert layout.pipeline_cuts == (3,) and Layout.from_dict(layout.to_dict()) == layout
+    assert Layout(pp=2, virtual_stages=2, schedule="interleaved", pipeline_cuts=[1, 2, 3]).pipeline_cuts == (1, 2, 3)
+    for cuts, message in (
+        ([2, 2], "increasing"),
+        ([0], "increasing"),
+        ([1, 2], "needs 2"),
+        (["a"], "block indices"),
+    ):
+        with pytest.raises(LayoutError, match=message):
+            Layout(pp=2, pipeline_cuts=cuts)
+    with pytest.raises(LayoutError, match="pp=1"):
+        Layout(pipeline_cuts=[1])
+    with pytest.raises(LayoutError, match="needs 4"):  # checked again once a -1 degree is resolved
+        Layout(pp=-1, dp=1, pipeline_cuts=[1]).resolve(4)
+
+
+def test_pipeline_cuts_in_two_places_must_agree():
+    import torch
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(4)))
+    with pytest.raises(LayoutError, match="one place"):
+        plait.parallelize(
+            model,
+            Layout(pp=2, dp=1, pipeline_cuts=[1]),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            pipeline_cuts=[2],
+        )

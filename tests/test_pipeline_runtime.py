@@ -296,10 +296,9 @@ def _train_discrete() -> dict[tuple[str, str], Trajectory]:
     for schedule, dtype in [(schedule, dtype) for schedule in ("1f1b", "zero-bubble") for dtype in ("int64", "bool")]:
         engine = plait.parallelize(
             make_discrete(dtype),
-            Layout(pp=2, dp=1, microbatches=4, schedule=schedule),
+            Layout(pp=2, dp=1, microbatches=4, schedule=schedule, pipeline_cuts=(2,)),  # the cut from the layout
             optimizer=OPTIMIZERS["adamw"],
             loss_fn=nn.functional.mse_loss,
-            pipeline_cuts=[2],
             find_unused_parameters=True,
         )
         trajectory = out[schedule, dtype] = Trajectory()

@@ -25,7 +25,8 @@ from plait.distributed import World, init
 from plait.engine import Engine
 from plait.errors import ConfigError
 from plait.logging import get_logger
-from plait.models import GPT, GPTConfig, lm_loss
+from plait.models import lm_loss
+from plait.models.build import build_model
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig
 from plait.train.fault import RankGuard, resume_metrics
@@ -69,7 +70,7 @@ def warmup_cosine(warmup: int, total: int) -> Any:
     return factor
 
 
-def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
+def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     """Dataset, model and engine for ``config`` (validated before any collective)."""
     layout = config.layout.resolve(world.world_size)
     layout.check_batch(config.train.global_batch)
@@ -79,19 +80,9 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, GPTConfig]:
             f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it."
         )
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
-    model_fields = {"vocab_size": dataset.vocab_size, "seq_len": dataset.seq_len, **config.model}
-    try:
-        model_config = GPTConfig.from_dict(model_fields)
-    except ValueError as error:
-        raise ConfigError(f"[model] section: {error}") from error
-    if model_config.seq_len < dataset.seq_len or model_config.vocab_size < dataset.vocab_size:
-        raise ConfigError(
-            f"the model (seq_len={model_config.seq_len}, vocab_size={model_config.vocab_size}) is smaller than the "
-            f"data (seq_len={dataset.seq_len}, vocab_size={dataset.vocab_size}). Fix: drop model.seq_len/vocab_size "
-            f"to take them from the data."
-        )
     torch.manual_seed(config.train.seed)
-    model = GPT(model_config)
+    model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
+    model_config = model.config  # what the run's FLOP count reads
     train = config.train
     engine = parallelize(
         model,
