@@ -5,14 +5,15 @@ One step on a data-parallel rank with m micro-batches of its share of the global
     for each micro-batch k:  loss_k = loss_fn(model(x_k), y_k);  backward(loss_k / m)
     sync gradients (average over dp_cp);  clip;  optimizer.step();  zero_grad
 
-The mean of the m micro-batch means (equal sizes) is the mean over the rank's share, and the average over
-replicas is the mean over the global batch, so the step equals single-device training on the global batch.
-The loss reported is averaged over dp_cp too, so it is the same number on every rank.
+How the micro-batches run forward and backward is the engine's ``StepRunner``, chosen once by
+``plait.parallelize`` (``plait.parallel.runner``: plain, pipeline schedule, or PipeDream, which also applies
+the updates itself). The mean of the m micro-batch means (equal sizes) is the mean over the rank's share, and
+the average over replicas is the mean over the global batch, so the step equals single-device training on the
+global batch. The loss reported is averaged over dp_cp too, so it is the same number on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from plait.mesh import Mesh
 from plait.models.loss import LossFn, apply_loss
 from plait.observe.trace import no_span
 from plait.parallel.precision import MixedPrecision
+from plait.parallel.runner import StepRunner
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
 
 if TYPE_CHECKING:
@@ -83,15 +85,16 @@ class Engine:
         mesh: Mesh,
         comm: Comm,
         strategy: DataParallelStrategy,
+        runner: StepRunner,
         loss_fn: LossFn,
         device: torch.device,
+        precision: MixedPrecision,
         max_grad_norm: float | None = None,
         lr_scheduler: Any | None = None,
-        pipeline: PipelineRunner | None = None,
     ) -> None:
         self.model = model
-        self.pipeline = pipeline
-        """With pp > 1: runs the micro-batches through this rank's stages as the schedule says."""
+        self.runner = runner
+        """Runs each step's micro-batches forward and backward (``plait.parallel.runner``)."""
         self.layout = layout
         self.mesh = mesh
         self.comm = comm
@@ -100,10 +103,17 @@ class Engine:
         self.device = device
         self.max_grad_norm = max_grad_norm
         self.lr_scheduler = lr_scheduler
-        self.precision = MixedPrecision(layout.precision, device)
+        self.precision = precision
         self.step = 0
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """With pp > 1: the runner of this rank's pipeline stages (its schedule, timeline, stages); else None."""
+        from plait.parallel.pipeline.runtime import PipelineRunner
+
+        return self.runner if isinstance(self.runner, PipelineRunner) else None
 
     # ----------------------------------------------------------------- training
     def _split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,33 +135,13 @@ class Engine:
         start = time.perf_counter()
         tracer = self.comm.tracer  # plait.observe.trace.Tracer while one records; None costs this one check
         traced_from = tracer.now() if tracer is not None else 0
-        span = tracer.span if tracer is not None else no_span
         before = self.comm.stats.snapshot()
         micro = self._split(batch)
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        skipped, grad_norm, staleness = False, None, None
-        if self.pipeline is not None and self.pipeline.owns_updates:  # PipeDream: it calls apply_update itself
-            with self.strategy.no_sync():
-                loss_sum += self.pipeline.train_step(micro, self.apply_update) * len(micro)
-            staleness = self.pipeline.staleness()
-        elif self.pipeline is not None:  # every backward under no_sync; finish_backward reduces everything
-            with self.strategy.no_sync():
-                loss_sum += self.pipeline.train_step(micro) * len(micro)
-        else:
-            for index, (inputs, targets) in enumerate(micro):
-                last = index == len(micro) - 1
-                with contextlib.nullcontext() if last else self.strategy.no_sync():
-                    with span(f"forward {index}", "forward", microbatch=index), self.precision.autocast():
-                        loss = apply_loss(self.loss_fn, self.model(inputs), targets)
-                    with span(f"backward {index}", "backward", microbatch=index):
-                        self.precision.scale(loss / len(micro)).backward()
-                loss_sum += loss.detach().float()
-        if tracer is not None and self.pipeline is not None:  # the runtime's own per-action timeline
-            tracer.pipeline(self.pipeline.timeline)
-        if staleness is None:
-            skipped, grad_norm = self.apply_update()
-        mean_loss = self.comm.all_reduce(loss_sum / len(micro), GRAD_AXIS, op="avg")
+        mean = self.runner.run(micro, self.apply_update)
+        skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
+        staleness = self.runner.staleness()
+        mean_loss = self.comm.all_reduce(mean, GRAD_AXIS, op="avg")
         self.step += 1
         if tracer is not None:
             tracer.step(self.step, traced_from)
@@ -201,7 +191,7 @@ class Engine:
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.precision.autocast():
-                output = self.model(inputs) if self.pipeline is None else self.pipeline.forward(inputs)
+                output = self.runner.forward(inputs)
                 if output is None:  # pipeline: only the rank with the last stage has the output
                     continue
                 loss = apply_loss(self.loss_fn, output, targets)

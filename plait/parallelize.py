@@ -18,18 +18,22 @@ from torch import nn
 
 from plait.comm import Comm, CommStats
 from plait.distributed import DEFAULT_TIMEOUT_S, default_device
-from plait.engine import Engine, LossFn
+from plait.engine import Engine
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
+from plait.models.loss import LossFn
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
-from plait.parallel.pipeline.apply import place_pipeline, plan_pipeline
+from plait.parallel.pipeline.apply import PipelinePlan, place_pipeline, plan_pipeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
 from plait.parallel.pipeline.runtime import PipelineRunner
 from plait.parallel.pipeline.schedule import Schedule
+from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.precision import MixedPrecision
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.runner import PlainRunner, StepRunner
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
@@ -71,6 +75,40 @@ def make_strategy(
     if layout.zero in (1, 2):
         return ShardedOptimizerStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
     return FullyShardedStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
+
+
+def make_runner(
+    model: nn.Module,
+    layout: Layout,
+    comm: Comm,
+    strategy: DataParallelStrategy,
+    precision: MixedPrecision,
+    loss_fn: LossFn,
+    pipeline: PipelinePlan | None,
+    stages: list[PipelineStage],
+    context: Any,
+    pipedream: PipeDreamOptions | None,
+) -> StepRunner:
+    """The engine's step runner, built whole: plain without pp; with pp the schedule's runner (PipeDream's for
+    schedule="pipedream"), given the strategy's ``no_sync``, ZeRO-3's per-stage parameter scope and the checks
+    every pp rank runs on the first stage's input."""
+    if pipeline is None:
+        return PlainRunner(model, comm, precision, loss_fn, strategy.no_sync)
+    checks = []
+    if context is not None:  # every pp rank checks the tokens the first stage shards
+        checks.append(model._plait_context_parallel.check_input)
+    elif layout.sequence_parallel:  # Megatron-SP x pp: later stages' positions
+        checks.append(hand_stage_positions([(stage.module, stage.is_first) for stage in stages], layout.tp))
+    strategy.attach_pipeline({stage.index: stage.module for stage in stages})  # ZeRO-3: units per stage
+    if layout.schedule == "pipedream":
+        return PipeDreamRunner(
+            stages, pipeline.schedule, comm, precision, loss_fn, pipedream,
+            no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
+        )  # fmt: skip
+    return PipelineRunner(
+        stages, pipeline.schedule, comm, precision, loss_fn,
+        no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
+    )  # fmt: skip
 
 
 def parallelize(
@@ -173,17 +211,7 @@ def parallelize(
     strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
-    engine = Engine(model, layout, mesh, comm, strategy, loss_fn, device, max_grad_norm, scheduler)
-    if pipeline is not None and layout.schedule == "pipedream":
-        engine.pipeline = PipeDreamRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn, pipedream)
-    elif pipeline is not None:
-        engine.pipeline = PipelineRunner(stages, pipeline.schedule, comm, engine.precision, loss_fn)
-    if engine.pipeline is not None:  # ZeRO-3: the runner gathers each stage's units around its actions
-        strategy.attach_pipeline({stage.index: stage.module for stage in stages})
-        engine.pipeline.param_scope = strategy.pipeline_scope
-    if context is not None and engine.pipeline is not None:  # every pp rank checks the tokens the first stage shards
-        engine.pipeline.input_checks.append(model._plait_context_parallel.check_input)
-    elif layout.sequence_parallel and engine.pipeline is not None:  # Megatron-SP x pp: later stages' positions
-        roles = [(stage.module, stage.is_first) for stage in stages]
-        engine.pipeline.input_checks.append(hand_stage_positions(roles, layout.tp))
+    precision = MixedPrecision(layout.precision, device)
+    runner = make_runner(model, layout, comm, strategy, precision, loss_fn, pipeline, stages, context, pipedream)
+    engine = Engine(model, layout, mesh, comm, strategy, runner, loss_fn, device, precision, max_grad_norm, scheduler)
     return engine

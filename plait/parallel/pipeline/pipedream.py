@@ -32,6 +32,7 @@ the activations the older forward produced. See docs/pipeline.md, "PipeDream (as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,10 +44,11 @@ from plait.comm import Comm
 from plait.errors import LayoutError, ScheduleError
 from plait.layout import Layout
 from plait.logging import get_logger
-from plait.parallel.pipeline.runtime import Micro, PipelineRunner
+from plait.parallel.pipeline.runtime import ParamScope, PipelineRunner
 from plait.parallel.pipeline.schedule import Action, Schedule
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
+from plait.parallel.runner import Micro, NoSync, UpdateFn
 
 logger = get_logger(__name__)
 
@@ -239,6 +241,10 @@ class PipeDreamRunner(PipelineRunner):
         precision: MixedPrecision,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         options: PipeDreamOptions | None = None,
+        *,
+        no_sync: NoSync = contextlib.nullcontext,
+        param_scope: ParamScope | None = None,
+        input_checks: Sequence[Callable[[torch.Tensor], None]] = (),
     ) -> None:
         if len(stages) != 1:
             raise ScheduleError(f"PipeDream runs one stage per rank, got {len(stages)}. Fix: virtual_stages=1.")
@@ -254,12 +260,21 @@ class PipeDreamRunner(PipelineRunner):
         stage = stages[0]
         self.versioned = VersionedModule(stage.module)
         self.stage = PipelineStage(self.versioned, stage.index, stage.num_stages)
-        super().__init__([self.stage], schedule, comm, precision, loss_fn)
+        super().__init__(
+            [self.stage],
+            schedule,
+            comm,
+            precision,
+            loss_fn,
+            no_sync=no_sync,
+            param_scope=param_scope,
+            input_checks=input_checks,
+        )
         self.tags_activations = self.options.vertical_sync
         self.versions = WeightVersions(stage.module, keep_new=self.options.vertical_sync)
         self.steps = 0
         self.records: list[VersionRecord] = []
-        self._update: Callable[[], object] = lambda: None
+        self._update: UpdateFn = lambda: None
         self._in_flight: dict[int, tuple[int, Weights]] = {}  # micro-batch -> (forward version, its weights)
         self._forward_copies: dict[int, torch.Tensor] = {}
         self._floor = 0  # vertical sync: the last version the first stage asked for (never decreases)
@@ -269,15 +284,17 @@ class PipeDreamRunner(PipelineRunner):
         self._staleness: list[int] = []
 
     # ----------------------------------------------------------------- step
-    def train_step(self, micro: Sequence[Micro], update: Callable[[], object]) -> torch.Tensor:
+    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
         """Run the step's micro-batches; ``update()`` (the Engine's: sync over dp, step, zero_grad) is called after
         every ``update_interval`` backwards on this stage. Returns the step's mean loss (every rank)."""
         self._update = update
         self._staleness = []
         self.versions.peak = len(self.versions.stash)
-        mean = super().train_step(micro)
+        with self.no_sync():
+            mean = self.train_step(micro)
         self.steps += 1
         self.versions.prune(set(), self.versions.current)  # drained: nothing in flight
+        self._trace()
         return mean
 
     def _loss_divisor(self, m: int) -> int:
@@ -363,7 +380,7 @@ class PipeDreamRunner(PipelineRunner):
                 live.grad = grad if live.grad is None else live.grad.add_(grad)
 
     # ----------------------------------------------------------------- stats
-    def staleness(self) -> dict[int, dict[str, float]]:
+    def staleness(self) -> dict[int, dict[str, float]] | None:
         """This rank's stage in the last step: mean and max staleness (updates between a micro-batch's forward
         version and the update applying its gradient), the updates made and the most versions stashed at once."""
         values = self._staleness or [0]

@@ -35,6 +35,7 @@ from plait.parallel.pipeline.schedule import Action, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
+from plait.parallel.runner import Micro, NoSync, UpdateFn
 
 logger = get_logger(__name__)
 
@@ -56,7 +57,7 @@ DTYPES = (
 )
 """Dtypes a stage may pass on (index = their code in metadata messages)."""
 
-Micro = tuple[torch.Tensor, torch.Tensor]
+ParamScope = Callable[[int, str], contextlib.AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,18 @@ class PipelineRunner:
         comm: Comm,
         precision: MixedPrecision,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        no_sync: NoSync = contextlib.nullcontext,
+        param_scope: ParamScope | None = None,
+        input_checks: Sequence[Callable[[torch.Tensor], None]] = (),
     ) -> None:
         self.comm = comm
         self.mesh = comm.mesh
         self.precision = precision
         self.loss_fn = loss_fn
+        self.no_sync = no_sync
+        """The data-parallel strategy's ``no_sync``: every backward of a step accumulates locally; the Engine's
+        update reduces the gradients once."""
         p, index = self.mesh.size(AXIS), self.mesh.index(AXIS)
         if schedule.p != p:
             raise ScheduleError(
@@ -140,15 +148,13 @@ class PipelineRunner:
         self.step_start = 0.0
         self.step_end = 0.0
         self.tied = self._tied_copies()
-        self.input_checks: list[Callable[[torch.Tensor], None]] = []
+        self.input_checks: tuple[Callable[[torch.Tensor], None], ...] = tuple(input_checks)
         """Called with each step's (and evaluation's) first-stage input on every rank before any message, so that
         an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
         split over cp), instead of leaving the later stages waiting for it."""
-        self.param_scope: Callable[[int, str], contextlib.AbstractContextManager[None]] = lambda stage, kind: (
-            contextlib.nullcontext()
-        )
-        """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; set
-        by ``plait.parallelize`` to the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
+        self.param_scope: ParamScope = param_scope or (lambda stage, kind: contextlib.nullcontext())
+        """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; given
+        by ``plait.parallelize`` as the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
         parameter units there and frees them after)."""
 
     # ----------------------------------------------------------------- helpers
@@ -271,6 +277,21 @@ class PipelineRunner:
                 t.grad = None
 
     # ----------------------------------------------------------------- training
+    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
+        """``StepRunner.run``: the step under the strategy's ``no_sync`` (the Engine's update reduces the
+        gradients once); a tracer that records gets the runtime's own per-action timeline."""
+        with self.no_sync():
+            mean = self.train_step(micro)
+        self._trace()
+        return mean
+
+    def _trace(self) -> None:
+        if self.comm.tracer is not None:
+            self.comm.tracer.pipeline(self.timeline)
+
+    def staleness(self) -> dict[int, dict[str, float]] | None:
+        return None
+
     def train_step(self, micro: Sequence[Micro]) -> torch.Tensor:
         """Forward and backward of every micro-batch as the schedule says; returns the mean loss (every rank).
         Gradients accumulate in the stages' ``.grad`` (the caller syncs them over dp and steps)."""
