@@ -6,7 +6,7 @@
 from plait.parallel.tensor.apply import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.grid import GridLinear, GridMLP, gather_activation, scatter_activation
 from plait.parallel.tensor.grid_layers import GridEmbedding, GridNorm
-from plait.parallel.tensor.grid_plan import GRID_PLANS, GRID_STYLES, gpt_grid_plan
+from plait.parallel.tensor.grid_plan import GRID_STYLES, builtin_grid_plans, gpt_grid_plan
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -18,13 +18,14 @@ from plait.parallel.tensor.linear2d import MLP2D, Linear2D
 from plait.parallel.tensor.linear2p5d import Linear2p5D, MLP2p5D
 from plait.parallel.tensor.linear3d import MLP3D, Linear3D
 from plait.parallel.tensor.loss import GridVocabLoss, VocabParallelLoss, vocab_parallel_cross_entropy
-from plait.parallel.tensor.plan import PLANS, STYLES, apply_plan, default_plan, register_plan, resolve_plan
+from plait.parallel.tensor.plan import STYLES, apply_plan, builtin_plans, default_plan, resolve_plan
 
 __all__ = [
+    "builtin_grid_plans",
+    "builtin_plans",
     "MLP2D",
     "MLP2p5D",
     "MLP3D",
-    "GRID_PLANS",
     "GRID_STYLES",
     "GridEmbedding",
     "GridLinear",
@@ -37,7 +38,6 @@ __all__ = [
     "Linear3D",
     "gather_activation",
     "scatter_activation",
-    "PLANS",
     "STYLES",
     "ColumnParallelLinear",
     "RowParallelLinear",
@@ -49,7 +49,6 @@ __all__ = [
     "gather_parameters",
     "is_tp_sharded",
     "plan_tensor_parallel",
-    "register_plan",
     "resolve_plan",
     "vocab_parallel_cross_entropy",
 ]

@@ -25,8 +25,6 @@ holds whole heads of its batch block: n_head / q query and n_kv_head / q key/val
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
 from plait.comm import Comm, all_gather
@@ -50,6 +48,7 @@ from plait.parallel.tensor.linear2p5d import Linear2p5D
 from plait.parallel.tensor.linear3d import Linear3D, cube_placements
 from plait.parallel.tensor.plan import (
     Plan,
+    PlanFactory,
     ResolvedPlan,
     gpt_plan,
     input_hook,
@@ -62,8 +61,6 @@ log = get_logger(__name__)
 
 GRID_STYLES = ("grid_in", "grid_out", "grid_vocab", "grid_embedding", "grid_norm", "grid_enter")
 LINEAR_GRID_STYLES = ("grid_in", "grid_out", "grid_vocab")
-GRID_PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
-"""Built-in 2D / 2.5D / 3D plans by model class (the same plan serves the three modes)."""
 LINEAR_CLASSES: dict[str, type[GridLinear]] = {"2d": Linear2D, "2.5d": Linear2p5D, "3d": Linear3D}
 
 
@@ -87,17 +84,20 @@ def gpt_grid_plan(model: nn.Module) -> Plan:
     return {**plan, "blocks.*.norm1": "grid_norm", "blocks.*.norm2": "grid_norm", "norm_f": "grid_norm"}
 
 
-GRID_PLANS[GPT] = gpt_grid_plan
+def builtin_grid_plans() -> dict[type, PlanFactory]:
+    """Built-in 2D / 2.5D / 3D plans by model class (the same plan serves the three modes)."""
+    return {GPT: gpt_grid_plan}
 
 
 def default_grid_plan(model: nn.Module, mode: str) -> Plan:
     """The registered grid plan of ``model``'s class; LayoutError naming the fix when none is registered."""
-    plan = registered_plan(model, GRID_PLANS)
+    plans = builtin_grid_plans()
+    plan = registered_plan(model, plans)
     if plan is not None:
         return plan
     raise LayoutError(
         f"tp_mode={mode!r} has no built-in plan for {type(model).__name__} (built-in: "
-        f"{', '.join(c.__name__ for c in GRID_PLANS)}). Fix: pass tp_plan={{module path: style}} with styles from "
+        f"{', '.join(c.__name__ for c in plans)}). Fix: pass tp_plan={{module path: style}} with styles from "
         f"{', '.join(GRID_STYLES)} covering every module that holds parameters, or use tp_mode='1d'."
     )
 
@@ -235,7 +235,7 @@ def _build_grid(
 
 
 __all__ = [
-    "GRID_PLANS",
+    "builtin_grid_plans",
     "GRID_STYLES",
     "apply_grid_plan",
     "default_grid_plan",

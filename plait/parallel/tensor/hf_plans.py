@@ -1,6 +1,6 @@
 """Built-in tensor-parallel plans for Hugging Face transformers causal LMs: GPT-2 (``GPT2LMHeadModel``) and Llama
-(``LlamaForCausalLM``, GQA included). Imported on first use by ``plan.load_lazy_plans`` when a model from the
-``transformers`` package reaches tensor parallelism, so plait itself imports without transformers installed.
+(``LlamaForCausalLM``, GQA included). Imported by ``plan.builtin_plans`` / ``plan.attention_heads`` only for a
+model from the ``transformers`` package, so plait itself imports without transformers installed.
 
 GPT-2 (Radford et al. 2019) keeps its linear layers as ``Conv1D`` (weight [in, out]) and fuses q, k and v into one
 projection ``c_attn`` whose output is [q | k | v], each d wide. Megatron's split gives rank i of t the heads
@@ -27,7 +27,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from plait.errors import LayoutError
-from plait.parallel.tensor.plan import AttentionHeads, Plan, register_attention, register_plan
+from plait.parallel.tensor.plan import AttentionHeads, Plan, PlanFactory
 
 
 def gpt2_plan(model: nn.Module) -> Plan:
@@ -87,9 +87,14 @@ def _llama_heads(module: nn.Module) -> dict[str, int]:
     }
 
 
-register_plan(GPT2LMHeadModel, gpt2_plan)
-register_plan(LlamaForCausalLM, llama_plan)
-register_attention(GPT2Attention, AttentionHeads(_gpt2_heads, _gpt2_localize))
-register_attention(LlamaAttention, AttentionHeads(_llama_heads))
+def plans() -> dict[type, PlanFactory]:
+    """The built-in plans of the Hugging Face model classes plait knows, by class."""
+    return {GPT2LMHeadModel: gpt2_plan, LlamaForCausalLM: llama_plan}
 
-__all__ = ["gpt2_plan", "llama_plan"]
+
+def attention_heads() -> dict[type, AttentionHeads]:
+    """How tensor parallelism sees their attention modules: head counts to check, per-rank counts to set."""
+    return {GPT2Attention: AttentionHeads(_gpt2_heads, _gpt2_localize), LlamaAttention: AttentionHeads(_llama_heads)}
+
+
+__all__ = ["attention_heads", "gpt2_plan", "llama_plan", "plans"]

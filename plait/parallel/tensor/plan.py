@@ -19,10 +19,11 @@ A pattern is a dotted module path in which a ``*`` component matches any one nam
 =================  ===================================================================================
 
 Linear styles take an nn.Linear or a transformers ``Conv1D`` (weight [in, out]; recognised by name, so plait needs
-no transformers to import). The built-in plan for a model is found by class in ``PLANS`` (``register_plan`` adds
-one); plans for Hugging Face GPT-2 and Llama live in ``hf_plans`` and are registered on first use, when a model
-from the ``transformers`` package reaches ``default_plan`` / ``resolve_plan``. ``register_attention`` tells the
-checks how many heads a third-party attention module has and, after the swap, sets its per-rank head counts.
+no transformers to import). The built-in plan for a model is found by class in ``builtin_plans(model)``, a table
+built on each call (no registry filled at import): plait's GPT, and for a model of the ``transformers`` package the
+plans of ``hf_plans`` (Hugging Face GPT-2 and Llama, imported only then). ``attention_heads`` tells the checks how
+many heads such a third-party attention module has and, after the swap, sets its per-rank head counts. Any other
+model passes its plan as ``parallelize(..., tp_plan=...)``.
 Swapped modules take the place of the originals, so parameter names stay the model's; two planned modules that
 shared a weight (tied embeddings) share the slice afterwards, which is the same slice for "vocab" and a
 "colwise"/"colwise_vocab" head (rows [i V/t, (i+1) V/t) of the [V, d] table).
@@ -31,7 +32,6 @@ shared a weight (tied embeddings) share the slice afterwards, which is the same 
 from __future__ import annotations
 
 import fnmatch
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -61,10 +61,9 @@ PADDED_STYLES = ("vocab", "colwise_vocab")
 """The styles whose split size (the vocabulary) ``Layout(tp_pad_vocab=True)`` pads to a multiple of tp."""
 INPUT_KEYWORDS = ("hidden_states", "x", "input")
 """Where an "enter" module's input is when it is called with keywords only (HF Llama: self_attn(hidden_states=...))."""
-PLANS: dict[type, Callable[[nn.Module], Plan]] = {}
-"""Built-in plans by model class (the most derived registered class of a model wins)."""
-LAZY_PLANS = {"transformers.": "plait.parallel.tensor.hf_plans"}
-"""Plans imported on first use: a model whose class comes from a module starting with the key loads the value."""
+PlanFactory = Callable[[nn.Module], Plan]
+TRANSFORMERS = "transformers."
+"""Classes from modules starting with this come from Hugging Face transformers (plans in ``hf_plans``)."""
 
 
 @dataclass(frozen=True)
@@ -78,42 +77,45 @@ class AttentionHeads:
     sequence_parallel: bool = False
 
 
-ATTENTION: dict[type, AttentionHeads] = {}
+def _from_transformers(obj: object) -> bool:
+    return any(cls.__module__.startswith(TRANSFORMERS) for cls in type(obj).__mro__)
 
 
-def register_plan(model_class: type, make_plan: Callable[[nn.Module], Plan]) -> None:
-    """Make ``make_plan(model)`` the default plan of ``model_class`` (and its subclasses)."""
-    PLANS[model_class] = make_plan
+def builtin_plans(model: nn.Module) -> dict[type, PlanFactory]:
+    """The built-in plans by model class that apply to ``model``'s library, built on this call: plait's GPT, plus
+    Hugging Face GPT-2 and Llama when ``model`` comes from transformers (``hf_plans`` is imported only then)."""
+    plans: dict[type, PlanFactory] = {GPT: gpt_plan}
+    if _from_transformers(model):
+        from plait.parallel.tensor import hf_plans
+
+        plans.update(hf_plans.plans())
+    return plans
 
 
-def register_attention(module_class: type, spec: AttentionHeads) -> None:
-    """Teach the head checks (and the per-rank head counts) about a third-party attention module class."""
-    ATTENTION[module_class] = spec
+def attention_heads(module: nn.Module) -> AttentionHeads | None:
+    """How tensor parallelism sees ``module`` if it is a third-party attention module plait knows (Hugging Face
+    GPT-2 / Llama attention: ``hf_plans``), else None (plait's own ``Attention`` is checked directly)."""
+    if not _from_transformers(module):
+        return None
+    from plait.parallel.tensor import hf_plans
 
-
-def load_lazy_plans(model: nn.Module) -> None:
-    """Import the plan module registered in ``LAZY_PLANS`` for ``model``'s library (once; a no-op otherwise)."""
-    for cls in type(model).__mro__:
-        for prefix, module in LAZY_PLANS.items():
-            if cls.__module__.startswith(prefix):
-                importlib.import_module(module)
-                return
+    return hf_plans.attention_heads().get(type(module))
 
 
 def default_plan(model: nn.Module) -> Plan:
-    """The registered plan of ``model``'s class; LayoutError naming the fix when none is registered."""
-    load_lazy_plans(model)
-    plan = registered_plan(model, PLANS)
+    """The built-in plan of ``model``'s class; LayoutError naming the fix when there is none."""
+    plans = builtin_plans(model)
+    plan = registered_plan(model, plans)
     if plan is not None:
         return plan
     raise LayoutError(
         f"tensor parallelism has no built-in plan for {type(model).__name__} (built-in: "
-        f"{', '.join(c.__name__ for c in PLANS) or 'none'}). Fix: pass tp_plan={{module path: style}}, e.g. "
+        f"{', '.join(c.__name__ for c in plans)}). Fix: pass tp_plan={{module path: style}}, e.g. "
         f"{{'mlp.up': 'colwise', 'mlp.down': 'rowwise'}}, with styles from {', '.join(STYLES)}."
     )
 
 
-def registered_plan(model: nn.Module, registry: dict[type, Callable[[nn.Module], Plan]]) -> Plan | None:
+def registered_plan(model: nn.Module, registry: dict[type, PlanFactory]) -> Plan | None:
     """The plan ``registry`` holds for the most derived class of ``model`` (None when it holds none)."""
     for cls in type(model).__mro__:
         if cls in registry:
@@ -144,9 +146,6 @@ def gpt_plan(model: nn.Module) -> Plan:
     return plan
 
 
-register_plan(GPT, gpt_plan)
-
-
 def _matches(pattern: str, path: str) -> bool:
     parts, names = pattern.split("."), path.split(".")
     return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
@@ -168,13 +167,12 @@ def resolve_plan(
     LayoutError on every rank): unknown styles, patterns matching nothing, wrong module types, sizes that do
     not split (``pad_vocab``: the vocabulary of "vocab" / "colwise_vocab" is padded instead), heads / kv heads
     that do not split, a sequence that does not split under SP."""
-    load_lazy_plans(model)
     modules = dict(model.named_modules())
     styles = match_plan(model, plan, STYLES)
     for path, style in styles.items():
         _check_module(path, modules[path], style, tp, pad_vocab)
     _check_heads(modules, styles, tp)
-    _check_registered_attention(modules, styles, tp, sequence_parallel)
+    _check_known_attention(modules, styles, tp, sequence_parallel)
     if sequence_parallel:
         seq_len = getattr(getattr(model, "config", None), "seq_len", None)
         if isinstance(seq_len, int) and seq_len % tp:
@@ -276,12 +274,12 @@ def _check_heads(modules: dict[str, nn.Module], styles: dict[str, str], tp: int)
             )
 
 
-def _check_registered_attention(
+def _check_known_attention(
     modules: dict[str, nn.Module], styles: dict[str, str], tp: int, sequence_parallel: bool
 ) -> None:
-    """The same head check for attention modules registered with ``register_attention`` (e.g. Hugging Face's)."""
+    """The same head check for the third-party attention modules ``attention_heads`` knows (Hugging Face's)."""
     for path, module in modules.items():
-        spec = ATTENTION.get(type(module))
+        spec = attention_heads(module)
         if spec is None or not any(p.startswith(path + ".") for p in styles):
             continue
         if sequence_parallel and not spec.sequence_parallel:
@@ -452,10 +450,10 @@ def apply_plan(
 
 
 def _localize_attention(roots: list[nn.Module], swapped: list[str], tp: int) -> None:
-    """Registered attention modules with swapped projections get their per-rank head counts (once each)."""
+    """Known third-party attention modules with swapped projections get their per-rank head counts (once each)."""
     for root in roots:
         for path, module in root.named_modules():
-            spec = ATTENTION.get(type(module))
+            spec = attention_heads(module)
             if spec is None or spec.localize is None or getattr(module, "_plait_tp_localized", False):
                 continue
             if any(p.startswith(path + ".") for p in swapped):
@@ -472,8 +470,8 @@ def mark_sequence_partial(model: nn.Module) -> None:
 
 
 __all__ = [
-    "ATTENTION",
-    "PLANS",
+    "attention_heads",
+    "builtin_plans",
     "STYLES",
     "AttentionHeads",
     "Plan",
@@ -486,8 +484,5 @@ __all__ = [
     "match_plan",
     "planned_attention_heads",
     "registered_plan",
-    "load_lazy_plans",
-    "register_attention",
-    "register_plan",
     "resolve_plan",
 ]
