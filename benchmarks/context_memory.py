@@ -87,13 +87,12 @@ def _on_rank(cp: int, lengths: list[int]) -> dict:
 def measure(lengths: tuple[int, ...] = LENGTHS) -> dict[int, dict]:
     """{cp: {mode: measurements}} for cp = 1 (one process) and cp = 2, 4 (spawned gloo ranks; the maximum over
     ranks of the saved bytes, which are equal on every rank)."""
-    sys.path.insert(0, "tests")
-    from harness import run_distributed
+    from plait.launch import run_local
 
     single = {"saved": gpt_saved_bytes(1, "ring", list(lengths)), "longest": longest_sequence(1, "ring")}
     results = {1: {"ring": single}}
     for cp in (2, 4):
-        per_rank = run_distributed(_on_rank, cp, cp, list(lengths), timeout=600)
+        per_rank = run_local(_on_rank, cp, cp, list(lengths), timeout=600)
         results[cp] = per_rank[max(range(cp), key=lambda r: per_rank[r]["ring"]["saved"][-1])]
     return results
 

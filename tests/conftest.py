@@ -1,4 +1,4 @@
-"""Test set-up: tests/ on sys.path (harness, reference), one thread per process, quiet logs."""
+"""Test set-up: tests/ on sys.path (the shared helpers are the package tests/helpers/), one thread per process."""
 
 import os
 import sys

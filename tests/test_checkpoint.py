@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-from harness import DistributedTestError, run_distributed
-from test_engine import OPTIMIZERS, make_model
+from helpers.gpt import OPTIMIZERS, make_model
+from helpers.harness import DistributedTestError, run_distributed
 
 import plait
 from plait import Layout

@@ -14,9 +14,18 @@ import random
 
 import pytest
 import torch
-from composition import CLIP, GLOBAL_BATCH, LOSS_RTOL, PARAM_TOL, _parameters, make_model, merge_ranks, optimizer
-from harness import run_distributed
-from reference import assert_tensors_close
+from helpers.composition import (
+    CLIP,
+    GLOBAL_BATCH,
+    LOSS_RTOL,
+    PARAM_TOL,
+    _parameters,
+    make_model,
+    merge_ranks,
+    optimizer,
+)
+from helpers.harness import run_distributed
+from helpers.reference import assert_tensors_close
 
 import plait
 from plait import Layout

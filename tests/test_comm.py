@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from harness import DistributedTestError, run_distributed
+from helpers.harness import DistributedTestError, run_distributed
 
 from plait import CommError, Layout
 from plait.comm import (

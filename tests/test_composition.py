@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from composition import (
+from helpers.composition import (
     ALL_COMBOS,
     AXES,
     CLIP,
     EXTRA,
     MAX_WORLD,
+    MUTANTS,
     SAMPLE,
     TRAINABLE,
     ZERO_STAGES,
@@ -33,7 +34,7 @@ from composition import (
     reference_trajectory,
     train_combos,
 )
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 from plait.logging import get_logger
 
@@ -65,7 +66,7 @@ def reference():
 def matrix_runs() -> dict[str, list[dict]]:
     """Every cell up to 8 ranks and the extra cells, trained once (one run_distributed per world size: 1, 2, 4, 8;
     ~25-30 s on 2 cores): the sampled-cell tests and the whole-matrix test read the same runs."""
-    return run_grouped(TRAINABLE + EXTRA, timeout=600)
+    return run_grouped(TRAINABLE + EXTRA + MUTANTS, timeout=600)
 
 
 # ----------------------------------------------------------------- the matrix itself (no processes)
@@ -75,7 +76,7 @@ def test_the_matrix_has_every_cell_and_the_sample_covers_every_axis_and_zero_sta
     axes, zeros = axis_and_zero_coverage(SAMPLE)
     assert axes == set(AXES) and zeros == set(ZERO_STAGES), (axes, zeros)
     assert all(combo.world <= 4 for combo in SAMPLE), "the default suite runs <= 4 ranks"
-    assert {combo.world for combo in SAMPLE + EXTRA} == {2, 4}, "two run_distributed calls (process start-ups)"
+    assert {combo.world for combo in SAMPLE + EXTRA + MUTANTS} == {2, 4}, "no process start-up of their own"
 
 
 def test_clipping_acts_at_every_reference_step(reference):
@@ -92,6 +93,18 @@ def test_every_cell_passes_every_check_of_parallelize(combo):
 
 
 # ----------------------------------------------------------------- training parity
+@pytest.mark.distributed
+@pytest.mark.parametrize("combo", MUTANTS, ids=_ids(MUTANTS))
+def test_summing_instead_of_averaging_is_caught(combo, matrix_runs, reference):
+    """Clipping to a norm below the gradients' at every step restores a uniformly scaled gradient's size, so losses,
+    clipped gradients and parameters all match on a cell that sums over dp instead of averaging; the gradient norm
+    before clipping (compared with the reference's at every step) does not, and fails the cell."""
+    with pytest.raises(AssertionError, match="grad norm before clipping"):
+        assert_combo_matches(combo, matrix_runs[combo.name], reference)
+    runs = matrix_runs[combo.name]
+    assert runs[0]["grad_norms"][0] == pytest.approx(2 * reference.grad_norms[0], rel=1e-5), "the mutation is x2"
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("combo", SAMPLE + EXTRA, ids=_ids(SAMPLE + EXTRA))
 def test_sampled_cell_matches_single_device(combo, matrix_runs, reference):

@@ -11,9 +11,9 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from composition import Combo, assert_combo_matches, reference_trajectory, train_combo
-from harness import run_distributed
-from reference import (
+from helpers.composition import Combo, assert_combo_matches, reference_trajectory, train_combo
+from helpers.harness import run_distributed
+from helpers.reference import (
     Trajectory,
     assert_trajectories_match,
     masked_lm_batch,

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import run_distributed  # noqa: E402
-from test_hf import check, check_split, global_batch, make_model, optimizer, run_cases  # noqa: E402
+from helpers.harness import run_distributed  # noqa: E402
+from helpers.hf import check, check_split, global_batch, make_model, optimizer, run_cases  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import plait  # noqa: E402

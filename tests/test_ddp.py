@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from harness import run_distributed
-from reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference, train_plait
+from helpers.gpt import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference, train_plait
+from helpers.harness import run_distributed
+from helpers.reference import Trajectory, assert_trajectories_match, snapshot_grads, snapshot_params, train_reference
 from torch import nn
 
 import plait

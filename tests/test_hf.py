@@ -16,156 +16,31 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import run_distributed  # noqa: E402
-from reference import assert_tensors_close, train_reference  # noqa: E402
+from helpers.harness import run_distributed  # noqa: E402
+from helpers.hf import (  # noqa: E402
+    GLOBAL_BATCH,
+    GRAD_TOL,
+    LOGIT_TOL,
+    LOSS_RTOL,
+    PARAM_TOL,
+    SEQ,
+    VOCAB,
+    global_batch,
+    make_model,
+    reference,
+    run_cases,
+)
+from helpers.reference import assert_tensors_close  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
-import plait  # noqa: E402
 from plait import Layout, LayoutError  # noqa: E402
 from plait.models.hf import return_logits  # noqa: E402
 from plait.parallel.pipeline.apply import plan_pipeline  # noqa: E402
 from plait.parallel.tensor import plan_tensor_parallel  # noqa: E402
-from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded  # noqa: E402
 from plait.parallel.tensor.plan import default_plan, resolve_plan  # noqa: E402
-
-STEPS = 5
-GLOBAL_BATCH = 8
-SEQ = 16
-VOCAB = 64
-CLIP = 0.5
-"""Below the tiny models' gradient norm (~1-3 at init), so clipping (and its tp-aware norm) is active."""
-
-
-def make_model(kind: str, **overrides: int) -> torch.nn.Module:
-    """A tiny transformers causal LM with seeded random weights, eager attention and no dropout."""
-    torch.manual_seed(1234)
-    if kind == "gpt2":
-        fields = dict(
-            n_layer=2,
-            n_embd=32,
-            n_head=4,
-            vocab_size=VOCAB,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return GPT2LMHeadModel(GPT2Config(**{**fields, **overrides}, attn_implementation="eager"))
-    fields = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides}, attn_implementation="eager"))
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens; targets are the inputs shifted by one (next-token prediction)."""
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def optimizer(params):  # noqa: ANN001, ANN201 - a factory, as users pass it
-    """AdamW with eps=1e-5. Adam's first step is lr g / (|g| + eps), so an absolute gradient difference d moves a
-    parameter by up to lr d / eps. Reordered sums leave d ~1.4e-9 on GPT-2's attn.c_proj gradient at init (whose
-    smallest coordinates are ~5e-8): with the default eps=1e-8 that is a 3e-6 drift, with 1e-6 still 1.2e-6
-    (measured); eps=1e-5 bounds it by ~1.4e-7, well inside the 1e-6 parameter tolerance. Gradients of ~1e-3 and
-    more still take steps within 1% of lr, as with the default."""
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5)
-
-
-def gather_grads(engine: plait.Engine) -> dict[str, torch.Tensor]:
-    """Every parameter's synchronised gradient, whole, by name (ZeRO shards gathered over dp, tp slices over tp)."""
-    strategy = engine.strategy
-    local = (
-        strategy.full_gradients()
-        if hasattr(strategy, "full_gradients")
-        else {name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
-    )
-    return {
-        name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name].detach()).clone()
-        for name, p in engine.model.named_parameters()
-    }
-
-
-def train_plait(kind: str, layout: Layout) -> dict:
-    """Whole logits before training (eval mode), then 5 steps: losses, step-1 gradients, final parameters."""
-    engine = plait.parallelize(make_model(kind), layout, optimizer=optimizer, max_grad_norm=CLIP)
-    dp_rank, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
-    engine.model.eval()
-    with torch.no_grad():  # with pp: through the stages, the logits on the last stage's rank (None elsewhere)
-        logits = (
-            engine.model(global_batch(0)[0]) if engine.pipeline is None else engine.pipeline.forward(global_batch(0)[0])
-        )
-    engine.model.train()
-    grads: list[dict[str, torch.Tensor]] = []
-    engine.before_optimizer_step.append(lambda e: grads.append(gather_grads(e)) if not grads else None)
-    losses = []
-    for step in range(STEPS):
-        inputs, targets = global_batch(step)
-        share = GLOBAL_BATCH // dp
-        losses.append(
-            engine.train_step(
-                (inputs[dp_rank * share : (dp_rank + 1) * share], targets[dp_rank * share : (dp_rank + 1) * share])
-            ).loss
-        )
-    local = {name: p.numel() for name, p in engine.model.named_parameters()}
-    sharded = {name for name, p in engine.model.named_parameters() if is_tp_sharded(p)}
-    return {
-        "logits": logits,
-        "losses": losses,
-        "grads": grads[0],
-        "params": gather_parameters(engine.model, engine.comm),
-        "local_numel": local,
-        "sharded": sharded,
-    }
-
-
-def run_cases(cases: list[tuple[str, Layout]]) -> list[dict]:
-    return [train_plait(kind, layout) for kind, layout in cases]
-
-
-_REFERENCES: dict[str, object] = {}
-
-
-def reference(kind: str):  # noqa: ANN201 - a tests/reference.py Trajectory with .logits
-    if kind not in _REFERENCES:
-        model = return_logits(make_model(kind))
-        with torch.no_grad():
-            logits = model.eval()(global_batch(0)[0])
-        trajectory = train_reference(
-            model.train(), [global_batch(s) for s in range(STEPS)], optimizer, max_grad_norm=CLIP
-        )
-        trajectory.logits = logits
-        _REFERENCES[kind] = trajectory
-    return _REFERENCES[kind]
-
-
-# fp32 tolerances. DDP averages two half-batch gradients where the reference sums one batch, and tensor
-# parallelism adds the row-parallel partial products and the vocab-parallel softmax terms in another order:
-# a few ulps (~1e-7 relative) per value. Logits and losses: rtol 1e-5 (a handful of roundings through 2 layers);
-# step-1 gradients rtol 1e-4 / atol 1e-6 (clipping divides by the global norm; near-zero coordinates carry
-# only absolute error); parameters after 5 AdamW steps rtol 1e-5 / atol 1e-6 (Adam's g / sqrt(v) can magnify a
-# relative error of a gradient near zero, but a step is bounded by lr = 1e-3, so 1e-6 is ~1e-3 of one step).
-LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
-LOSS_RTOL = 1e-5
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def check(result: dict, kind: str, what: str) -> None:

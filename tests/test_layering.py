@@ -160,3 +160,22 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
 )
 def test_layers_of_known_modules(module, layer):
     assert _layer(module) == layer
+
+
+def test_no_test_imports_another_test_file():
+    """Shared test code lives in tests/helpers/, never in a test_*.py that other tests import."""
+    tests = Path(__file__).resolve().parent
+    problems = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            problems += [f"{path.relative_to(tests)}:{node.lineno} imports {n}" for n in names if n.startswith("test_")]
+    assert not problems, "tests import other test files; move the shared code to tests/helpers/:\n" + "\n".join(
+        problems
+    )

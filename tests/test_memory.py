@@ -4,8 +4,8 @@ import functools
 
 import pytest
 import torch
-from harness import run_distributed
-from test_engine import OPTIMIZERS, make_model
+from helpers.gpt import OPTIMIZERS, make_model
+from helpers.harness import run_distributed
 
 import plait
 from plait import Layout, estimate_memory, measure_held

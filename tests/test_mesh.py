@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 from plait import Layout
 from plait.comm import Comm

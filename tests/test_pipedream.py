@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_distributed
-from reference import Trajectory, assert_trajectories_match, snapshot_params, train_reference
+from helpers.harness import run_distributed
+from helpers.reference import Trajectory, assert_trajectories_match, snapshot_params, train_reference
 
 import plait
 from plait import Layout, LayoutError

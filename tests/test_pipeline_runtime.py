@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import run_distributed
-from reference import (
+from helpers.harness import run_distributed
+from helpers.reference import (
     TOLERANCES,
     Trajectory,
     assert_trajectories_match,

@@ -9,8 +9,8 @@ import functools
 
 import pytest
 import torch
-from harness import run_distributed
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, make_model
+from helpers.gpt import GLOBAL_BATCH, OPTIMIZERS, make_model
+from helpers.harness import run_distributed
 
 import plait
 from plait import Layout

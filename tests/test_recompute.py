@@ -3,9 +3,9 @@ far fewer activations held, and clear errors for blocks that do not exist."""
 
 import pytest
 import torch
-from harness import run_distributed
-from reference import assert_trajectories_match
-from test_engine import make_model, reference, train_plait
+from helpers.gpt import make_model, reference, train_plait
+from helpers.harness import run_distributed
+from helpers.reference import assert_trajectories_match
 
 import plait
 from plait import Layout, LayoutError

@@ -4,9 +4,8 @@ step and per layer, 1D and SP, against the ring theory; activation bytes per ran
 
 import pytest
 import torch
-from harness import run_distributed
-from torch import nn
-from tp_helpers import (
+from helpers.harness import run_distributed
+from helpers.tp import (
     CLIP,
     GLOBAL_BATCH,
     LAYER_TOL,
@@ -16,6 +15,7 @@ from tp_helpers import (
     reference_run,
     train_tp,
 )
+from torch import nn
 
 import plait
 from plait import Layout

@@ -8,9 +8,9 @@ test_sequence_parallel.py. 2D / 2.5D / 3D: test_tensor_parallel_nd.py."""
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from helpers.harness import run_distributed
+from helpers.tp import LAYER_TOL, assert_matches_reference, custom_loss, reference_run, train_tp
 from torch import nn
-from tp_helpers import LAYER_TOL, assert_matches_reference, custom_loss, reference_run, train_tp
 
 from plait import Layout, LayoutError
 from plait.comm import Comm

@@ -14,9 +14,8 @@ import re
 
 import pytest
 import torch
-from harness import run_distributed
-from torch import nn
-from tp_helpers import (
+from helpers.harness import run_distributed
+from helpers.tp import (
     GLOBAL_BATCH,
     LAYER_TOL,
     MODELS,
@@ -26,6 +25,7 @@ from tp_helpers import (
     reference_run,
     train_tp,
 )
+from torch import nn
 
 from plait import Layout, LayoutError
 from plait.comm import Comm

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import plait
 from plait.models import GPT, GPTConfig, lm_loss

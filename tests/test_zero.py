@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
-from reference import Trajectory, assert_trajectories_match, train_reference
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model
+from helpers.gpt import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model
+from helpers.harness import run_distributed
+from helpers.reference import Trajectory, assert_trajectories_match, train_reference
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 

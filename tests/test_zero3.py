@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
-from reference import (
+from helpers.gpt import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference
+from helpers.harness import run_distributed
+from helpers.reference import (
     GRAD_TOLERANCES,
     TOLERANCES,
     Trajectory,
@@ -24,7 +25,6 @@ from reference import (
     assert_trajectories_match,
     train_reference,
 )
-from test_engine import GLOBAL_BATCH, OPTIMIZERS, STEPS, make_model, reference
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

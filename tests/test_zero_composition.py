@@ -24,7 +24,7 @@ from unittest import mock
 
 import pytest
 import torch
-from composition import (
+from helpers.composition import (
     CLIP,
     GLOBAL_BATCH,
     STEPS,
@@ -37,7 +37,7 @@ from composition import (
     optimizer,
     reference_trajectory,
 )
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import plait
 from plait import Layout, LayoutError
@@ -183,12 +183,12 @@ reduce-scatter)."""
 def _train_hf(kind: str, fields: dict) -> dict:
     """tests/test_hf.py's 5 steps: losses, step-0 gradients and final parameters, whole (ZeRO shards gathered over
     dp, tp slices over tp), by name, of the stages this rank holds."""
-    from test_hf import CLIP as HF_CLIP
-    from test_hf import GLOBAL_BATCH as HF_BATCH
-    from test_hf import STEPS as HF_STEPS
-    from test_hf import global_batch
-    from test_hf import make_model as hf_model
-    from test_hf import optimizer as hf_optimizer
+    from helpers.hf import CLIP as HF_CLIP
+    from helpers.hf import GLOBAL_BATCH as HF_BATCH
+    from helpers.hf import STEPS as HF_STEPS
+    from helpers.hf import global_batch
+    from helpers.hf import make_model as hf_model
+    from helpers.hf import optimizer as hf_optimizer
 
     from plait.parallel.tensor.layers import gather_slice, is_tp_sharded
 
@@ -220,9 +220,9 @@ def _train_hf_cases() -> list[dict]:
 @pytest.mark.distributed
 def test_hf_llama_dp2_tp2_zero3_and_gpt2_dp2_pp2_zero2_match_single_device():
     pytest.importorskip("transformers")
-    from reference import assert_tensors_close
-    from test_hf import GRAD_TOL, LOSS_RTOL, PARAM_TOL
-    from test_hf import reference as hf_reference
+    from helpers.hf import GRAD_TOL, LOSS_RTOL, PARAM_TOL
+    from helpers.hf import reference as hf_reference
+    from helpers.reference import assert_tensors_close
 
     per_rank = run_distributed(_train_hf_cases, 4, timeout=300, comm_timeout_s=60)
     for index, (kind, fields) in enumerate(HF_CASES):
@@ -243,7 +243,7 @@ def test_hf_llama_dp2_tp2_zero3_and_gpt2_dp2_pp2_zero2_match_single_device():
 # ----------------------------------------------------------------- refusals (one process, before any collective)
 def test_zero3_with_tied_embeddings_across_pipeline_stages_is_refused():
     pytest.importorskip("transformers")
-    from test_hf import make_model as hf_model
+    from helpers.hf import make_model as hf_model
 
     model = hf_model("gpt2")  # wte and lm_head tied: the first and the last stage share them
     with mock_world(4):

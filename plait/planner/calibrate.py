@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -167,68 +166,52 @@ def _collective_calls(comm: Any, x: torch.Tensor, size: int, rank: int, peer: in
     }
 
 
-def _bench_rank(rank: int, world: int, init_file: str, repeats: int, results: Any) -> None:
-    """One calibration rank: every collective through plait's Comm, timed on rank 0."""
+def _bench_rank(repeats: int) -> tuple[dict[str, list[tuple[float, float]]], float] | None:
+    """One calibration rank (under ``plait.launch.run_local``): every collective through plait's Comm, timed on
+    rank 0, which returns (timings, the ranks' matmul FLOP/s together); the other ranks return None."""
     import torch.distributed as dist
 
     from plait.comm import Comm
     from plait.layout import Layout
     from plait.mesh import Mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        comm = Comm(Mesh.build(Layout(dp=world)), timeout_s=60)
-        peer = 1 - rank if rank < 2 else None
-        timings: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
-        for size in SIZES:
-            x = torch.ones(size * world)
-            calls = _collective_calls(comm, x, size, rank, peer)
-            for op, call in calls.items():
-                samples = []
-                for _ in range(repeats + 1):
-                    comm.barrier("dp")
-                    start = time.perf_counter()
-                    if op != "send_recv" or peer is not None:
-                        call()
-                    samples.append(time.perf_counter() - start)
-                payload = x.numel() * 4 if op != "all_gather" else size * world * 4
-                timings[op].append((payload, statistics.median(samples[1:])))
-        comm.barrier("dp")
-        together = comm.all_reduce(torch.tensor([sustained_matmul_flops()], dtype=torch.float64), "dp")
-        if rank == 0:
-            results.put((timings, float(together[0])))
-        comm.barrier("dp")
-    finally:
-        dist.destroy_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(Mesh.build(Layout(dp=world)), timeout_s=60)
+    peer = 1 - rank if rank < 2 else None
+    timings: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
+    for size in SIZES:
+        x = torch.ones(size * world)
+        calls = _collective_calls(comm, x, size, rank, peer)
+        for op, call in calls.items():
+            samples = []
+            for _ in range(repeats + 1):
+                comm.barrier("dp")
+                start = time.perf_counter()
+                if op != "send_recv" or peer is not None:
+                    call()
+                samples.append(time.perf_counter() - start)
+            payload = x.numel() * 4 if op != "all_gather" else size * world * 4
+            timings[op].append((payload, statistics.median(samples[1:])))
+    comm.barrier("dp")
+    together = comm.all_reduce(torch.tensor([sustained_matmul_flops()], dtype=torch.float64), "dp")
+    return (timings, float(together[0])) if rank == 0 else None
 
 
 def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -> dict[str, Any]:
     """Measure this machine (module docstring), write the JSON and return it."""
     if not isinstance(nproc, int) or nproc < 2:
         raise ConfigError(f"--nproc {nproc!r}: calibrating collectives needs at least 2 processes. Fix: --nproc 2.")
-    import torch.multiprocessing as mp
-
     started = time.perf_counter()
     flops, bandwidth = measure_matmul_flops(), measure_memory_bandwidth()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     alone, overhead, split = sustained_matmul_flops(), measure_block_overhead(), measure_split_backward()
     torch.set_num_threads(threads)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_bench_rank, args=(r, nproc, init_file, repeats, results)) for r in range(nproc)]
-        for proc in procs:
-            proc.start()
-        try:
-            timings, together = results.get(timeout=120)
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
+    from plait.launch import run_local
+
+    measured = run_local(_bench_rank, nproc, repeats, timeout=600, comm_timeout_s=120)[0]
+    assert measured is not None  # rank 0 returns its timings
+    timings, together = measured
     fits = {op: fit_alpha_beta([b for b, _ in rows], [t for _, t in rows]) for op, rows in timings.items()}
     link = 1 / fits["send_recv"][1]
     hardware = Hardware(

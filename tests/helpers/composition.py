@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from reference import Trajectory, assert_tensors_close, train_reference
+from helpers.reference import Trajectory, assert_tensors_close, train_reference
 
 import plait
 from plait import Layout
@@ -48,6 +48,10 @@ GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 """Clipping divides by the global norm; coordinates near zero carry only absolute error."""
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 """After 3 AdamW steps of lr 1e-3: atol 1e-6 is 1/1000 of one step."""
+NORM_RTOL = 1e-5
+"""The global gradient norm before clipping: a square root of a sum of squares over every rank's gradients, added
+in another order than on one device (a few ulps); a uniform scale error (x2 for summing over 2 replicas) is 1e5
+times larger."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,15 @@ class Combo:
     zero: int
     cp_mode: str = "ring"
     """The matrix runs ring attention (zigzag); Ulysses appears in ``EXTRA``."""
+    mutant: bool = False
+    """A deliberately broken run (``MUTANTS``): gradients summed over the data-parallel replicas instead of
+    averaged. The comparison must fail on it, which shows the matrix sees a uniform gradient-scale error."""
 
     @property
     def name(self) -> str:
         axes = "-".join(f"{axis}{getattr(self, axis)}" for axis in AXES if getattr(self, axis) > 1) or "single"
         mode = "" if self.cp_mode == "ring" else f"-{self.cp_mode}"
-        return f"{axes}{mode}-zero{self.zero}"
+        return f"{axes}{mode}-zero{self.zero}" + ("-summing-mutant" if self.mutant else "")
 
     @property
     def layout_name(self) -> str:
@@ -93,7 +100,10 @@ ALL_COMBOS = [Combo(*degrees, zero) for degrees in itertools.product((1, 2), rep
 EXTRA = [Combo(dp=1, tp=2, pp=1, cp=2, zero=0, cp_mode="ulysses")]
 """Outside the matrix, in the default suite: Ulysses under tensor parallelism (each rank's heads/tp heads are
 split again over cp), the other context-parallel kernel next to the tp2-cp2 ring cells."""
-BY_NAME = {combo.name: combo for combo in ALL_COMBOS + EXTRA}
+MUTANTS = [Combo(dp=2, tp=1, pp=1, cp=1, zero=0, mutant=True), Combo(dp=2, tp=1, pp=2, cp=1, zero=3, mutant=True)]
+"""Cells with the sum-instead-of-average mutation (DDP, and ZeRO-3 under a pipeline): every other check of the
+matrix passes on them (clipping at every step restores the gradients' size), the norm before clipping does not."""
+BY_NAME = {combo.name: combo for combo in ALL_COMBOS + EXTRA + MUTANTS}
 
 
 MAX_WORLD = 8
@@ -139,7 +149,7 @@ def reference_trajectory() -> Trajectory:
     loader = ShardedBatches(task, GLOBAL_BATCH)
     trajectory = train_reference(
         model, [loader.global_batch_at(step) for step in range(STEPS)], optimizer, max_grad_norm=CLIP
-    )
+    )  # records the norm before clipping at every step
     model.load_state_dict(trajectory.params[-1])
     inputs, targets = loader.global_batch_at(STEPS)
     with torch.no_grad():
@@ -183,12 +193,33 @@ def train_combo(combo: Combo) -> dict:
     trained model on the next batch (forward only: pipeline forward, cp outputs gathered, vocab-parallel loss)."""
     model, task = make_model()
     engine = plait.parallelize(model, combo.layout(), optimizer=optimizer, max_grad_norm=CLIP)
+    if combo.mutant:
+        _sum_instead_of_average(engine)
     grads: list[dict[str, torch.Tensor]] = []
     engine.before_optimizer_step.append(lambda e: grads.append(_gradients(e)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
-    losses = [engine.train_step(loader.batch_at(step)).loss for step in range(STEPS)]
+    stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
     evaluation = engine.evaluate([loader.batch_at(STEPS)]).loss
-    return {"losses": losses, "grads": grads[0], "params": _parameters(engine), "eval": evaluation}
+    return {
+        "losses": [s.loss for s in stats],
+        "grad_norms": [s.grad_norm for s in stats],
+        "grads": grads[0],
+        "params": _parameters(engine),
+        "eval": evaluation,
+    }
+
+
+def _sum_instead_of_average(engine: plait.Engine) -> None:
+    """The mutation: after the strategy has averaged the gradients over the dp_cp replicas, multiply them by the
+    replica count, as a strategy that summed instead of averaging would leave them."""
+    strategy, replicas = engine.strategy, engine.mesh.size("dp") * engine.mesh.size("cp")
+    finish = strategy.finish_backward
+
+    def summing_finish_backward() -> None:
+        finish()
+        torch._foreach_mul_([g for g in strategy.owned_grads() if g is not None], float(replicas))
+
+    strategy.finish_backward = summing_finish_backward  # type: ignore[method-assign]
 
 
 def train_combos(names: list[str]) -> dict[str, dict]:
@@ -232,6 +263,10 @@ def assert_combo_matches(combo: Combo, per_rank: list[dict], expected: Trajector
         assert result["eval"] == per_rank[0]["eval"], f"{what}: rank {rank} reports another evaluation loss"
     for step, (actual, wanted) in enumerate(zip(per_rank[0]["losses"], expected.losses)):
         assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{what} step {step}: loss {actual!r} != {wanted!r}"
+    for step, (actual, wanted) in enumerate(zip(per_rank[0]["grad_norms"], expected.grad_norms, strict=True)):
+        assert actual is not None and abs(actual - wanted) <= NORM_RTOL * wanted, (
+            f"{what} step {step}: grad norm before clipping {actual!r} != {wanted!r}"
+        )
     actual, wanted = per_rank[0]["eval"], expected.evaluation
     assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{what}: evaluation loss {actual!r} != {wanted!r}"
     grads = merge_ranks([r["grads"] for r in per_rank], f"{what} step-0 grads")

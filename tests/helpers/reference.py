@@ -35,11 +35,14 @@ GRAD_TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 
 @dataclass
 class Trajectory:
-    """Per step: the loss, the gradients before the optimizer step, and the parameters after it."""
+    """Per step: the loss, the gradients before the optimizer step, and the parameters after it; with clipping also
+    the global gradient norm before clipping (clipping to a fixed norm hides a uniform gradient-scale error, such
+    as summing instead of averaging over replicas; the norm before clipping shows it)."""
 
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,7 +68,7 @@ def train_reference(
         loss = apply_loss(loss_fn, model(inputs), targets)
         loss.backward()
         if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         out.losses.append(float(loss.detach()))
         out.grads.append(snapshot_grads(model))
         optimizer.step()

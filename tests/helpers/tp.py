@@ -5,7 +5,7 @@ single-device reference, and the comparison with its tolerances."""
 from __future__ import annotations
 
 import torch
-from reference import assert_tensors_close, train_reference
+from helpers.reference import assert_tensors_close, train_reference
 
 import plait
 from plait import Layout
