@@ -9,7 +9,8 @@ from helpers.reference import assert_trajectories_match
 
 import plait
 from plait import Layout, LayoutError
-from plait.parallel.recompute import apply_recompute, find_blocks
+from plait.parallel.blocks import find_blocks
+from plait.parallel.recompute import apply_recompute
 
 
 def test_blocks_are_found_by_container_name():

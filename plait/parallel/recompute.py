@@ -18,18 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plait.errors import LayoutError
-
-BLOCK_CONTAINER_NAMES = ("blocks", "layers", "h", "layer", "decoder_layers")
-"""Names under which models keep their repeated blocks (plait GPT, Llama, GPT-2, ...)."""
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks as (path, module), from the first ModuleDict/ModuleList named like blocks."""
-    for path, module in model.named_modules():
-        leaf = path.rsplit(".", 1)[-1]
-        if leaf in BLOCK_CONTAINER_NAMES and isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-            return [(f"{path}.{name}", child) for name, child in module.named_children()]
-    return []
+from plait.parallel.blocks import BLOCK_CONTAINER_NAMES, find_blocks
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

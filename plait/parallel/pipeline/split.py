@@ -31,7 +31,7 @@ from torch import nn
 from plait.errors import LayoutError
 from plait.models.hf import is_hf_model
 from plait.models.hf_stages import check_pipeline_support, make_stage_forward
-from plait.parallel.recompute import BLOCK_CONTAINER_NAMES
+from plait.parallel.blocks import BLOCK_CONTAINER_NAMES, find_block_container
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,10 @@ def find_units(model: nn.Module) -> tuple[str, str, list[str]]:
     """``(kind, container_path, unit_names)`` of a model the pipeline can cut; LayoutError if there is none."""
     if isinstance(model, nn.Sequential):
         return "sequential", "", [name for name, _ in model.named_children()]
-    for path, module in model.named_modules():
-        leaf = path.rsplit(".", 1)[-1]
-        if path and leaf in BLOCK_CONTAINER_NAMES and isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-            return "blocks", path, [name for name, _ in module.named_children()]
+    found = find_block_container(model)
+    if found is not None:
+        path, container = found
+        return "blocks", path, [name for name, _ in container.named_children()]
     raise LayoutError(
         f"pipeline parallelism (pp > 1) cannot cut a {type(model).__name__}: it is not an nn.Sequential and has no "
         f"ModuleDict/ModuleList of blocks named one of {', '.join(BLOCK_CONTAINER_NAMES)}. Fix: give the model as an "

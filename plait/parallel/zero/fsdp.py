@@ -1,9 +1,8 @@
 """ZeRO-3 / FSDP: parameters, gradients and optimizer states all sharded over the data-parallel ranks.
 
 Rajbhandari et al. 2020 (ZeRO, stage 3 "P_os+g+p") and Zhao et al. 2023 (PyTorch FSDP). The model is cut into
-*units* (``FlatUnit``): each transformer block, found automatically as the children of the shallowest
-``nn.ModuleDict``/``nn.ModuleList`` named ``blocks``, ``layers`` or ``h`` (plait's GPT, Hugging Face GPT-2 and
-Llama), plus a *root* unit holding every other trainable parameter (embeddings, final norm, head; the whole model
+*units* (``FlatUnit``): each transformer block, found automatically (``plait.parallel.blocks``: the children of
+the shallowest ``nn.ModuleDict``/``nn.ModuleList`` named like ``blocks``, ``layers``, ``h``, ...), plus a *root* unit holding every other trainable parameter (embeddings, final norm, head; the whole model
 when no blocks are found). At rest each of the N ranks holds 1/N of every unit's flat parameters; a unit is
 whole only while it computes:
 
@@ -49,6 +48,7 @@ from plait.comm import Comm
 from plait.comm.collectives import Pending
 from plait.layout import Layout
 from plait.logging import get_logger
+from plait.parallel.blocks import find_blocks
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero.base import ShardedStrategy
@@ -57,23 +57,6 @@ from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 from plait.parallel.zero.shard_buckets import master_dtype
 
 log = get_logger(__name__)
-
-BLOCK_CONTAINER_NAMES = ("blocks", "layers", "h")
-"""Names of the module lists whose children become one unit each."""
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the shallowest ModuleDict/ModuleList named like ``BLOCK_CONTAINER_NAMES`` (or none)."""
-    found = [
-        (name, module)
-        for name, module in model.named_modules()
-        if name.rsplit(".", 1)[-1] in BLOCK_CONTAINER_NAMES and isinstance(module, (nn.ModuleDict, nn.ModuleList))
-    ]
-    if not found:
-        return []
-    prefix, container = min(found, key=lambda item: item[0].count("."))
-    return [(f"{prefix}.{child}", module) for child, module in container.named_children()]
-
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
