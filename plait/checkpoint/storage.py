@@ -201,14 +201,15 @@ class _AlreadyStaged:
 
 def write_async(staged: dict[str, Any], writer: FileSystemWriter, group: dist.ProcessGroup | None) -> Future[Any]:
     """``dcp.async_save`` of host copies (``staged``) on a background thread over ``group`` (a process group of
-    its own: the training's collectives go on meanwhile on theirs); None without a process group."""
+    its own: the training's collectives go on meanwhile on theirs), or in this process alone when ``group`` is
+    None (no process group, or one rank)."""
     with _quiet():
-        return dcp.async_save(  # type: ignore[return-value]  # a Future here (no stager future is involved)
+        return dcp.async_save(  # a Future here: the stager returns the state itself, not a future
             staged,
             storage_writer=writer,
             planner=PlaitSavePlanner(staged=True),
             process_group=group,
-            async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
+            async_stager=_AlreadyStaged(),
             no_dist=group is None,
         )
 
