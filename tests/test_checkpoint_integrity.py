@@ -303,3 +303,16 @@ def test_plait_train_async_save_retention_and_resume_from_the_newest_intact(tmp_
     assert _names(tmp_path / "sync" / "ckpt") == ["step-00000002", "step-00000004", STEP6, "step-00000008"]
     assert _names(tmp_path / "async" / "ckpt") == [STEP6, "step-00000008"]  # keep 2; step 8 saved again, intact
     assert main(["checkpoint", "verify", str(tmp_path / "async")]) == 0
+
+
+def test_checkpoint_settings_are_validated():
+    from plait.errors import ConfigError
+    from plait.train.config import load_config
+
+    config = load_config(None, ["train.keep_checkpoints=5", "train.keep_every=100", "train.async_save=true"])
+    assert (config.train.keep_checkpoints, config.train.keep_every, config.train.async_save) == (5, 100, True)
+    assert load_config().train.keep_checkpoints == 3 and not load_config().train.async_save  # the defaults
+    with pytest.raises(ConfigError, match="keep_checkpoints=-1 must be an integer >= 0"):
+        load_config(None, ["train.keep_checkpoints=-1"])
+    with pytest.raises(ConfigError, match="async_save='yes' must be true or false"):
+        load_config(None, ["train.async_save=yes"])

@@ -148,8 +148,9 @@ def choose(root: Path, rank: int = 0, world: int = 1, gather: Gather | None = No
         complete_steps = {e.step for e in candidates if not e.kind}
         candidates = [e for e in candidates if not e.kind or e.step not in complete_steps]
         if not candidates:
+            pointer = "" if (root / LATEST).exists() else f"{root / LATEST} is missing and "
             raise CheckpointError(
-                f"no checkpoint under {root}: {root / LATEST} is missing and there is no step folder. "
+                f"no checkpoint under {root}: {pointer}there is no step folder. "
                 f"Fix: save one first with engine.save(), or point at the folder that holds them."
             )
     skipped: list[str] = []
