@@ -261,6 +261,8 @@ def test_process_killed_during_asynchronous_save_leaves_the_previous_checkpoint_
         "step-00000002.partial is incomplete (a save that never completed)"
     ]
     assert status(Entry(root / "step-00000002.partial", 2, ".partial")).state == INCOMPLETE
+    assert main(["checkpoint", "verify", str(root / "step-00000002.partial")]) == 1
+    assert main(["checkpoint", "verify", str(root)]) == 0  # the root's one complete checkpoint is intact
     engine, _ = _engine(Layout())
     with _Records() as records:
         assert engine.load(root) == 1

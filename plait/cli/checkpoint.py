@@ -67,10 +67,25 @@ def _size(n: int) -> str:
 
 
 def run_verify(path: Path) -> int:
-    from plait.checkpoint.catalog import DAMAGED, INCOMPLETE, INTACT, Entry, entries, is_checkpoint_folder, status
+    from plait.checkpoint.catalog import (
+        DAMAGED,
+        INCOMPLETE,
+        INTACT,
+        STEP,
+        Entry,
+        entries,
+        is_checkpoint_folder,
+        status,
+    )
 
     path = _root(path)
-    targets = [Entry(path, -1)] if is_checkpoint_folder(path) else [e for e in entries(path) if not e.kind]
+    match = STEP.match(path.name)
+    if match and match.group(2):  # a .partial (or .deleting) folder named directly
+        targets = [Entry(path, int(match.group(1)), match.group(2))]
+    elif is_checkpoint_folder(path):
+        targets = [Entry(path, -1)]
+    else:
+        targets = [e for e in entries(path) if not e.kind]
     if not targets:
         raise ConfigError(f"{path} holds no checkpoint (no plait.json, no step-N folder). Fix: give a run folder.")
     bad = 0
