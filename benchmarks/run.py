@@ -1,8 +1,10 @@
-"""``python -m benchmarks.run [--suite ddp|zero1|zero3|pp|tp|cp|overhead|all] [--world N] [--quick] [--steps N] [--out F]``
+"""``python -m benchmarks.run [--suite ddp|zero1|zero3|pp|tp|cp|overhead|checkpoint|all] [--world N] [--quick] [--out F]``
 
 Runs plait and its torch-native peer on the same model, batches, optimizer and seeds, in one invocation,
 alternating the two so that machine noise hits both alike, and prints one table per suite with the ratios next to
-the theoretical figure. ``--out BENCHMARKS.md`` rewrites that file's result blocks in place.
+the theoretical figure. ``--out BENCHMARKS.md`` rewrites that file's result blocks in place. ``checkpoint``
+(``benchmarks/checkpoint.py``) times checkpoint saves and loads against plain DCP and the stall of synchronous vs
+asynchronous saves; it has its own table.
 
 Each distributed suite runs at every world size in its ``worlds`` (2 and 4; ``tp`` at 2, ``cp`` at 4) unless
 ``--world`` names one.
@@ -30,7 +32,7 @@ from rich.console import Console
 from benchmarks.contenders import SUITES, Suite
 from benchmarks.launch import launch
 from benchmarks.measure import summarise
-from benchmarks.report import busy_cpu_seconds, machine, print_tables, write_markdown
+from benchmarks.report import busy_cpu_seconds, conditions, machine, print_tables, replace_block, write_markdown
 from benchmarks.worker import RankResult, RunSpec, run_rank
 from benchmarks.workload import write_text
 
@@ -119,7 +121,9 @@ def wait_for_quiet(max_load: float, patience_s: float) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which pair to run (default all)")
+    parser.add_argument(
+        "--suite", default="all", choices=[*SUITES, "checkpoint", "all"], help="which pair to run (default all)"
+    )
     parser.add_argument("--world", type=int, help="ranks for the distributed suites (default: each of 2 and 4)")
     parser.add_argument(
         "--quick",
@@ -154,13 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_load is not None:
         wait_for_quiet(args.max_load, args.patience)
     info = machine()
-    names = list(SUITES) if args.suite == "all" else [args.suite]
+    names = list(SUITES) if args.suite == "all" else [name for name in [args.suite] if name in SUITES]
     rows: list[dict[str, Any]] = []
     started, (machine_before, own_before) = time.monotonic(), busy_cpu_seconds()
     counts = QUICK if args.quick else {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds}
     for name in names:
         for world in worlds_of(SUITES[name], args.world):
             rows += run_suite(name, world, **counts)
+    checkpoint_rows = _checkpoint_suite(args) if args.suite in ("checkpoint", "all") else []
     machine_after, own_after = busy_cpu_seconds()
     info["wall_s"] = time.monotonic() - started
     info["foreign_cpu_s"] = max(0.0, (machine_after - machine_before) - (own_after - own_before))
@@ -171,14 +176,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         info["foreign_cpu_s"],
     )
     console = Console(width=max(Console().width, 200))
-    print_tables(console, {n: SUITES[n].title for n in names}, rows, info)
+    if rows:
+        print_tables(console, {n: SUITES[n].title for n in names}, rows, info)
+    command = shlex.join(["python", "-m", "benchmarks.run", *argv])
+    if checkpoint_rows:
+        from benchmarks.checkpoint import markdown
+
+        console.print(markdown(checkpoint_rows, command, f"plait {info['plait']}; {conditions(info)}"))
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": info, "rows": rows}, indent=1, default=str))
+        args.json.write_text(json.dumps({"machine": info, "rows": rows + checkpoint_rows}, indent=1, default=str))
     if args.out is not None:
-        command = shlex.join(["python", "-m", "benchmarks.run", *argv])
-        write_markdown(args.out, rows, command, info)
+        if rows:
+            write_markdown(args.out, rows, command, info)
+        if checkpoint_rows:
+            from benchmarks.checkpoint import markdown
+
+            body = markdown(
+                checkpoint_rows,
+                command,
+                f"plait {info['plait']}. Machine: {info['nproc']} cores, "
+                f"{info['cpu']}, torch {info['torch']}; {conditions(info)}",
+            )
+            replace_block(args.out, "checkpoint", body)
         log.info("wrote %s", args.out)
     return 0
+
+
+def _checkpoint_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``checkpoint`` suite (``benchmarks/checkpoint.py``): --quick is 1 round and a 4-step stall block."""
+    from benchmarks.checkpoint import run_checkpoint_suite
+
+    if args.quick:
+        return run_checkpoint_suite(rounds=1, stall_steps=4, stall_every=2)
+    return run_checkpoint_suite(rounds=args.rounds or 3)
 
 
 if __name__ == "__main__":

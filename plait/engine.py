@@ -236,11 +236,14 @@ class Engine:
     # ----------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path) -> Path:
         """Write model, optimizer, lr scheduler and random states under ``directory`` atomically, each rank its
-        own pieces of the whole tensors; returns the checkpoint's folder (docs/checkpoints.md)."""
+        own pieces of the whole tensors with their SHA-256; returns the checkpoint's folder (docs/checkpoints.md;
+        ``plait.checkpoint.Checkpointer`` adds asynchronous saves and retention)."""
         return checkpoint.save(self, directory)
 
     def load(self, directory: str | Path) -> int:
-        """Load the latest complete checkpoint under ``directory``, saved under any layout; returns its step."""
+        """Load the newest intact checkpoint under ``directory`` (or the step folder ``directory``), saved under
+        any layout, after checking its files' sizes and SHA-256; a damaged or incomplete newer one is skipped
+        with one warning. Returns its step."""
         return checkpoint.load(self, directory)
 
     @property

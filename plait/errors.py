@@ -19,6 +19,11 @@ class ScheduleError(PlaitError, ValueError):
     """A pipeline schedule that cannot run: malformed, wrongly ordered, or deadlocking. Names the action."""
 
 
+class CheckpointError(PlaitError, FileNotFoundError):
+    """A checkpoint that is missing, incomplete, damaged (a file whose size or checksum differs from what its
+    plait.json records: the message names the file, the rank that wrote it and the fix) or unsafe to load."""
+
+
 class CommError(PlaitError, RuntimeError):
     """A collective failed or timed out; the message names the rank, the mesh axis and the operation."""
 

@@ -15,6 +15,7 @@ from helpers.harness import DistributedTestError, run_distributed
 import plait
 from plait import Layout
 from plait.checkpoint import CheckpointError, latest, load_full_state
+from plait.checkpoint.integrity import digest_file, seal
 from plait.data import ShardedBatches
 
 
@@ -113,6 +114,14 @@ def test_checkpoint_of_the_old_format_is_a_clear_error(tmp_path):
         engine.load(tmp_path / "ckpt")
 
 
+def rerecord(folder) -> None:
+    """Record the files' current sizes and digests in plait.json, as someone rewriting a checkpoint would."""
+    meta = json.loads((folder / "plait.json").read_text())
+    for name, record in meta["files"].items():
+        record["bytes"], record["sha256"] = digest_file(folder / name)
+    (folder / "plait.json").write_text(json.dumps(seal(meta)))
+
+
 class _RunsCode:
     def __init__(self, marker: str) -> None:
         self.marker = marker
@@ -128,6 +137,9 @@ def test_malicious_metadata_is_refused_without_running_it(tmp_path):
     folder = engine.save(tmp_path / "ckpt")
     marker = tmp_path / "ran"
     (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(CheckpointError, match=r"\.metadata \(written by rank 0\) has \d+ bytes"):
+        engine.load(tmp_path / "ckpt")  # first line of defence: the file is not the one plait.json records
+    rerecord(folder)  # an attacker who also rewrites plait.json: the unpickler still refuses it
     with pytest.raises(CheckpointError, match=r"names (posix|os|nt)\.system.*refusing"):
         engine.load(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="refusing"):
@@ -147,6 +159,7 @@ def test_pickled_entries_are_never_loaded(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(entries, checkpoint_id=str(folder), no_dist=True)
+    rerecord(folder)  # past the checksums (plait.json rewritten to match): the entry itself is refused
     with pytest.raises(CheckpointError, match="lm_head.weight.*pickled"):
         engine.load(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="lm_head.weight.*not a tensor"):

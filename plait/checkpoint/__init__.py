@@ -1,4 +1,4 @@
-"""Sharded, layout-free checkpoints on torch.distributed.checkpoint (DCP), written atomically.
+"""Sharded, layout-free checkpoints on torch.distributed.checkpoint (DCP), written atomically, checked on load.
 
 A checkpoint root holds one folder per saved step and a ``latest`` pointer::
 
@@ -11,8 +11,11 @@ elementwise optimizer states by parameter name (``canonical``), located by globa
 process. Replicas are written once. Hyper-parameters, the lr scheduler, the step and the layout are JSON in
 plait.json; nothing is pickled, and loading never unpickles anything but DCP's metadata classes (``storage``).
 
-Writes go to ``step-N.partial``; after a barrier rank 0 renames it to ``step-N`` and replaces ``latest``
-with ``os.replace`` (atomic on POSIX): a crash at any moment leaves ``latest`` naming a complete checkpoint.
+Writes go to ``step-N.partial``; rank 0 then renames it to ``step-N`` and replaces ``latest`` with
+``os.replace`` (atomic on POSIX): a crash at any moment leaves ``latest`` naming a complete checkpoint
+(``saving``; ``Checkpointer`` also saves asynchronously and applies retention). plait.json records every file's
+size and SHA-256 (``integrity``); ``load`` checks them and resumes from the newest intact checkpoint, saying
+once what it skipped (``catalog``).
 
 For ``plait convert``: ``load_full_state`` (whole model tensors + plait.json, one process) and
 ``save_model_state`` (a model-only checkpoint ``Engine.load`` accepts). docs/checkpoints.md has the details.
@@ -20,115 +23,25 @@ For ``plait convert``: ``load_full_state`` (whole model tensors + plait.json, on
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.checkpoint import canonical, extras, storage
+from plait.checkpoint import canonical, catalog, extras, integrity, storage
 from plait.checkpoint.canonical import MODEL
-from plait.checkpoint.restore import _agree, load_engine
-from plait.checkpoint.storage import CheckpointError
-from plait.errors import LayoutError
+from plait.checkpoint.catalog import LATEST, has_checkpoints, step_dir
+from plait.checkpoint.integrity import FORMAT, META, ChecksumWriter
+from plait.checkpoint.restore import load_engine
+from plait.checkpoint.saving import Checkpointer, publish, save
+from plait.errors import CheckpointError
 from plait.logging import get_logger
 
 if TYPE_CHECKING:
     from plait.engine import Engine
 
-LATEST = "latest"
-META = "plait.json"
-FORMAT = 2
-"""plait.json's ``format``: 2 = canonical global tensors (any layout)."""
 log = get_logger(__name__)
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _publish(root: Path, partial: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Complete ``partial`` with plait.json, rename it to ``final`` and point ``latest`` at it (one process)."""
-    _write_text_atomic(partial / META, json.dumps(meta, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    _write_text_atomic(root / LATEST, final.name)
-
-
-def _rank_file(folder: Path, rank: int) -> Path:
-    return folder / f"optim-rank{rank:05d}.json"
-
-
-def _model_meta(engine: Engine) -> dict[str, Any] | None:
-    """What model was trained, for ``plait convert``: ``{"hf": config}`` for a Hugging Face model (its
-    ``config.to_dict()`` as JSON), ``{"config": fields}`` for a model with a dataclass ``config`` (plait's GPT)."""
-    for module in (engine.model, engine.strategy.model):
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_json_string") and hasattr(config, "model_type"):
-            return {"hf": json.loads(config.to_json_string(use_diff=False))}
-        if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            try:
-                return {"config": extras.to_json(dataclasses.asdict(config))}
-            except TypeError:
-                return None
-    return None
-
-
-def save(engine: Engine, root: str | Path) -> Path:
-    """Save ``engine``'s model, optimizer, lr scheduler and random states under ``root``/step-N (every rank its
-    own pieces) and point ``root``/latest at it. A collective: every rank calls it."""
-    root = Path(root)
-    final = _step_dir(root, engine.step)
-    partial = final.with_name(final.name + ".partial")
-    problem: Exception | None = None
-    try:
-        entries = canonical.save_state(engine)
-        groups = extras.param_groups(engine.strategy.optimizer, canonical.group_names(engine))
-    except (LayoutError, TypeError, ValueError) as error:  # agreed over the ranks, then raised on every one
-        problem = error
-    _agree(engine, problem)
-    rank = engine.mesh.rank
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    engine.comm.barrier()
-    storage.write(entries, partial)
-    extras.save_rng(partial, rank)
-    _write_text_atomic(_rank_file(partial, rank), json.dumps(groups))
-    engine.comm.barrier()
-    if rank == 0:
-        merged: list[dict[str, Any]] = []
-        for other in range(engine.mesh.world_size):
-            for group in json.loads(_rank_file(partial, other).read_text()):
-                if group not in merged:
-                    merged.append(group)
-        meta = {
-            "format": FORMAT,
-            "step": engine.step,
-            "layout": engine.layout.to_dict(),
-            "world_size": engine.mesh.world_size,
-            "model": _model_meta(engine),
-            "optimizer": {"param_groups": merged},
-            "lr_scheduler": extras.scheduler_state(engine.lr_scheduler),
-        }
-        _publish(root, partial, final, meta)
-        log.info("saved checkpoint %s", final)
-    engine.comm.barrier()
-    return final
 
 
 def latest(root: str | Path) -> Path:
@@ -146,20 +59,36 @@ def latest(root: str | Path) -> Path:
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
-    meta = json.loads((folder / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{folder} is a plait checkpoint of format {meta.get('format', 1)}, this plait reads format {FORMAT} "
-            f"(layout-free global tensors). Fix: load it with the plait version that wrote it and save it again."
-        )
+    meta, problems = integrity.read_meta(folder)
+    if meta is None:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {'; '.join(problems)}. {integrity.FIX}")
     return meta
 
 
+def _choose(root: str | Path, rank: int = 0, world: int = 1, gather: catalog.Gather | None = None) -> Path:
+    """The checkpoint to load (``catalog.choose``), with one warning (rank 0) naming what was skipped."""
+    folder, skipped = catalog.choose(Path(root), rank, world, gather)
+    if skipped and rank == 0:
+        log.warning(
+            "resuming from %s, the newest intact checkpoint under %s; skipped %d newer one(s): %s",
+            folder.name,
+            root,
+            len(skipped),
+            " | ".join(skipped),
+        )
+    return folder
+
+
 def load(engine: Engine, root: str | Path) -> int:
-    """Load the latest checkpoint under ``root`` into ``engine``, whatever layout saved it; returns (and sets)
-    its step. Random states are restored when the layout and world size are the saved ones."""
-    folder = latest(root)
+    """Load the newest intact checkpoint under ``root`` (or the step folder ``root``) into ``engine``, whatever
+    layout saved it; returns (and sets) its step. Every file is checked against plait.json's sizes and SHA-256
+    first (each rank its share); a damaged or incomplete newer checkpoint is skipped with one warning, the same
+    decision on every rank. Random states are restored when the layout and world size are the saved ones."""
+    gather = lambda data: engine.comm.all_gather_bytes(data, "world")  # noqa: E731
+    folder = _choose(root, engine.mesh.rank, engine.mesh.world_size, gather)
     meta = _read_meta(folder)
+    if not integrity.verified(meta):
+        log.info("%s was written before plait recorded checksums: its files are not verified", folder)
     load_engine(engine, folder, storage.read_metadata(folder))
     optimizer = engine.strategy.optimizer
     if meta.get("optimizer") is not None and optimizer.state:
@@ -180,16 +109,11 @@ def load(engine: Engine, root: str | Path) -> int:
     return engine.step
 
 
-def _folder_of(root: str | Path) -> Path:
-    root = Path(root)
-    return root if (root / META).is_file() else latest(root)
-
-
 def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model tensors by single-device name and the plait.json metadata of the latest checkpoint
     under ``root`` (or of the step folder ``root``), read in this one process (no process group needed;
     optimizer entries are not read). Tied names each come back, as separate tensors."""
-    folder = _folder_of(root)
+    folder = _choose(root)
     meta = _read_meta(folder)
     metadata = storage.read_metadata(folder)
     state = {}
@@ -208,7 +132,7 @@ def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dic
     goes into plait.json (its ``step``, default 0, is the step loaded); layout and world size are left empty."""
     root = Path(root)
     step = int(meta.get("step", 0))
-    final = _step_dir(root, step)
+    final = step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)
@@ -216,7 +140,9 @@ def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dic
     bad = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
     if bad:
         raise TypeError(f"save_model_state takes tensors by name; {bad[:3]} are not tensors")
-    storage.write({MODEL + name: value.detach().contiguous() for name, value in state.items()}, partial, no_dist=True)
+    writer = ChecksumWriter(partial, 0)
+    tensors = {MODEL + name: value.detach().contiguous() for name, value in state.items()}
+    storage.write(tensors, partial, no_dist=True, writer=writer)
     full = {
         **meta,
         "format": FORMAT,
@@ -225,10 +151,23 @@ def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dic
         "world_size": meta.get("world_size"),
         "optimizer": None,
         "lr_scheduler": None,
+        "files": writer.manifest,
     }
-    _publish(root, partial, final, full)
+    publish(root, partial, final, full)
     log.info("saved model-only checkpoint %s (%d tensors)", final, len(state))
     return final
 
 
-__all__ = ["LATEST", "META", "CheckpointError", "latest", "load", "load_full_state", "save", "save_model_state"]
+__all__ = [
+    "FORMAT",
+    "LATEST",
+    "META",
+    "CheckpointError",
+    "Checkpointer",
+    "has_checkpoints",
+    "latest",
+    "load",
+    "load_full_state",
+    "save",
+    "save_model_state",
+]

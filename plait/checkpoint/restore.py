@@ -44,15 +44,17 @@ def init_optimizer_state(strategy: Any) -> None:
         placement.adopt_states(optimizer)
 
 
-def _agree(engine: Any, problem: Exception | None) -> None:
-    """Raise on every rank when any rank found a problem: its own error, or one saying another rank has one."""
+def _agree(engine: Any, problem: Exception | None, others: str | None = None) -> None:
+    """Raise on every rank when any rank found a problem: its own error, or one saying another rank has one
+    (``others``, by default about the checkpoint's entries)."""
     flag = torch.tensor([0.0 if problem is None else 1.0], device=engine.comm.device)
     engine.comm.all_reduce(flag, "world", op="max")
     if problem is not None:
         raise problem
     if flag.item():
         raise CheckpointError(
-            "another rank found this checkpoint unusable for its part of the model (its error names the entries)."
+            others
+            or "another rank found this checkpoint unusable for its part of the model (its error names the entries)."
         )
 
 

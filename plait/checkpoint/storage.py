@@ -18,6 +18,7 @@ import pathlib
 import pickle
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
 from plait.checkpoint.chunks import Chunked
-from plait.errors import PlaitError
-
-
-class CheckpointError(PlaitError, FileNotFoundError):
-    """A missing, incomplete or unsafe checkpoint."""
-
+from plait.errors import CheckpointError
 
 SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 """Any class of DCP's metadata module (dataclasses and enums, no side effects) may be named."""
@@ -124,15 +120,18 @@ def check_tensors(metadata: Metadata, keys: Any) -> None:
 
 
 class PlaitSavePlanner(DefaultSavePlanner):
-    """Writes a flat dict of ``Chunked`` objects and tensors (each piece as a compact copy)."""
+    """Writes a flat dict of ``Chunked`` objects and tensors (each piece as a compact copy: torch.save of a view
+    would write its whole storage; ``staged`` pieces are compact copies already)."""
 
-    def __init__(self) -> None:
+    def __init__(self, staged: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.staged = staged
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict[index.fqn]
         if isinstance(value, Chunked):
-            return value.__get_tensor_shard__(index).detach().clone(memory_format=torch.contiguous_format)
+            piece = value.__get_tensor_shard__(index)
+            return piece if self.staged else piece.detach().clone(memory_format=torch.contiguous_format)
         return super().lookup_object(index)
 
 
@@ -177,14 +176,41 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def write(state: dict[str, Any], folder: Path, no_dist: bool = False) -> None:
+def write(state: dict[str, Any], folder: Path, no_dist: bool = False, writer: FileSystemWriter | None = None) -> None:
     """Every rank writes its pieces of ``state`` into ``folder`` (a collective unless ``no_dist``)."""
     with _quiet():
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(str(folder)),
+            storage_writer=writer if writer is not None else FileSystemWriter(str(folder)),
             planner=PlaitSavePlanner(),
             no_dist=no_dist or not distributed(),
+        )
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state that is staged already (host copies made by the caller)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def close(self) -> None:
+        pass
+
+
+def write_async(staged: dict[str, Any], writer: FileSystemWriter, group: dist.ProcessGroup | None) -> Future[Any]:
+    """``dcp.async_save`` of host copies (``staged``) on a background thread over ``group`` (a process group of
+    its own: the training's collectives go on meanwhile on theirs), or in this process alone when ``group`` is
+    None (no process group, or one rank)."""
+    with _quiet():
+        return dcp.async_save(  # a Future here: the stager returns the state itself, not a future
+            staged,
+            storage_writer=writer,
+            planner=PlaitSavePlanner(staged=True),
+            process_group=group,
+            async_stager=_AlreadyStaged(),
+            no_dist=group is None,
         )
 
 

@@ -2,7 +2,8 @@
 
 ``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
-(``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait plan``,
+(``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait
+checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait plan``,
 ``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
 ``plait: error: ...`` with exit code 2.
 """
@@ -13,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from plait.cli.checkpoint import add_checkpoint_command, run_checkpoint
 from plait.cli.convert import add_convert_command, run_convert
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
@@ -28,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schedule_command(commands)
     add_ps_command(commands)
     add_convert_command(commands)
+    add_checkpoint_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -44,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_ps(args)
         if args.command == "convert":
             return run_convert(args)
+        if args.command == "checkpoint":
+            return run_checkpoint(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:

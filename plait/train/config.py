@@ -64,6 +64,13 @@ class TrainConfig:
     eval_batches: int = 4
     log_every: int = 10
     save_every: int = 0
+    keep_checkpoints: int = 3
+    """Retention: keep the newest N checkpoints (0 keeps all); older ones go once a newer one is published and
+    checked, never the only intact one (docs/checkpoints.md)."""
+    keep_every: int = 0
+    """Retention also keeps every step that is a multiple of K, for the record (0: none)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (host copies; one save in flight at most)."""
     out: str = ""
     pipeline_trace: str = ""
     """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
@@ -74,12 +81,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"train.{name}={value!r} must be an integer >= 1.")
-        for name in ("eval_every", "save_every", "warmup_steps"):
+        for name in ("eval_every", "save_every", "warmup_steps", "keep_checkpoints", "keep_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"train.{name}={value!r} must be an integer >= 0 (0 turns it off).")
         if not self.lr > 0:
             raise ConfigError(f"train.lr={self.lr!r} must be positive.")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"train.async_save={self.async_save!r} must be true or false.")
 
 
 @dataclass

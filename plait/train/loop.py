@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint import LATEST
+from plait.checkpoint import Checkpointer, has_checkpoints
 from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine
@@ -162,9 +162,12 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     train = config.train
     run_dir = Path(train.out) if train.out else default_run_dir()
     ckpt = run_dir / "ckpt"
-    if (ckpt / LATEST).exists():
+    if has_checkpoints(ckpt):  # the newest intact checkpoint; refuses (deleting nothing) when none is intact
         guard.beat("loading the checkpoint", timed=False)
         engine.load(ckpt)
+    saver = Checkpointer(
+        engine, ckpt, train.keep_checkpoints, train.keep_every, train.async_save and train.save_every > 0
+    )
     lead = world.rank == 0
     if lead:
         _note_restart(guard.attempt, engine.step, train.save_every)
@@ -211,10 +214,12 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
                     writer.write(eval_record(stats.step, result))
             if train.save_every and stats.step % train.save_every == 0:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
-                engine.save(ckpt)
+                saver.save()  # train.async_save: waits for the previous save, stages a host copy, returns
             progress.update(stats.step, info + last_eval)
     finally:
         progress.close()
+    guard.beat("waiting for the last checkpoint save", timed=False)
+    saver.wait()  # the job ends with its last checkpoint published
     seconds = time.perf_counter() - started
     guard.beat("writing traces after the last step", timed=False)
     if tracer is not None:  # a collective: every rank gathers its spans to rank 0

@@ -1,0 +1,146 @@
+"""``plait checkpoint verify DIR`` and ``plait checkpoint list RUN``: is a checkpoint intact, and what is there.
+
+    plait checkpoint verify runs/job/ckpt/step-00000300   # one checkpoint: exit 0 intact, 1 damaged
+    plait checkpoint verify runs/job                      # every checkpoint of a run (or of a ckpt folder)
+    plait checkpoint list runs/job                        # steps, sizes, layout, state, which one latest names
+
+Both read every recorded file and compare its size and SHA-256 with plait.json (``plait.checkpoint.integrity``);
+``list --quick`` compares sizes only. A damaged checkpoint prints one line per problem, naming the file and the
+rank that wrote it. Nothing is changed or deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+
+def add_checkpoint_command(commands: Any) -> None:
+    """Register ``plait checkpoint {verify,list}`` on the ``plait`` parser's subcommands."""
+    parser = commands.add_parser(
+        "checkpoint",
+        help="verify checkpoints (sizes and SHA-256 of every file) or list those of a run",
+        description="Check plait checkpoints against the sizes and SHA-256 digests their plait.json records.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True)
+    verify = actions.add_parser(
+        "verify", help="check a checkpoint (or every one under a folder): exit 0 intact, 1 damaged"
+    )
+    verify.add_argument("dir", help="a step folder, a checkpoint root (with step-N folders) or a run folder")
+    listing = actions.add_parser("list", help="the checkpoints of a run: step, size, layout, state, latest")
+    listing.add_argument("run", help="a run folder (with ckpt/) or a checkpoint root")
+    listing.add_argument("--quick", action="store_true", help="compare sizes only (read no file)")
+
+
+def _root(path: Path) -> Path:
+    """The checkpoint root for a run folder (its ckpt/) or a root itself."""
+    from plait.checkpoint.catalog import LATEST, entries
+
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist. Fix: give a run folder, its ckpt/ folder or a step folder.")
+    if (path / "ckpt").is_dir() and not entries(path) and not (path / LATEST).exists():
+        return path / "ckpt"
+    return path
+
+
+def _layout(meta: dict[str, Any] | None) -> str:
+    if not meta or not meta.get("layout"):
+        return "-"
+    from plait.layout import Layout
+
+    try:
+        return Layout.from_dict(meta["layout"]).short()
+    except Exception:  # noqa: BLE001 - a layout this plait does not know: show the degrees it has
+        return " ".join(f"{k}{meta['layout'][k]}" for k in ("pp", "dp", "cp", "tp") if k in meta["layout"])
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def run_verify(path: Path) -> int:
+    from plait.checkpoint.catalog import (
+        DAMAGED,
+        INCOMPLETE,
+        INTACT,
+        STEP,
+        Entry,
+        entries,
+        is_checkpoint_folder,
+        status,
+    )
+
+    path = _root(path)
+    match = STEP.match(path.name)
+    if match and match.group(2):  # a .partial (or .deleting) folder named directly
+        targets = [Entry(path, int(match.group(1)), match.group(2))]
+    elif is_checkpoint_folder(path):
+        targets = [Entry(path, -1)]
+    else:
+        targets = [e for e in entries(path) if not e.kind]
+    if not targets:
+        raise ConfigError(f"{path} holds no checkpoint (no plait.json, no step-N folder). Fix: give a run folder.")
+    bad = 0
+    for entry in targets:
+        found = status(entry)
+        if found.state in (DAMAGED, INCOMPLETE):
+            bad += 1
+            for problem in found.problems:
+                print(f"{entry.path}: {problem}")  # noqa: T201 - CLI output
+        else:
+            note = "" if found.state == INTACT else " (written before plait recorded checksums: sizes unknown)"
+            files = len((found.meta or {}).get("files") or {})
+            print(f"{entry.path}: {found.state}, {files} files, {_size(found.bytes)}{note}")  # noqa: T201
+    return 1 if bad else 0
+
+
+def run_list(path: Path, quick: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.checkpoint.catalog import INTACT, entries, latest_name, status
+
+    root = _root(path)
+    found = entries(root)
+    if not found:
+        raise ConfigError(f"{root} holds no checkpoint (no step-N folder). Fix: give a run folder or its ckpt/.")
+    pointer = latest_name(root)
+    table = Table(title=f"checkpoints under {root}" + (" (sizes only)" if quick else ""), title_justify="left")
+    for header in ("step", "folder", "size", "files", "layout", "world", "state", "latest"):
+        table.add_column(header, justify="right" if header in ("step", "size", "files", "world") else "left")
+    for entry in found:
+        result = status(entry, deep=not quick)
+        meta = result.meta or {}
+        state = result.state if result.state == INTACT else f"{result.state}: {'; '.join(result.problems)}"
+        table.add_row(
+            str(entry.step),
+            entry.name,
+            _size(result.bytes),
+            str(len(meta.get("files") or {})) if meta else "-",
+            _layout(meta),
+            str(meta.get("world_size") or "-"),
+            state if result.state != "unverified" else "unverified (no checksums recorded)",
+            "<- latest" if entry.name == pointer else "",
+        )
+    Console(width=200).print(table)
+    return 0
+
+
+def run_checkpoint(args: argparse.Namespace) -> int:
+    if args.action == "verify":
+        return run_verify(Path(args.dir))
+    if args.action == "list":
+        return run_list(Path(args.run), args.quick)
+    print(f"plait checkpoint: unknown action {args.action!r}", file=sys.stderr)  # noqa: T201
+    return 2
+
+
+__all__ = ["add_checkpoint_command", "run_checkpoint"]
