@@ -65,7 +65,8 @@ def run_generate(args: argparse.Namespace) -> int:
     model = model_from_checkpoint(checkpoint, config.model, dataset.vocab_size, dataset.seq_len)
     if torch.cuda.is_available():
         model = model.cuda()
-    tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    options = {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed, "vocab": dataset.vocab_size}
+    tokens = generate(model, prompt, args.max_new_tokens, **options)
     print(dataset.decode(tokens[prompt.numel() :].cpu()))  # noqa: T201 - CLI output
     sys.stdout.flush()
     return 0

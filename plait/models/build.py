@@ -50,6 +50,22 @@ def model_config(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> G
     return config
 
 
+def check_model_section(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> None:
+    """The errors ``build_model`` would raise that need no weights (before any process starts): GPT fields and
+    presets, and an HF model's files (a folder with safetensors weights, or a readable config.json)."""
+    if not is_hf_section(section):
+        model_config(section, vocab_size, seq_len)
+        return
+    from pathlib import Path
+
+    from plait.models.hf_load import check_weights_folder, read_config
+
+    if "hf" in section:
+        check_weights_folder(Path(str(section["hf"])))
+    elif "hf_config" in section:
+        read_config(Path(str(section["hf_config"])))
+
+
 def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
     """The model of ``section`` (module docstring); fresh weights come from torch's current random state."""
     if is_hf_section(section):
@@ -63,4 +79,4 @@ def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> nn
     return GPT(model_config(section, vocab_size, seq_len))
 
 
-__all__ = ["build_model", "is_hf_section", "model_config"]
+__all__ = ["build_model", "check_model_section", "is_hf_section", "model_config"]

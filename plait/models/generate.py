@@ -28,11 +28,16 @@ from plait.models.gpt import GPT
 from plait.models.hf import is_hf_model
 
 
-def next_token(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> Tensor:
+def next_token(
+    logits: Tensor, temperature: float, top_k: int, generator: torch.Generator | None, vocab: int | None = None
+) -> Tensor:
     """Token ids [B] from last-position logits [B, V]: argmax when ``temperature`` is 0, else a draw from
-    softmax(logits / temperature) over the ``top_k`` largest (all when 0)."""
+    softmax(logits / temperature) over the ``top_k`` largest (all when 0). ``vocab`` restricts the choice to ids
+    below it (the tokenizer's ids, when the model's table is larger or padded)."""
     if temperature < 0 or top_k < 0:
         raise ValueError(f"temperature={temperature} and top_k={top_k} must be >= 0.")
+    if vocab is not None:
+        logits = logits[..., :vocab]
     if temperature == 0:
         return logits.argmax(dim=-1)
     scaled = logits.float() / temperature
@@ -113,9 +118,11 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     use_cache: bool = True,
+    vocab: int | None = None,
 ) -> Tensor:
     """``prompt`` [T0] or [B, T0] token ids continued by up to ``max_new_tokens`` tokens (stopping early once every
-    row has produced ``eos_id``); returns the prompt and its continuation. Deterministic in ``seed``."""
+    row has produced ``eos_id``; only ids below ``vocab`` when given); returns the prompt and its continuation.
+    Deterministic in ``seed``."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
     single = prompt.dim() == 1
@@ -137,7 +144,7 @@ def generate(
         feed = tokens[:, -(context - 1) :] if context is not None and tokens.shape[1] >= context else tokens
         logits = step(feed if fresh else tokens[:, -1:], fresh)
         fresh = False
-        chosen = next_token(logits[:, -1], temperature, top_k, generator)
+        chosen = next_token(logits[:, -1], temperature, top_k, generator, vocab)
         tokens = torch.cat([tokens, chosen[:, None]], dim=1)
         if eos_id is not None:
             done |= chosen == eos_id

@@ -61,7 +61,8 @@ def check_weights_folder(folder: Path) -> None:
         )
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
+    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable."""
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"model.hf_config: {path} does not exist. Fix: give a Hugging Face config.json.")
@@ -97,7 +98,7 @@ def build_hf_model(section: Mapping[str, Any]) -> nn.Module:
         )
         log.info("loaded %s from %s", type(model).__name__, folder)
     else:
-        fields = _read_config(Path(str(section["hf_config"])))
+        fields = read_config(Path(str(section["hf_config"])))
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, **options)
         log.info("built %s from %s (fresh weights)", type(model).__name__, section["hf_config"])
@@ -131,4 +132,4 @@ def check_fits(model: nn.Module, vocab_size: int, seq_len: int) -> None:
         )
 
 
-__all__ = ["HF_KEYS", "build_hf_model", "check_fits", "check_weights_folder", "model_context"]
+__all__ = ["HF_KEYS", "build_hf_model", "check_fits", "check_weights_folder", "model_context", "read_config"]

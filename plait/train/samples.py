@@ -46,10 +46,11 @@ def sample_windows(
     temperature: float,
     top_k: int,
     seed: int,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Continue ``prompts`` [P, T0] by up to ``max_new_tokens`` tokens within windows of ``window`` tokens (the
     training length); a collective: every rank calls it with the same prompts. Returns [P, T0 + n] on every
-    rank (n <= window - T0 + 1: the last token is predicted from a full window)."""
+    rank (n <= window - T0 + 1: the last token is predicted from a full window); ids below ``vocab`` only."""
     count, start = prompts.shape
     if window <= start:
         raise ValueError(f"samples need a window longer than the prompt ({start} tokens), got {window}.")
@@ -62,7 +63,7 @@ def sample_windows(
         logits = _logits(engine, tokens)
         chosen = torch.zeros(count, dtype=torch.long, device=engine.device)
         if logits is not None:  # every rank holding the last stage draws the same token (same seed, same logits)
-            chosen = next_token(logits[:, filled - 1].float(), temperature, top_k, generator)
+            chosen = next_token(logits[:, filled - 1].float(), temperature, top_k, generator, vocab)
         if engine.pipeline is not None:
             engine.comm.broadcast(chosen, "pp", src=engine.pipeline.last_rank_index)
         engine.comm.broadcast(chosen, "world", src=0)
@@ -91,7 +92,8 @@ def write_samples(
 ) -> list[dict[str, Any]]:
     """Sample ``count`` continuations of evaluation prompts (a collective); the records for samples.jsonl."""
     prompts = prompts_of(dataset, count, offset)
-    tokens = sample_windows(engine, prompts, dataset.seq_len, max_new_tokens, temperature, 0, seed + step)
+    window, vocab = dataset.seq_len, dataset.vocab_size
+    tokens = sample_windows(engine, prompts, window, max_new_tokens, temperature, 0, seed + step, vocab)
     start = prompts.shape[1]
     return [
         {

@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str =
                 f"vocab_size and seq_len), or start from a checkpoint of this model."
             )
         values[key] = found
-    unexpected = sorted(set(state) - persistent)
+    unexpected = [key for key in state if key not in persistent]  # in the file's order: the first one is named
     if unexpected:
         raise ConfigError(
             f"{source} do not fit this model: tensor {unexpected[0]!r} is not the model's ({len(unexpected)} such). "
