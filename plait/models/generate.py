@@ -18,7 +18,9 @@ full recomputation (up to float summation order), which ``tests/test_generate.py
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,15 +156,15 @@ def generate(
     return tokens[0] if single else tokens
 
 
-def _stepper(model: nn.Module, use_cache: bool):  # noqa: ANN202 - a closure over the model's cache
+def _stepper(model: nn.Module, use_cache: bool) -> Callable[[Tensor, bool], Tensor]:
     """``step(tokens, fresh) -> logits``: ``fresh`` starts over from ``tokens``, else continues the cache."""
-    state: dict[str, object] = {}
+    state: dict[str, Any] = {}
 
     def step(tokens: Tensor, fresh: bool) -> Tensor:
         if isinstance(model, GPT) and use_cache:
             if fresh:
                 state["cache"] = GPTCache()
-            return gpt_forward_cached(model, tokens, state["cache"])  # type: ignore[arg-type]
+            return gpt_forward_cached(model, tokens, state["cache"])
         if is_hf_model(model) and use_cache:  # transformers' own cache ("cache", formerly "past_key_values")
             name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
             past = None if fresh else state.get("past")
@@ -170,7 +172,7 @@ def _stepper(model: nn.Module, use_cache: bool):  # noqa: ANN202 - a closure ove
             state["past"] = getattr(output, name)
             return output.logits
         if not fresh:
-            tokens = torch.cat([state["tokens"], tokens], dim=1)  # type: ignore[list-item]
+            tokens = torch.cat([state["tokens"], tokens], dim=1)
         state["tokens"] = tokens
         output = model(tokens)
         return output.logits if hasattr(output, "logits") else output
