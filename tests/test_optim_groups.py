@@ -1,7 +1,8 @@
 """Optimizer parameter groups (no weight decay for norms / embeddings) under DDP and ZeRO-1/2/3: parity with
-single-device ``torch.optim`` on the same groups, with and without clipping, over 5 steps on dp=2; what the
-strategies build (each flat buffer laid out group after group, one view per buffer and group, a rank holding
-none of a group's elements); checkpoints of grouped ZeRO runs load under another stage; bad input.
+single-device ``torch.optim`` on the same groups, with and without clipping, over 5 steps on dp=2 (and ZeRO-3
+under pp=2); what the strategies build (each flat buffer laid out group after group, one view per buffer and
+group, a rank holding none of a group's elements); checkpoints of grouped ZeRO runs load under another stage;
+bad input.
 
 One gloo job (dp=2) runs every configuration in turn; the tests read its results.
 """
@@ -28,7 +29,7 @@ OPTIMIZERS = {  # L2-coupled decay (Adam, SGD) and decoupled decay (AdamW) take 
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.5),
 }
-CONFIGS = [  # (zero, optimizer, clip, offload)
+CONFIGS = [  # (zero, optimizer, clip, offload or "pp2")
     (0, "adamw", None, "none"),
     (0, "sgd", 0.05, "none"),
     (1, "adamw", None, "none"),
@@ -38,6 +39,7 @@ CONFIGS = [  # (zero, optimizer, clip, offload)
     (3, "adamw", None, "none"),
     (3, "adamw", 0.05, "cpu"),
     (3, "sgd", 0.05, "none"),
+    (3, "adamw", 0.05, "pp2"),  # pp=2 (dp=1): each stage's ZeRO-3 units gathered by the pipeline runner
 ]
 BUCKET_MB = 0.004  # ZeRO-2: several buckets, some of one group only
 
@@ -71,12 +73,15 @@ def reference(optimizer: str, clip: float | None) -> Trajectory:
 
 def _train(zero: int, optimizer: str, clip: float | None, offload: str) -> dict:
     model, task = make_model()
-    layout = Layout(dp=2, zero=zero, offload=offload, bucket_mb=BUCKET_MB)
+    if offload == "pp2":
+        layout = Layout(pp=2, zero=zero, microbatches=2)
+    else:
+        layout = Layout(dp=2, zero=zero, offload=offload, bucket_mb=BUCKET_MB)
     engine = plait.parallelize(
         model, layout, optimizer=OPTIMIZERS[optimizer], max_grad_norm=clip, param_groups=decay_groups(model, SKIP)
     )
     out = Trajectory()
-    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     for _step, batch in zip(range(STEPS), loader):
         out.losses.append(engine.train_step(batch).loss)
         out.params.append(engine.strategy.full_parameters())
@@ -134,11 +139,15 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[f"zero{c[0]}-{c[1]}-clip{c[2]}-{c[3]}" for c in CONFIGS])
 def test_groups_match_single_device(job: list[dict], index: int) -> None:
-    zero, optimizer, clip, _offload = CONFIGS[index]
+    zero, optimizer, clip, placement = CONFIGS[index]
     expected = reference(optimizer, clip)
-    for rank in range(2):
-        run = job[rank]["runs"][index]
-        assert run["decays"] == [0.0, 0.5]  # 0 for the embeddings (first seen) and norms, the factory's for weights
+    runs = [job[rank]["runs"][index] for rank in range(2)]
+    if placement == "pp2":  # each rank holds one stage: its parameters, merged, are the whole model's
+        merged = Trajectory(losses=runs[0]["trajectory"].losses)
+        merged.params = [{**a, **b} for a, b in zip(runs[0]["trajectory"].params, runs[1]["trajectory"].params)]
+        runs = [{**runs[0], "trajectory": merged}]
+    for run in runs:
+        assert run["decays"] == [0.0, 0.5]  # 0 for the embeddings / norms (seen first), the factory's for weights
         assert_trajectories_match(run["trajectory"], expected)  # fp32 tolerances of tests/reference.py
 
 
@@ -147,7 +156,9 @@ def test_zero_steps_one_view_per_buffer_and_group(job: list[dict]) -> None:
     model, _ = make_model()
     kinds = parameter_kinds(model)
     skipped = sum(p.numel() for n, p in model.named_parameters() if kinds[n] in SKIP)
-    for index, (zero, *_rest) in enumerate(CONFIGS):
+    for index, (zero, _optimizer, _clip, placement) in enumerate(CONFIGS):
+        if placement == "pp2":
+            continue  # one stage per rank: no sharding over dp=1
         sizes = [job[rank]["runs"][index]["group_sizes"] for rank in range(2)]
         if zero == 0:
             assert sizes[0][0] == skipped  # DDP: the model's own parameters, grouped (group 0: no decay)

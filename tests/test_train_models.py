@@ -65,7 +65,7 @@ def run_config(out: str, layout: dict, model: dict, **train: object) -> RunConfi
 
 RUNS = {  # name -> (layout, model section (root-relative paths), train overrides)
     "gpt2-tp2": ({"tp": 2}, {"hf": "gpt2"}, {}),
-    "gpt2-pp2": ({"pp": 2, "microbatches": 2}, {"hf": "gpt2"}, {"samples": 1, "sample_tokens": 3}),
+    "gpt2-pp2": ({"pp": 2, "microbatches": 2}, {"hf": "gpt2"}, {"samples": 1, "sample_tokens": 3, "save_every": 2}),
     "llama-tp2": ({"tp": 2}, {"hf": "llama"}, {}),
     "llama-pp2": ({"pp": 2, "microbatches": 2}, {"hf": "llama"}, {}),
     "llama-cp2": ({"cp": 2}, {"hf": "llama"}, {"samples": 1, "sample_tokens": 3}),
@@ -220,3 +220,13 @@ def test_bad_model_input_is_refused_before_launch(tmp_path: Path, capsys: pytest
         argv = ["train", "--nproc", "2", *[item for o in overrides for item in ("--set", o)]]
         assert main(argv) == 2  # refused in this process: no worker was launched
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_plait_generate_from_an_hf_run_saved_under_pp2(root: Path, capsys: pytest.CaptureFixture) -> None:
+    from plait.cli.main import main
+
+    argv = ["generate", str(root / "gpt2-pp2"), "--prompt", "12+34=", "--max-new-tokens", "3", "--seed", "1"]
+    assert main(argv) == 0 and main(argv) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second and len(first) == 3 and set(first) <= set("0123456789+=")  # the task's symbols only
