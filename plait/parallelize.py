@@ -26,6 +26,7 @@ from plait.models.hf import is_hf_model, return_logits
 from plait.models.loss import LossFn
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
+from plait.parallel.param_groups import GroupOf
 from plait.parallel.pipeline.apply import PipelinePlan, place_pipeline, plan_pipeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
 from plait.parallel.pipeline.runtime import PipelineRunner
@@ -67,14 +68,19 @@ def make_strategy(
     layout: Layout,
     find_unused_parameters: bool | None = None,
     offload_dir: str | None = None,
+    param_groups: GroupOf | None = None,
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
     gradients), 3 -> fully sharded parameters (FSDP-style)."""
     if layout.zero == 0:
-        return DistributedDataParallel(model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters)
+        return DistributedDataParallel(
+            model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters, param_groups=param_groups
+        )
     if layout.zero in (1, 2):
-        return ShardedOptimizerStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
-    return FullyShardedStrategy(model, comm, optimizer, layout, offload_dir=offload_dir)
+        return ShardedOptimizerStrategy(
+            model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups
+        )
+    return FullyShardedStrategy(model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups)
 
 
 def make_runner(
@@ -127,6 +133,7 @@ def parallelize(
     pipeline_schedule: Schedule | None = None,
     tp_plan: Plan | None = None,
     pipedream: PipeDreamOptions | None = None,
+    param_groups: GroupOf | None = None,
 ) -> Engine:
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
@@ -152,6 +159,9 @@ def parallelize(
             plan of the model's class, see ``plait.parallel.tensor.plan``).
         pipedream: with schedule="pipedream", how the asynchronous pipeline updates (update interval, vertical
             sync; default ``PipeDreamOptions()``: weight stashing, an update after every micro-batch).
+        param_groups: ``group_of(name, param) -> hyper-parameter overrides`` (e.g. ``{"weight_decay": 0.0}`` for
+            norms and biases): the optimizer factory is then called with torch.optim param groups, under DDP and
+            ZeRO-1/2/3 alike (``plait.parallel.param_groups``).
     """
     if (
         layout is not None
@@ -208,7 +218,7 @@ def parallelize(
     if pipeline is None:
         apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
-    strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir)
+    strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir, param_groups)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
     precision = MixedPrecision(layout.precision, device)

@@ -62,10 +62,13 @@ def test_bad_layout_is_refused_before_launch(tmp_path):
 
 
 def test_worker_failure_names_the_rank(tmp_path):
-    # model.n_head=3 does not divide d_model=64: every worker fails while building the model.
-    result = plait("train", "--nproc", "2", "--out", str(tmp_path / "r"), "--set", "model.n_head=3", cwd=tmp_path)
+    # train.init_from names a file that exists (the launcher's check passes) but holds no weights: every worker
+    # fails while reading it (a bad [model] is refused before launch instead).
+    (tmp_path / "notes.txt").write_text("not weights")
+    overrides = ("--set", f"train.init_from={tmp_path / 'notes.txt'}")
+    result = plait("train", "--nproc", "2", "--out", str(tmp_path / "r"), *overrides, cwd=tmp_path)
     assert result.returncode != 0
-    assert "n_head" in result.stderr  # the cause, from the failing rank's own error
+    assert "neither a plait checkpoint" in result.stderr  # the cause, from the failing rank's own error
     # the launcher's last word names the failed rank(s) and their exit codes; the agent may list first a peer it
     # stopped itself ("rank 0 (exit code -15: killed by SIGTERM), rank 1 (exit code 2)"), in either order
     assert re.search(

@@ -49,6 +49,9 @@ def flats(strategy: Any) -> list[Flat]:
     """The strategy's flat buffers (empty for replicated data parallelism, whose DDP buckets are transient)."""
     if not getattr(strategy, "sharded", False):
         return []
+    views = getattr(strategy, "group_views", None)
+    if views:  # parameter groups: the optimizer steps one view per (buffer, group), each a flat of its own
+        return [Flat(v.layout, v.rank, v.master, list(v.params), v.shard) for v in views]
     if hasattr(strategy, "units"):
         return [Flat(u.layout, u.rank, u.master, list(u.params), u.shard) for u in strategy.units if not u.empty]
     if hasattr(strategy, "buckets"):

@@ -3,7 +3,8 @@
 ``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
 (``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait
-checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait plan``,
+checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait
+generate`` prints a trained model's continuation of a prompt (``generate.py``); ``plait plan``,
 ``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
 ``plait: error: ...`` with exit code 2.
 """
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from plait.cli.checkpoint import add_checkpoint_command, run_checkpoint
 from plait.cli.convert import add_convert_command, run_convert
+from plait.cli.generate import add_generate_command, run_generate
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
 from plait.cli.schedule import add_schedule_command, run_schedule
@@ -31,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ps_command(commands)
     add_convert_command(commands)
     add_checkpoint_command(commands)
+    add_generate_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -49,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_convert(args)
         if args.command == "checkpoint":
             return run_checkpoint(args)
+        if args.command == "generate":
+            return run_generate(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:

@@ -121,9 +121,17 @@ def _check_before_launch(args: argparse.Namespace) -> None:
             f"--set train.save_every=100 (checkpoints go to <run>/ckpt), or drop --max-restarts."
         )
     try:
-        make_dataset(config.data.name, **config.data.dataset_kwargs())
+        dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
     except ValueError as error:
         raise ConfigError(f"[data] section: {error}") from error
+    from plait.models.build import check_model_section
+
+    check_model_section(config.model, dataset.vocab_size, dataset.seq_len)
+    if config.train.init_from and not os.path.exists(config.train.init_from):
+        raise ConfigError(
+            f"train.init_from={config.train.init_from!r} does not exist. Fix: give a plait checkpoint folder, a "
+            f".safetensors file or a Hugging Face folder."
+        )
 
 
 def _train(args: argparse.Namespace) -> int:

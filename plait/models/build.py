@@ -1,9 +1,15 @@
 """``build_model``: the model a run configuration's ``[model]`` section describes, sized to its data.
 
-The section is the same in ``plait train`` and ``plait ps`` (``RunConfig.model``): the reference GPT's
-``GPTConfig`` fields, where ``vocab_size`` and ``seq_len`` default to the data's. A model smaller than its data
-(fewer positions than a sample's tokens, or fewer embeddings than the data's vocabulary) is refused with a
-``ConfigError`` naming both, before any weight is built.
+The section is the same in ``plait train`` and ``plait ps`` (``RunConfig.model``), one of:
+
+- the reference GPT: ``GPTConfig`` fields, optionally on top of a named ``preset`` (``plait.models.presets``;
+  the other keys override the preset's fields); ``vocab_size`` and ``seq_len`` default to the data's;
+- a Hugging Face causal LM: ``hf = "FOLDER"`` (a ``save_pretrained`` folder: its weights) or
+  ``hf_config = "config.json"`` (fresh weights), from local files only (``plait.models.hf_load``).
+
+A model smaller than its data (fewer positions than a sample's tokens, or fewer embeddings than the data's
+vocabulary) is refused with a ``ConfigError`` naming both, before any weight is built (for an HF model, right
+after its config is read).
 """
 
 from __future__ import annotations
@@ -16,11 +22,21 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.models.config import GPTConfig
 from plait.models.gpt import GPT
+from plait.models.presets import preset_fields
+
+HF_SOURCES = ("hf", "hf_config")
+
+
+def is_hf_section(section: Mapping[str, Any]) -> bool:
+    """Whether ``section`` describes a Hugging Face model (``hf`` or ``hf_config``)."""
+    return any(key in section for key in HF_SOURCES)
 
 
 def model_config(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> GPTConfig:
     """The ``GPTConfig`` of ``section`` for data of ``vocab_size`` symbols in samples of ``seq_len`` tokens."""
-    fields = {"vocab_size": vocab_size, "seq_len": seq_len, **section}
+    fields = dict(section)
+    base = preset_fields(fields.pop("preset")) if "preset" in fields else {}
+    fields = {"vocab_size": vocab_size, "seq_len": seq_len, **base, **fields}
     try:
         config = GPTConfig.from_dict(fields)
     except ValueError as error:
@@ -34,9 +50,33 @@ def model_config(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> G
     return config
 
 
+def check_model_section(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> None:
+    """The errors ``build_model`` would raise that need no weights (before any process starts): GPT fields and
+    presets, and an HF model's files (a folder with safetensors weights, or a readable config.json)."""
+    if not is_hf_section(section):
+        model_config(section, vocab_size, seq_len)
+        return
+    from pathlib import Path
+
+    from plait.models.hf_load import check_weights_folder, read_config
+
+    if "hf" in section:
+        check_weights_folder(Path(str(section["hf"])))
+    elif "hf_config" in section:
+        read_config(Path(str(section["hf_config"])))
+
+
 def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
-    """The model of ``section`` (see ``model_config``), freshly initialised from torch's current random state."""
+    """The model of ``section`` (module docstring); fresh weights come from torch's current random state."""
+    if is_hf_section(section):
+        from plait.models.hf_load import build_hf_model, check_fits
+
+        if "preset" in section:
+            raise ConfigError("[model] has both a preset and a Hugging Face model. Fix: keep one of them.")
+        model = build_hf_model(section)
+        check_fits(model, vocab_size, seq_len)
+        return model
     return GPT(model_config(section, vocab_size, seq_len))
 
 
-__all__ = ["build_model", "model_config"]
+__all__ = ["build_model", "check_model_section", "is_hf_section", "model_config"]

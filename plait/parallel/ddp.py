@@ -21,6 +21,7 @@ from plait.comm.collectives import Pending
 from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.buckets import Bucket, build_buckets, check_reducible
+from plait.parallel.param_groups import GroupOf
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory
 
@@ -75,13 +76,14 @@ class DistributedDataParallel(DataParallelStrategy):
         axis: str = GRAD_AXIS,
         *,
         find_unused_parameters: bool | None = None,
+        param_groups: GroupOf | None = None,
     ) -> None:
         """``find_unused_parameters=None`` reads ``PLAIT_FIND_UNUSED_PARAMETERS`` (default off)."""
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         distributed = comm.size(axis) > 1
         if distributed:  # refuse before any work (the optimizer is built by the base class)
             self._check(model, named, comm, axis)
-        super().__init__(model, comm, optimizer, layout, axis)
+        super().__init__(model, comm, optimizer, layout, axis, param_groups)
         if find_unused_parameters is None:
             find_unused_parameters = os.environ.get(FIND_UNUSED_ENV, "0").strip().lower() in ("1", "true", "yes")
         self.find_unused_parameters = bool(find_unused_parameters)

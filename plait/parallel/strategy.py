@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait.comm import Comm
 from plait.layout import Layout
+from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import cast_for_reduction, gradient_reduce_dtype
 from plait.parallel.tensor.sequence import sum_over_tp
 
@@ -52,10 +54,18 @@ def check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
 
 
 def build_optimizer(
-    factory: OptimizerFactory | torch.optim.Optimizer, params: list[nn.Parameter]
+    factory: OptimizerFactory | torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    groups: list[dict[str, Any]] | None = None,
 ) -> torch.optim.Optimizer:
-    """Call the factory on ``params`` (or accept an optimizer already built on exactly those parameters)."""
+    """Call the factory on ``params`` (or on ``groups``, torch.optim param groups over them), or accept an
+    optimizer already built on exactly those parameters."""
     if isinstance(factory, torch.optim.Optimizer):
+        if groups is not None:
+            raise TypeError(
+                "param_groups needs an optimizer factory (the strategy builds the groups), not an optimizer "
+                "already built. Fix: optimizer=lambda groups: torch.optim.AdamW(groups, lr=...)."
+            )
         owned = {id(p) for p in params}
         if not all(id(p) in owned for group in factory.param_groups for p in group["params"]):
             raise ValueError(
@@ -63,7 +73,7 @@ def build_optimizer(
             )
         check_steps_without_closure(factory)
         return factory
-    optimizer = factory(params)
+    optimizer = factory(groups if groups is not None else params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     check_steps_without_closure(optimizer)
@@ -83,13 +93,21 @@ class DataParallelStrategy:
         optimizer: OptimizerFactory | torch.optim.Optimizer,
         layout: Layout | None = None,
         axis: str = GRAD_AXIS,
+        param_groups: GroupOf | None = None,
     ) -> None:
         self.model = model
         self.comm = comm
         self.layout = layout or Layout().resolve(comm.mesh.world_size)
         self.axis = axis
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(optimizer, self.params)
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        groups = None
+        if param_groups is not None:  # plait.parallel.param_groups: the factory gets torch.optim param groups
+            options, ids = assign_groups(named, param_groups)
+            groups = torch_groups(
+                options, [[p for p, g in zip(self.params, ids) if g == i] for i in range(len(options))]
+            )
+        self.optimizer = build_optimizer(optimizer, self.params, groups)
         self.reduce_dtype = gradient_reduce_dtype(self.layout)
         """The dtype gradients are reduced in when not their own (``Layout.reduce_dtype="compute"``), else None."""
         self._sync = True

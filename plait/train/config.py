@@ -1,7 +1,8 @@
 """``RunConfig``: everything ``plait train`` needs, as typed sections loadable from TOML.
 
     [layout]   the parallel Layout (plait.layout.Layout)
-    [model]    the reference GPT's GPTConfig (vocab_size and seq_len come from the data unless given)
+    [model]    the reference GPT's GPTConfig fields, optionally on a ``preset`` (vocab_size and seq_len come
+               from the data unless given), or a Hugging Face model: ``hf`` / ``hf_config`` (plait.models.build)
     [data]     which dataset (synthetic "addition" or "bytes" over a text file) and its options
     [train]    steps, batch, optimizer, evaluation, output folder
 
@@ -51,14 +52,30 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """The training loop. ``global_batch`` is in samples, split over dp ranks and micro-batches."""
+    """The training loop. ``global_batch`` is in samples, split over dp ranks and micro-batches. The optimizer,
+    its schedule and weight-decay groups: ``plait.train.optim``."""
 
     steps: int = 1500
     global_batch: int = 64
     lr: float = 3e-3
+    optimizer: str = "adamw"
+    """adamw, adam, sgd, nadam, radam, adamax, rmsprop or adagrad (torch.optim's, elementwise: ZeRO runs all)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0
+    """sgd and rmsprop."""
     weight_decay: float = 0.01
+    weight_decay_skip: list[str] = field(default_factory=lambda: ["norms", "biases"])
+    """Parameter kinds without weight decay: any of "norms", "biases", "embeddings" ([] decays everything)."""
     warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    """After the warm-up: "cosine" or "linear" decay to min_lr at the last step, or "constant"."""
+    min_lr: float | None = None
+    """The floor of the decay (default lr / 10)."""
     max_grad_norm: float = 1.0
+    init_from: str = ""
+    """Start from these weights with a fresh optimizer: a plait checkpoint (any layout), a .safetensors file or a
+    Hugging Face folder (plait.train.weights); "" starts from fresh weights."""
     seed: int = 0
     eval_every: int = 300
     eval_batches: int = 4
@@ -72,6 +89,12 @@ class TrainConfig:
     async_save: bool = False
     """Write checkpoints in the background while training goes on (host copies; one save in flight at most)."""
     out: str = ""
+    tensorboard: bool | None = None
+    """TensorBoard event files beside metrics.jsonl (default: when the tensorboard package is installed)."""
+    samples: int = 2
+    """Continuations of evaluation prompts written to samples.jsonl at each evaluation (0: none)."""
+    sample_tokens: int = 32
+    sample_temperature: float = 0.8
     pipeline_trace: str = ""
     """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
     its picture next to it (same name, .png); "" turns it off."""
@@ -81,7 +104,15 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"train.{name}={value!r} must be an integer >= 1.")
-        for name in ("eval_every", "save_every", "warmup_steps", "keep_checkpoints", "keep_every"):
+        for name in (
+            "eval_every",
+            "save_every",
+            "warmup_steps",
+            "keep_checkpoints",
+            "keep_every",
+            "samples",
+            "sample_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"train.{name}={value!r} must be an integer >= 0 (0 turns it off).")
@@ -89,6 +120,11 @@ class TrainConfig:
             raise ConfigError(f"train.lr={self.lr!r} must be positive.")
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"train.async_save={self.async_save!r} must be true or false.")
+        if not self.sample_temperature >= 0:
+            raise ConfigError(f"train.sample_temperature={self.sample_temperature!r} must be >= 0 (0: greedy).")
+        from plait.train.optim import check_optim_config
+
+        check_optim_config(self)
 
 
 @dataclass
@@ -108,7 +144,7 @@ class RunConfig:
         try:
             return cls(
                 layout=Layout.from_dict(data.get("layout", {})),
-                model={**cls().model, **data.get("model", {})},
+                model=_model_section(data.get("model", {}), cls().model),
                 data=from_mapping(DataConfig, data.get("data", {}), "data", ConfigError),
                 train=from_mapping(TrainConfig, data.get("train", {}), "train", ConfigError),
             )
@@ -116,16 +152,25 @@ class RunConfig:
             raise ConfigError(f"bad configuration value: {error}") from error
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values (None, "the default", is left out: TOML has no null)."""
         return {
             "layout": self.layout.to_dict(),
             "model": dict(self.model),
             "data": dataclasses.asdict(self.data),
-            "train": dataclasses.asdict(self.train),
+            "train": {k: v for k, v in dataclasses.asdict(self.train).items() if v is not None},
         }
 
     def dumps(self) -> str:
         """The configuration as TOML (``plait train --config`` reads it back)."""
         return tomli_w.dumps(self.to_dict())
+
+
+def _model_section(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The [model] section: ``given`` on top of the tiny default GPT, unless it names a preset or an HF model
+    (whose fields then come from there)."""
+    if any(key in given for key in ("preset", "hf", "hf_config")):
+        return dict(given)
+    return {**defaults, **given}
 
 
 def parse_value(text: str) -> Any:

@@ -1,8 +1,11 @@
 """The program ``plait train`` runs on every rank: data, reference GPT, parallelize, train, evaluate, report.
 
-Rank 0 shows progress (a live bar in a terminal, log lines otherwise), writes ``metrics.jsonl``,
-``config.toml`` (the resolved configuration: ``plait train --config`` reruns it), ``summary.json`` and
-``loss.png`` to the run folder. With ``train.save_every`` it checkpoints into ``<run>/ckpt`` and resumes
+Rank 0 shows progress (a live bar in a terminal, log lines otherwise), writes ``metrics.jsonl`` (and the same
+scalars as TensorBoard event files, ``plait.train.tensorboard``), ``config.toml`` (the resolved configuration:
+``plait train --config`` reruns it), ``samples.jsonl`` (what the model writes at each evaluation,
+``plait.train.samples``), ``summary.json`` and ``loss.png`` to the run folder. The model is built by
+``plait.models.build`` (reference GPT, preset or Hugging Face), optionally from ``train.init_from``'s weights
+(``plait.train.weights``); the optimizer, schedule and decay groups by ``plait.train.optim``. With ``train.save_every`` it checkpoints into ``<run>/ckpt`` and resumes
 from there when restarted on the same folder (by hand, or by torchrun's agent under ``--max-restarts``);
 ``plait.train.fault`` watches for hangs.
 """
@@ -10,7 +13,6 @@ from there when restarted on the same folder (by hand, or by torchrun's agent un
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +33,10 @@ from plait.parallelize import parallelize
 from plait.train.config import RunConfig
 from plait.train.fault import RankGuard, resume_metrics
 from plait.train.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
+from plait.train.optim import decay_groups, lr_scheduler_factory, optimizer_factory
+from plait.train.samples import write_samples
+from plait.train.tensorboard import open_tensorboard
+from plait.train.weights import load_weights, read_weights
 
 log = get_logger(__name__)
 EVAL_OFFSET = 10**9
@@ -58,18 +64,6 @@ def default_run_dir() -> Path:
     return Path("runs") / run_id
 
 
-def warmup_cosine(warmup: int, total: int) -> Any:
-    """lr multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     """Dataset, model and engine for ``config`` (validated before any collective)."""
     layout = config.layout.resolve(world.world_size)
@@ -84,16 +78,36 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
     model_config = model.config  # what the run's FLOP count reads
     train = config.train
+    if train.init_from:
+        state, _ = read_weights(train.init_from)
+        load_weights(model, state, f"train.init_from={train.init_from!r}")
+    groups = decay_groups(model, train.weight_decay_skip) if train.weight_decay else None
     engine = parallelize(
         model,
         layout,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay),
+        optimizer=optimizer_factory(train),
         loss_fn=lm_loss,
         max_grad_norm=train.max_grad_norm or None,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(train.warmup_steps, train.steps)),
+        lr_scheduler=lr_scheduler_factory(train),
         device=world.device,
+        param_groups=groups,
     )
     return engine, dataset, model_config
+
+
+def _samples(engine: Engine, dataset: Any, train: Any, step: int, run_dir: Path | None) -> None:
+    """Append ``train.samples`` continuations of evaluation prompts to samples.jsonl (a collective; rank 0
+    writes)."""
+    if not train.samples:
+        return
+    records = write_samples(
+        engine, dataset, step, train.samples, train.sample_tokens, train.sample_temperature, train.seed, EVAL_OFFSET
+    )
+    if run_dir is not None:
+        with open(run_dir / "samples.jsonl", "a") as handle:
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+        log.info("step %d sample: %r -> %r", step, records[0]["prompt"], records[0]["completion"])
 
 
 def _note_restart(attempt: int, step: int, save_every: int) -> None:
@@ -172,7 +186,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if lead:
         _note_restart(guard.attempt, engine.step, train.save_every)
         resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
-    writer = MetricsWriter(run_dir) if lead else None
+    writer = MetricsWriter(run_dir, open_tensorboard(run_dir, train.tensorboard, engine.step)) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
         log.info(
@@ -212,6 +226,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
                 last_eval = f"  eval acc {100 * result.accuracy:.1f}% (step {stats.step})"
                 if writer:
                     writer.write(eval_record(stats.step, result))
+                _samples(engine, dataset, train, stats.step, run_dir if lead else None)
             if train.save_every and stats.step % train.save_every == 0:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 saver.save()  # train.async_save: waits for the previous save, stages a host copy, returns
@@ -237,6 +252,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             )
     guard.beat("final evaluation")
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+    _samples(engine, dataset, train, engine.step, run_dir if lead else None)
     guard.beat("writing the run folder", timed=False)
     summary = Summary(
         run_dir=str(run_dir),

@@ -139,18 +139,24 @@ def eval_record(step: int, stats: EvalStats) -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Appends records to ``<folder>/metrics.jsonl`` (line-buffered, so a crash loses at most one line)."""
+    """Appends records to ``<folder>/metrics.jsonl`` (line-buffered, so a crash loses at most one line), and
+    hands each to ``also`` (e.g. ``plait.train.tensorboard.TensorBoardLog``) when given."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, also: Any = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
+        self.also = also
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
+        if self.also is not None:
+            self.also.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.also is not None:
+            self.also.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

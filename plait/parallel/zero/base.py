@@ -12,11 +12,14 @@ optimizer state of exactly those elements (Rajbhandari et al. 2020, sec. 5). So 
 - account the bytes they hold by place (``memory_split``) and by kind (``model_state_tensors``, which
   ``plait.measure_held`` reads).
 
-A subclass builds its shards and masters (``_make_master``), then calls ``_build_optimizer`` with them.
+A subclass builds its shards and masters (``_make_master``), then calls ``_build_optimizer`` with them. With
+``param_groups`` (``plait.parallel.param_groups``) the subclass lays each flat buffer out group after group
+(``_plan_groups`` gives each parameter's group) and ``_build_optimizer`` steps one ``GroupView`` per buffer and group.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +27,10 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.layout import Layout
+from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import gradient_reduce_dtype
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
+from plait.parallel.zero.flat import FlatLayout, GroupLayout
 from plait.parallel.zero.offload import Placement, is_file_backed
 from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards
 
@@ -46,6 +51,70 @@ def _tensors_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+@dataclass(frozen=True)
+class FlatBuffer:
+    """One flat sharded buffer as ``_build_optimizer`` sees it: a ZeRO-1/2 bucket or a ZeRO-3 unit."""
+
+    layout: FlatLayout
+    rank: int
+    master: nn.Parameter
+    params: list[nn.Parameter]
+    shard: torch.Tensor | None = None
+    """ZeRO-3: the parameter shard that forward gathers (the master itself unless offloaded)."""
+
+
+@dataclass(eq=False)
+class GroupView:
+    """The run of one flat buffer's shard that belongs to one parameter group: ``master`` (what the optimizer
+    steps) is a view of the buffer's master ``owner`` at shard offsets [lo, hi), sharing its storage."""
+
+    group: int
+    owner: nn.Parameter
+    lo: int
+    hi: int
+    master: nn.Parameter
+    layout: GroupLayout
+    rank: int
+    params: list[nn.Parameter]
+    shard: torch.Tensor | None
+
+    def bind_grad(self) -> None:
+        """Point the view's gradient at its run of the owner's (reduced, clipped) gradient."""
+        grad = self.owner.grad
+        self.master.grad = None if grad is None else grad[self.lo : self.hi]
+
+
+def group_views(buffer: FlatBuffer, group_of_param: dict[int, int]) -> list[GroupView]:
+    """One ``GroupView`` per run of equal-group parameters in ``buffer`` (laid out group after group)."""
+    views, first = [], 0
+    groups = [group_of_param[id(p)] for p in buffer.params]
+    for index in range(1, len(groups) + 1):
+        if index == len(groups) or groups[index] != groups[first]:
+            layout = GroupLayout(buffer.layout, first, index)
+            lo, hi = layout.span(buffer.rank)
+            master = nn.Parameter(buffer.master.detach()[lo:hi])
+            shard: torch.Tensor | None = None
+            if buffer.shard is buffer.master:
+                shard = master
+            elif buffer.shard is not None:
+                shard = buffer.shard.detach()[lo:hi]
+            views.append(
+                GroupView(
+                    groups[first],
+                    buffer.master,
+                    lo,
+                    hi,
+                    master,
+                    layout,
+                    buffer.rank,
+                    buffer.params[first:index],
+                    shard,
+                )
+            )
+            first = index
+    return views
+
+
 class ShardedStrategy(DataParallelStrategy):
     """Base of the ZeRO strategies: master shards placed by ``layout.offload``, an optimizer over them."""
 
@@ -59,8 +128,15 @@ class ShardedStrategy(DataParallelStrategy):
         layout: Layout,
         axis: str,
         offload_dir: str | None = None,
+        param_groups: GroupOf | None = None,
     ) -> None:
         self._factory = require_factory(optimizer, layout.zero)
+        self._group_of = param_groups
+        self._group_options: list[dict[str, Any]] = [{}]
+        self._group_id: dict[int, int] = {}
+        self.group_views: list[GroupView] = []
+        """With ``param_groups``: what the optimizer steps, one view per (flat buffer, group); else empty."""
+        self._owners: list[nn.Parameter] = []
         self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
         self.stage = layout.zero
         self.world = comm.size(axis)
@@ -76,11 +152,29 @@ class ShardedStrategy(DataParallelStrategy):
         """A master shard holding a copy of ``values``, kept where the placement keeps long-lived state."""
         return nn.Parameter(self.placement.place(values.detach(), name))
 
-    def _build_optimizer(self, masters: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """Call the factory on ``masters``; check that the optimizer holds exactly them, steps without a closure
-        and is elementwise (``plait.parallel.zero.optimizers``)."""
+    def _plan_groups(self, named: list[tuple[str, nn.Parameter]]) -> list[int]:
+        """Each parameter's group under ``param_groups`` (all 0 without): the subclass lays its flat buffers out
+        in group order, so that each group is one contiguous run of every buffer."""
+        self._group_options, ids = assign_groups(named, self._group_of)
+        self._group_id = {id(p): group for (_, p), group in zip(named, ids)}
+        return ids
+
+    def _build_optimizer(
+        self, masters: list[nn.Parameter], buffers: list[FlatBuffer] | None = None
+    ) -> torch.optim.Optimizer:
+        """Call the factory on ``masters`` (with ``param_groups``: on torch.optim groups of ``GroupView``s of
+        ``buffers``, whose masters are ``masters``); check that the optimizer holds exactly them, steps without a
+        closure and is elementwise (``plait.parallel.zero.optimizers``)."""
+        self._owners = list(masters)
+        stepped: list[nn.Parameter] | list[dict[str, Any]] = masters
+        if self._group_of is not None:
+            assert buffers is not None, "param_groups: the strategy must describe its flat buffers"
+            self.group_views = [view for buffer in buffers for view in group_views(buffer, self._group_id)]
+            members = [[v.master for v in self.group_views if v.group == g] for g in range(len(self._group_options))]
+            stepped = torch_groups(self._group_options, members)
+            masters = [v.master for v in self.group_views]
         try:
-            optimizer = self._factory(masters)
+            optimizer = self._factory(stepped)
         except ValueError as error:  # e.g. torch.optim.Muon: "only supports 2D parameters"
             raise factory_failed_on_shards(error, masters, self.stage) from error
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -91,8 +185,8 @@ class ShardedStrategy(DataParallelStrategy):
         if held != {id(m) for m in masters}:
             raise ValueError(
                 f"the optimizer factory must build its optimizer on exactly the parameters it is given (under ZeRO: "
-                f"this rank's master shards), e.g. lambda params: torch.optim.AdamW(params). Per-parameter groups "
-                f"over the model's parameters are not supported (zero={self.stage})."
+                f"this rank's master shards), e.g. lambda params: torch.optim.AdamW(params) (zero={self.stage}). For "
+                f"parameter groups, pass param_groups=group_of to plait.parallelize instead."
             )
         return optimizer
 
@@ -112,14 +206,21 @@ class ShardedStrategy(DataParallelStrategy):
 
     def step(self) -> None:
         """Step the masters (on the CPU with offload), keep new optimizer state in files under "nvme", publish."""
+        for view in self.group_views:
+            view.bind_grad()
         self.optimizer.step()
         self.placement.adopt_states(self.optimizer)
         self._publish()
 
     # ----------------------------------------------------------------- accounting
     def _masters(self) -> list[nn.Parameter]:
-        """This rank's master shards (what the optimizer steps)."""
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        """This rank's master shards (what the optimizer steps, or, with param groups, what its views view)."""
+        return self._owners
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for master in self._owners:
+            master.grad = None
 
     def _compute_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Model-side tensors on the compute device by kind ("parameters", "gradients"); masters excluded."""

@@ -87,3 +87,44 @@ class FlatLayout:
             if start < end:
                 result.append(ParamSlice(index, start - offset, end - offset, start - lo))
         return result
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Parameters [first, last) of ``base``, laid end to end (one optimizer parameter group), seen from the
+    group's own run of a shard: rank r's shard holds the group's elements at shard offsets ``span(r)``, and
+    ``slices(r)`` gives the pieces with ``at`` relative to that run (``plait.parallel.param_groups``)."""
+
+    base: FlatLayout
+    first: int
+    last: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.base.names[self.first : self.last]
+
+    @property
+    def shapes(self) -> tuple[torch.Size, ...]:
+        return self.base.shapes[self.first : self.last]
+
+    def numels(self) -> list[int]:
+        return self.base.numels()[self.first : self.last]
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the group's elements in rank's shard, as shard offsets (lo == hi when it holds none)."""
+        start = self.base.offsets[self.first]
+        end = self.base.offsets[self.last - 1] + self.base.numels()[self.last - 1]
+        shard_lo, _ = self.base.shard_range(rank)
+        size = self.base.shard_size
+        lo = min(max(start - shard_lo, 0), size)
+        hi = min(max(end - shard_lo, 0), size)
+        return lo, max(lo, hi)
+
+    def slices(self, rank: int) -> list[ParamSlice]:
+        """``base.slices(rank)`` of this group's parameters, indexed within the group, ``at`` within its run."""
+        lo, _ = self.span(rank)
+        return [
+            ParamSlice(piece.index - self.first, piece.start, piece.end, piece.at - lo)
+            for piece in self.base.slices(rank)
+            if self.first <= piece.index < self.last
+        ]

@@ -49,9 +49,10 @@ from plait.comm.collectives import Pending
 from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.blocks import find_blocks
+from plait.parallel.param_groups import GroupOf, order_by_group
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
-from plait.parallel.zero.base import ShardedStrategy
+from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
 from plait.parallel.zero.fsdp_pipeline import StageScopes
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 from plait.parallel.zero.shard_buckets import master_dtype
@@ -115,9 +116,16 @@ class FullyShardedStrategy(ShardedStrategy):
         layout: Layout | None = None,
         axis: str = GRAD_AXIS,
         offload_dir: str | None = None,
+        param_groups: GroupOf | None = None,
     ) -> None:
         super().__init__(
-            model, comm, optimizer, layout or Layout(zero=3).resolve(comm.mesh.world_size), axis, offload_dir
+            model,
+            comm,
+            optimizer,
+            layout or Layout(zero=3).resolve(comm.mesh.world_size),
+            axis,
+            offload_dir,
+            param_groups,
         )
         self.trace: list[tuple[str, ...]] | None = None
         """Set to a list to record ("gather"/"wait"/"free"/"reduce_scatter", unit, ...) events (tests, debugging)."""
@@ -125,6 +133,10 @@ class FullyShardedStrategy(ShardedStrategy):
         groups = group_parameters(model, blocks)
         if not any(groups.values()):
             raise ValueError("the model has no trainable parameters (requires_grad=True): ZeRO-3 has nothing to shard")
+        self._plan_groups([item for params in groups.values() for item in params])
+        groups = {  # with param_groups: each unit laid out group after group (plait.parallel.param_groups)
+            name: order_by_group(params, [self._group_id[id(p)] for _, p in params]) for name, params in groups.items()
+        }
         modules = {"": model, **dict(blocks)}
         self.units = [
             FlatUnit(name or "root", modules[name], params, comm, axis, self._record)
@@ -138,7 +150,8 @@ class FullyShardedStrategy(ShardedStrategy):
                     values = unit.shard.detach().to(master_dtype(unit.shard.dtype))
                     unit.master = self._make_master(values, f"master-{unit.name}")
         self.params = [unit.master for unit in self.units if not unit.empty]
-        self.optimizer = self._build_optimizer(self.params)
+        buffers = [FlatBuffer(u.layout, u.rank, u.master, u.params, u.shard) for u in self.units if not u.empty]
+        self.optimizer = self._build_optimizer(self.params, buffers)
         self._forward_order = list(self.units)
         self._backward_order = [self.root, *reversed(self.units[1:])]
         self._pre_record: list[FlatUnit] = []

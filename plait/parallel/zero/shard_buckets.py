@@ -22,6 +22,7 @@ from torch import nn
 
 from plait.comm.collectives import Pending
 from plait.parallel.buckets import check_reducible  # noqa: F401 - re-exported for the ZeRO strategy
+from plait.parallel.param_groups import order_by_group
 from plait.parallel.zero.flat import FlatLayout
 
 
@@ -93,13 +94,19 @@ class ShardBucket:
 
 
 def plan_buckets(
-    named_params: list[tuple[str, nn.Parameter]], shards: int, rank: int, cap_bytes: float | None
+    named_params: list[tuple[str, nn.Parameter]],
+    shards: int,
+    rank: int,
+    cap_bytes: float | None,
+    group_ids: list[int] | None = None,
 ) -> list[ShardBucket]:
     """Group parameters into buckets of one dtype each.
 
     ``cap_bytes=None``: one bucket per dtype, parameters in registration order (ZeRO-1). Otherwise visit the
     parameters in reverse order and close a dtype's open bucket when the next parameter would push it past
-    ``cap_bytes`` (a parameter larger than the cap gets a bucket of its own) (ZeRO-2).
+    ``cap_bytes`` (a parameter larger than the cap gets a bucket of its own) (ZeRO-2). With ``group_ids`` (each
+    parameter's optimizer param group) a bucket's parameters are laid out group after group (stable), so that
+    each group is one contiguous run of the bucket (``plait.parallel.param_groups``).
     """
     groups: list[list[int]] = []
     if cap_bytes is None:
@@ -122,6 +129,8 @@ def plan_buckets(
             open_bucket[param.dtype] = (at[0], at[1] + size)
     buckets = []
     for index, members in enumerate(groups):
+        if group_ids is not None:
+            members = order_by_group(members, [group_ids[i] for i in members])
         named = [named_params[i] for i in members]
         buckets.append(
             ShardBucket(index, [n for n, _ in named], [p for _, p in named], FlatLayout.of(named, shards), rank)

@@ -24,9 +24,10 @@ sec. 7.2.1), here measured in ``StepStats.comm``.
 The optimizer is built by calling the user's factory on this rank's master shards (one fp32 ``nn.Parameter``
 per bucket), so any torch.optim optimizer works, with two limits:
 
-- the factory sees shard tensors, not the model's parameters, so per-parameter groups (e.g. no weight decay
-  for norms and biases) cannot be expressed: every shard gets the factory's hyperparameters. An optimizer
-  already built on ``model.parameters()`` is refused (it would hold the full parameters).
+- the factory sees shard tensors, not the model's parameters: parameter groups (e.g. no weight decay for norms
+  and biases) come from ``parallelize(..., param_groups=...)``, which lays each bucket out group after group and
+  hands the factory one view of the shard per group (``plait.parallel.param_groups``). An optimizer already
+  built on ``model.parameters()`` is refused (it would hold the full parameters).
 - elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) take exactly the step of single-device
   training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) would compute them per
   shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``).
@@ -52,9 +53,10 @@ from torch import nn
 from plait.comm import Comm
 from plait.layout import Layout
 from plait.logging import get_logger
+from plait.parallel.param_groups import GroupOf
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
-from plait.parallel.zero.base import ShardedStrategy
+from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
 from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, plan_buckets
 
 log = get_logger(__name__)
@@ -71,11 +73,12 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         layout: Layout | None = None,
         axis: str = GRAD_AXIS,
         offload_dir: str | None = None,
+        param_groups: GroupOf | None = None,
     ) -> None:
         layout = layout or Layout(zero=1).resolve(comm.mesh.world_size)
         if layout.zero not in (1, 2):
             raise ValueError(f"ShardedOptimizerStrategy runs ZeRO stage 1 or 2, not zero={layout.zero}")
-        super().__init__(model, comm, optimizer, layout, axis, offload_dir)
+        super().__init__(model, comm, optimizer, layout, axis, offload_dir, param_groups)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to shard")
@@ -85,7 +88,8 @@ class ShardedOptimizerStrategy(ShardedStrategy):
             check_reducible(named, dist.get_backend(group), comm.device.type)
 
         cap = None if self.stage == 1 else layout.bucket_mb * 2**20
-        self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap)
+        group_ids = self._plan_groups(named)
+        self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap, group_ids)
         for bucket in self.buckets:
             bucket.master = self._make_master(bucket.shard_values(master_dtype(bucket.dtype)), f"master{bucket.index}")
         self._by_dtype: dict[torch.dtype, list[ShardBucket]] = {}
@@ -94,7 +98,10 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next = 0
         """Buckets [0, _next) have had their reduce-scatter issued in this backward (always in bucket order)."""
-        self.optimizer = self._build_optimizer([b.master for b in self.buckets])
+        self.optimizer = self._build_optimizer(
+            [b.master for b in self.buckets],
+            [FlatBuffer(b.layout, b.rank, b.master, b.params) for b in self.buckets],
+        )
         self._hooks = []
         if self.stage == 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -190,6 +197,8 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.params:
             param.grad = None
+        for master in self._owners:
+            master.grad = None
         for bucket in self.buckets:
             bucket.reset()
         self._next = 0

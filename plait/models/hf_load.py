@@ -1,0 +1,135 @@
+"""Hugging Face causal LMs from local files only: a ``from_pretrained`` folder (weights) or a ``config.json``.
+
+``[model] hf = "PATH"`` fine-tunes a folder written by ``save_pretrained``: transformers builds the class its
+``config.json`` names (any causal LM that ships with transformers; ``trust_remote_code`` stays off, so no code from
+the folder runs) and loads its weights from ``model.safetensors`` (or the shards an index names). Only safetensors
+are read: a folder holding only ``pytorch_model.bin`` / ``*.pt`` pickles is refused with the way to convert it,
+because unpickling runs code. ``[model] hf_config = "PATH"`` builds the model of a ``config.json`` (or of a
+folder holding one) with fresh weights from torch's current random state. Nothing is ever downloaded
+(``local_files_only``; a path that does not exist is an error, never a hub name).
+
+``check_fits`` refuses data the model cannot read: token ids beyond its embedding table, samples longer than
+its positions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.logging import get_logger
+
+log = get_logger(__name__)
+HF_KEYS = ("hf", "hf_config", "attn_implementation")
+"""The ``[model]`` keys of a Hugging Face model (``attn_implementation``: "eager", "sdpa", ...; default sdpa)."""
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5", "flax_model.msgpack")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+
+
+def _require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:  # pragma: no cover - the test extra installs it
+        raise ConfigError(
+            "[model] hf / hf_config need the transformers package. Fix: pip install 'plait[hf]'."
+        ) from error
+    return transformers
+
+
+def check_weights_folder(folder: Path) -> None:
+    """ConfigError unless ``folder`` is a ``save_pretrained`` folder with safetensors weights."""
+    if not folder.is_dir():
+        raise ConfigError(
+            f"model.hf={str(folder)!r} is not a folder. Fix: give a local folder written by save_pretrained "
+            f"(plait never downloads; fetch the model first, e.g. with huggingface-cli download)."
+        )
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json, so it is not a save_pretrained folder. Fix: give one.")
+    has_safetensors = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    if not has_safetensors:
+        pickles = [name for name in PICKLE_WEIGHTS if (folder / name).exists()]
+        what = f"only pickle weights ({', '.join(pickles)})" if pickles else "no model.safetensors"
+        raise ConfigError(
+            f"{folder} holds {what}. plait loads safetensors only (unpickling a file can run code). Fix: convert "
+            f"it once where you trust it: AutoModelForCausalLM.from_pretrained(PATH).save_pretrained(PATH, "
+            f"safe_serialization=True)."
+        )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable."""
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"model.hf_config: {path} does not exist. Fix: give a Hugging Face config.json.")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"model.hf_config: {path} is not valid JSON ({error}). Fix: give a config.json.") from error
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ConfigError(f"{path} names no model_type. Fix: use a config.json written by save_pretrained.")
+    return fields
+
+
+def build_hf_model(section: Mapping[str, Any]) -> nn.Module:
+    """The transformers causal LM that ``section`` (``hf`` or ``hf_config``) describes (module docstring)."""
+    unknown = sorted(set(section) - set(HF_KEYS))
+    if unknown or ("hf" in section) == ("hf_config" in section):
+        raise ConfigError(
+            f"[model] with a Hugging Face model takes exactly one of hf / hf_config (and attn_implementation); "
+            f"got {sorted(section)}. Fix: drop {unknown or ['hf_config']} (the model's sizes come from its config)."
+        )
+    transformers = _require_transformers()
+    options: dict[str, Any] = {"attn_implementation": section.get("attn_implementation", "sdpa")}
+    if "hf" in section:
+        folder = Path(str(section["hf"]))
+        check_weights_folder(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=False,
+            dtype="float32",
+            **options,
+        )
+        log.info("loaded %s from %s", type(model).__name__, folder)
+    else:
+        fields = read_config(Path(str(section["hf_config"])))
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, **options)
+        log.info("built %s from %s (fresh weights)", type(model).__name__, section["hf_config"])
+    return model
+
+
+def model_context(config: Any) -> int | None:
+    """The longest sequence a transformers config's positions allow (None when it names no limit)."""
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_fits(model: nn.Module, vocab_size: int, seq_len: int) -> None:
+    """ConfigError when the data's token ids exceed the model's vocabulary, or its samples its context."""
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < vocab_size:
+        raise ConfigError(
+            f"the data's tokenizer has {vocab_size} token ids but the model's vocabulary has {vocab}: ids >= {vocab} "
+            f"have no embedding. Fix: prepare the data with the model's own tokenizer (plait data prepare "
+            f"--tokenizer MODEL_FOLDER), or use a model with a larger vocabulary."
+        )
+    context = model_context(config)
+    if context is not None and context < seq_len:
+        raise ConfigError(
+            f"the data's samples have {seq_len} tokens but the model has {context} positions. Fix: set "
+            f"data.seq_len <= {context}."
+        )
+
+
+__all__ = ["HF_KEYS", "build_hf_model", "check_fits", "check_weights_folder", "model_context", "read_config"]

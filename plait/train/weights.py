@@ -1,0 +1,165 @@
+"""Whole-model weights from any of the places a run may start from (``train.init_from``, ``plait generate``).
+
+``read_weights(PATH)`` returns whole tensors by the single-device parameter names, read in this one process:
+
+- a plait checkpoint saved under any layout and world size (a checkpoint root with ``latest``, or one
+  ``step-N`` folder; ``plait.checkpoint.load_full_state``: DCP pieces of the global tensors, no pickle);
+- a ``.safetensors`` file (``plait convert`` writes one; a flat header and raw tensors, no code);
+- a Hugging Face ``save_pretrained`` folder (its ``model.safetensors`` or the shards its index names; a folder
+  with only pickle weights is refused with the way to convert it).
+
+``load_weights(model, state)`` copies them into a freshly built model, with no optimizer state (a starting
+point, not a resumed run). The tensors must be the model's, name for name and shape for shape; the first one
+that is not (in the model's own order) is named in the ``ConfigError``. A name the file lacks because the model
+ties it to another (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is read through the tie.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "latest").is_file() or (path / "plait.json").is_file()
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Whole tensors by name and what is known of the model that wrote them (``{"model": ...}``, module docstring)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(
+            f"{path} does not exist. Fix: give a plait checkpoint folder (e.g. runs/<id>/ckpt), a .safetensors "
+            f"file or a Hugging Face save_pretrained folder."
+        )
+    if path.is_dir() and _is_checkpoint(path):
+        from plait.checkpoint import load_full_state
+
+        return load_full_state(path)
+    if path.is_dir():
+        from plait.models.hf_load import check_weights_folder
+
+        check_weights_folder(path)
+        index = path / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+        state: dict[str, torch.Tensor] = {}
+        for name in files or ["model.safetensors"]:
+            state.update(load_file(str(path / name)))
+        return state, {"model": {"hf": json.loads((path / "config.json").read_text())}}
+    if path.suffix == ".safetensors":
+        state = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+        meta = json.loads(header["plait"]) if "plait" in header else {}
+        return state, meta
+    raise ConfigError(
+        f"{path} is neither a plait checkpoint, a .safetensors file nor a Hugging Face folder. Fix: give one of those."
+    )
+
+
+def _tied_sources(model: nn.Module) -> dict[str, str]:
+    """State dict key -> the first key holding the same tensor (tied weights), for every key."""
+    first: dict[int, str] = {}
+    return {key: first.setdefault(id(value), key) for key, value in model.state_dict(keep_vars=True).items()}
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str = "the weights") -> None:
+    """Copy ``state`` into ``model`` in place (module docstring); ConfigError naming the first mismatch."""
+    expected = model.state_dict()
+    tied = _tied_sources(model)
+    persistent = set(expected)
+    values: dict[str, torch.Tensor] = {}
+    for key, current in expected.items():
+        found = state.get(key)
+        if found is None:
+            found = state.get(tied[key]) if tied[key] != key else None
+        if found is None:
+            others = [name for name, tensor in state.items() if tuple(tensor.shape) == tuple(current.shape)]
+            hint = f" (a tensor of that shape is named {others[0]!r} there)" if others else ""
+            raise ConfigError(
+                f"{source} do not fit this model: the model's tensor {key!r} {tuple(current.shape)} is missing"
+                f"{hint}; {len(state)} tensors there, {len(expected)} in the model. Fix: start from a checkpoint of "
+                f"this model, or set [model] to the model that was trained."
+            )
+        if tuple(found.shape) != tuple(current.shape):
+            raise ConfigError(
+                f"{source} do not fit this model: tensor {key!r} has shape {tuple(found.shape)} there and "
+                f"{tuple(current.shape)} in the model. Fix: set [model] to the model that was trained (its sizes, "
+                f"vocab_size and seq_len), or start from a checkpoint of this model."
+            )
+        values[key] = found
+    unexpected = [key for key in state if key not in persistent]  # in the file's order: the first one is named
+    if unexpected:
+        raise ConfigError(
+            f"{source} do not fit this model: tensor {unexpected[0]!r} is not the model's ({len(unexpected)} such). "
+            f"Fix: start from a checkpoint of this model, or set [model] to the model that was trained."
+        )
+    with torch.no_grad():
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if tied[key] == key:
+                tensor.copy_(values[key].to(tensor.dtype))
+    log.info("loaded %d tensors from %s", len(values), source)
+
+
+def _checkpoint_root(path: Path) -> Path | None:
+    """The checkpoint under ``path``: a run folder's ``ckpt``, a checkpoint root, or a step folder."""
+    for candidate in (path / "ckpt", path):
+        if _is_checkpoint(candidate):
+            return candidate
+    return None
+
+
+def find_run(path: str | Path) -> tuple[Path, Path | None]:
+    """(checkpoint, the run's config.toml or None) for a run folder, a checkpoint root or one step folder."""
+    path = Path(path)
+    checkpoint = _checkpoint_root(path) if path.is_dir() else None
+    if checkpoint is None:
+        raise ConfigError(
+            f"{path} holds no plait checkpoint (no ckpt/latest, latest or plait.json). Fix: give a run folder "
+            f"trained with train.save_every > 0, its ckpt folder, or one ckpt/step-N folder."
+        )
+    for folder in (checkpoint, *checkpoint.parents[:3]):
+        if (folder / "config.toml").is_file():
+            return checkpoint, folder / "config.toml"
+    return checkpoint, None
+
+
+def model_from_checkpoint(checkpoint: Path, section: dict[str, Any] | None, vocab: int, seq: int) -> nn.Module:
+    """The model a checkpoint holds, built from its recorded config (plait GPT fields or an HF config) or else
+    from the run's ``[model]`` ``section``, with the checkpoint's weights loaded (one process)."""
+    from plait.models import GPT, GPTConfig
+
+    state, meta = read_weights(checkpoint)
+    recorded = meta.get("model") or {}
+    if "config" in recorded:
+        model: nn.Module = GPT(GPTConfig.from_dict(recorded["config"]))
+    elif "hf" in recorded:
+        from plait.checkpoint.convert import build_hf_model
+
+        model = build_hf_model(recorded["hf"])
+    elif section is not None:
+        from plait.models.build import build_model
+
+        model = build_model(section, vocab, seq)
+    else:
+        raise ConfigError(
+            f"{checkpoint} does not record its model and no run config.toml was found next to it. Fix: give the "
+            f"run folder (it has config.toml)."
+        )
+    load_weights(model, state, str(checkpoint))
+    return model
+
+
+__all__ = ["find_run", "load_weights", "model_from_checkpoint", "read_weights"]
