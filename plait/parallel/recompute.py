@@ -67,7 +67,11 @@ def apply_recompute(model: nn.Module, recompute: str | tuple[int, ...]) -> list[
             f"recompute={recompute!r} needs the model's blocks, but {type(model).__name__} has no ModuleList/ModuleDict "
             f"named one of {', '.join(BLOCK_CONTAINER_NAMES)}. Fix: set recompute='none', or keep the blocks in such a container."
         )
-    if recompute == "full":
+    if isinstance(recompute, str):
+        if recompute != "full":
+            raise LayoutError(
+                f"recompute={recompute!r} is unknown. Fix: use 'none', 'selective', 'full' or block indices."
+            )
         chosen = blocks
     else:
         bad = [i for i in recompute if i >= len(blocks)]
@@ -79,8 +83,8 @@ def apply_recompute(model: nn.Module, recompute: str | tuple[int, ...]) -> list[
         chosen = [blocks[i] for i in sorted(set(recompute))]
     for _path, block in chosen:
         if not getattr(block, "_plait_recompute", False):
-            block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
-            block._plait_recompute = True  # type: ignore[attr-defined]
+            block.forward = functools.partial(_checkpointed, block.forward)
+            block._plait_recompute = True
     return [path for path, _ in chosen]
 
 

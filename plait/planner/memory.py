@@ -20,8 +20,8 @@ micro-batches (gradient accumulation, and every pipeline) the full local gradien
 at every stage (4 Psi, and the 4 Psi / N shard beside it under ZeRO-2/3). With pp > 1 a rank's Psi is its stages'.
 
 **Activations** (``plait.planner.activations``, where the per-block formulas are written out): plait's model
-tensor by tensor ("plait" accounting, equal to ``SavedActivations`` to the byte), or Korthikanti et al. 2022 for
-Megatron-style implementations; recomputation none / selective / full / per block; attention kernel flash (no
+tensor by tensor ("plait" accounting, equal to ``SavedActivations`` to the byte for plait's GPT; another model is
+estimated as plait's GPT of its shape), or Korthikanti et al. 2022 for Megatron-style implementations; recomputation none / selective / full / per block; attention kernel flash (no
 s^2 term) or math; activations in the compute dtype; a pipeline rank holds the activations of the micro-batches
 its schedule keeps in flight, walked action by action over its stages (F adds a stage's bytes, B or I frees them).
 
@@ -32,6 +32,8 @@ its schedule keeps in flight, walked action by action over its stages (F adds a 
   input's gradient, 8 s b V / t bytes in fp32), plus ZeRO-3's gathered root unit and one block. For a language
   model with a large vocabulary this is the peak (issue 14's H100 figures: 17.0 / 17.4 / 29.5 GiB predicted against
   17.1 / 17.4 / 29.6 measured, see docs/zero.md);
+  The forward's end (the logits, their fp32 copy and the log-softmax: (e + 4) s b V / t besides the same saved
+  activations) never exceeds it, so it is not a phase of its own;
 - "recompute": the last recomputed block runs again: its full activations beside the rest (full / per-block);
 - "backward end": the gradients at their peak plus what the reduction copies (ZeRO-1 reduce-scatters a flat copy
   of the whole gradient; ZeRO-3 one unit's full gradient);
@@ -58,38 +60,10 @@ from plait.layout import Layout
 from plait.models.spec import ModelSpec
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
+from plait.planner.model_states import FOREACH_TEMPORARIES, STATE_FLOATS, optimizer_kind, zero_paper_bytes
 
-STATE_FLOATS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
-"""fp32 state tensors each optimizer keeps per parameter element."""
-FOREACH_TEMPORARIES = {"adam": 1, "adamw": 1}
-"""fp32 temporaries per stepped element of torch's foreach implementation (Adam/AdamW: sqrt of the second moment)."""
 CUDA_CACHING_OVERHEAD = 0.05
 """Reserved over allocated bytes of PyTorch's CUDA caching allocator (block rounding, fragmentation): a prior."""
-
-
-def zero_paper_bytes(psi: float, n: int, stage: int, k: int = 12) -> float:
-    """Model-state bytes per rank for ``psi`` parameters, ``n`` ranks, ZeRO ``stage`` (the paper's Figure 1)."""
-    if stage == 0:
-        return (2 + 2 + k) * psi
-    if stage == 1:
-        return (2 + 2) * psi + k * psi / n
-    if stage == 2:
-        return 2 * psi + (2 + k) * psi / n
-    if stage == 3:
-        return (2 + 2 + k) * psi / n
-    raise ValueError(f"ZeRO stage {stage} does not exist; use 0, 1, 2 or 3")
-
-
-def optimizer_kind(optimizer: str | torch.optim.Optimizer) -> str:
-    """Map an optimizer (or its name) to a ``STATE_FLOATS`` key."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__.lower()
-        if name == "sgd":
-            return "sgd_momentum" if optimizer.defaults.get("momentum", 0) else "sgd"
-        optimizer = name
-    if optimizer not in STATE_FLOATS:
-        raise ValueError(f"optimizer {optimizer!r} is unknown to the estimator; use one of {', '.join(STATE_FLOATS)}")
-    return optimizer
 
 
 @dataclass
@@ -237,7 +211,7 @@ def estimate_memory(
     pipeline parallelism divide the parameters by tp and by stage.
 
     ``activations``: ``{"batch": samples per micro-batch on a rank, "seq": tokens per sample}`` and optionally
-    ``attention`` ("flash", the default, or "math"), ``dropout`` (default 0: the model's dropout probability) and,
+    ``attention`` ("flash", the default, or "math"), ``dropout`` (default: a plait GPT's or GPTConfig's, else 0) and,
     for a parameter count, the sizes ``hidden``, ``heads``, ``layers`` (``vocab``, ``ffn``, ``kv_heads``, ``gated``,
     ``learned_positions``). ``device``: "cuda" (dropout masks of 1 byte, foreach optimizer temporaries, the caching
     allocator's overhead) or "cpu"."""
@@ -251,6 +225,9 @@ def estimate_memory(
     else:
         psi_model = -1  # a description: counted from the spec below
     shape = dict(activations or {})
+    config = getattr(model, "config", model)  # a plait GPT's GPTConfig (or the GPTConfig itself): its dropout
+    if "dropout" not in shape and isinstance(getattr(config, "dropout", None), float):
+        shape["dropout"] = config.dropout
     spec = _spec(model, psi_model, shape) if activations or psi_model < 0 else None
     if psi_model < 0:
         assert spec is not None
@@ -516,11 +493,11 @@ def _activation_terms(
         mask_bytes=1,
         per_sample_positions=context_parallel,
     )
-    modes = tuple(block_bytes(spec, fwd, m, kind) for m in ("none", "selective", "full"))
+    none, selective, full = (block_bytes(spec, fwd, m, kind) for m in ("none", "selective", "full"))
     first = ends_bytes(spec, fwd, True, False, kind, recomputed)
     last = ends_bytes(spec, fwd, False, True, kind, recomputed)
     loss = loss_buffer_bytes(spec, fwd) if kind == "plait" else 0.0
-    return (*modes, first, last, loss)
+    return none, selective, full, first, last, loss
 
 
 def stage_memory(
@@ -586,6 +563,8 @@ def stage_memory(
 
 __all__ = [
     "CUDA_CACHING_OVERHEAD",
+    "STATE_FLOATS",
+    "optimizer_kind",
     "MemoryBreakdown",
     "MemoryEstimate",
     "accounting",
