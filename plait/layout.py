@@ -24,7 +24,9 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "compute")
 """Gradient reduction dtype: fp32 (the gradients' own), or the compute dtype of ``precision`` (half the bytes)."""
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation: none; "selective" recomputes only every block's attention core (softmax, dropout and
+the product with the values: Korthikanti et al. 2022); "full" every block (or a tuple of block indices)."""
 CP_MODES = ("ring", "ulysses")
 OFFLOADS = ("none", "cpu", "nvme")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
@@ -44,7 +46,8 @@ class Layout:
         microbatches: micro-batches per step (gradient accumulation; pipeline micro-batches).
         schedule: pipeline schedule, one of ``SCHEDULES``.
         virtual_stages: model chunks per pipeline rank (interleaved schedules).
-        recompute: activation recomputation: "none", "full", or a tuple of block indices to recompute.
+        recompute: activation recomputation: "none", "selective" (the attention cores), "full", or a tuple of block
+            indices to recompute whole.
         precision: compute precision, one of ``PRECISIONS`` (master weights stay fp32).
         cp_mode: context-parallel algorithm, one of ``CP_MODES``.
         sequence_parallel: Megatron sequence parallelism inside the tp group.
@@ -132,7 +135,8 @@ class Layout:
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE_MODES:
                 raise LayoutError(
-                    f"recompute={self.recompute!r} is unknown. Fix: use 'none', 'full' or a list of block indices."
+                    f"recompute={self.recompute!r} is unknown. Fix: use 'none', 'selective', 'full' or a list of block "
+                    f"indices."
                 )
         elif not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.recompute):
             raise LayoutError(f"recompute={self.recompute!r} must list block indices >= 0. Fix: e.g. recompute=[0, 2].")

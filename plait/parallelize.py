@@ -201,8 +201,9 @@ def parallelize(
     mesh = Mesh.build(layout)
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
     stages = []
-    if pipeline is not None:  # recompute first, on the whole model, so that its block indices are global
-        apply_recompute(model, layout.recompute)
+    if pipeline is not None:
+        if layout.recompute != "selective":  # whole blocks first, on the whole model, so that indices are global
+            apply_recompute(model, layout.recompute)
         model, stages = place_pipeline(model, pipeline, mesh.index("pp"))
         for stage in stages:
             stage.module.to(device)
@@ -215,7 +216,7 @@ def parallelize(
     if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
         roles = [(stage.module, stage.is_first, stage.is_last) for stage in stages] or None
         loss_fn = apply_context_parallel(model, context, comm, loss_fn, stages=roles)
-    if pipeline is None:
+    if pipeline is None or layout.recompute == "selective":  # after cp: it wraps the attention kernel in use
         apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
     strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir, param_groups)

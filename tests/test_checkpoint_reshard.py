@@ -19,10 +19,10 @@ from helpers.composition import (
     GLOBAL_BATCH,
     LOSS_RTOL,
     PARAM_TOL,
-    _parameters,
     make_model,
     merge_ranks,
     optimizer,
+    whole_parameters,
 )
 from helpers.harness import run_distributed
 from helpers.reference import assert_tensors_close
@@ -80,9 +80,9 @@ def _run_a(names: list[str], root: str) -> dict:
         engine, loader = _engine(name)
         losses = [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT)]
         engine.save(f"{root}/{name}")
-        saved = _parameters(engine)
+        saved = whole_parameters(engine)
         losses += [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT, STEPS)]
-        out[name] = {"losses": losses, "saved": saved, "final": _parameters(engine)}
+        out[name] = {"losses": losses, "saved": saved, "final": whole_parameters(engine)}
     return out
 
 
@@ -95,12 +95,12 @@ def _run_b(pairs: list[tuple[str, str]], root: str) -> dict:
             continue
         engine, loader = _engine(b)
         assert engine.load(f"{root}/{a}") == SAVE_AT
-        loaded = _parameters(engine)
+        loaded = whole_parameters(engine)
         losses = [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT, STEPS)]
         out[(a, b)] = {
             "losses": losses,
             "loaded": loaded,
-            "final": _parameters(engine),
+            "final": whole_parameters(engine),
             "lr": engine.optimizer.param_groups[0]["lr"],
         }
     return out

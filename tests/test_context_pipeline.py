@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.composition import _gradients as whole_gradients  # the matrix's helpers: ZeRO shards, tp slices
-from helpers.composition import _parameters as whole_parameters
-from helpers.composition import merge_ranks
+from helpers.composition import (  # the matrix's helpers: ZeRO shards, tp slices
+    merge_ranks,
+    whole_gradients,
+    whole_parameters,
+)
 from helpers.harness import run_distributed
 from helpers.reference import assert_tensors_close, masked_lm_batch, train_reference
 

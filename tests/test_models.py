@@ -224,7 +224,9 @@ def test_parameter_count_and_flops_formula() -> None:
     d, ff, vocab = config.d_model, config.ffn_dim, config.vocab_size
     per_block = 4 * d * d + 2 * d * ff + 2 * d
     assert model.num_parameters() == 2 * vocab * d + config.n_layer * per_block + d
-    assert model.flops_per_token() == 6 * model.num_parameters() + 12 * config.n_layer * d * config.seq_len
+    matmul = 4 * d * d + 2 * d * ff  # per block; embeddings are lookups and norms elementwise: no FLOPs
+    forward = config.n_layer * (2 * matmul + 4 * config.seq_len * d) + 2 * d * vocab
+    assert model.flops_per_token() == 3 * forward == model.spec().flops_per_token()  # Narayanan et al. 2021, eq. 3
 
 
 def test_lm_loss_ignores_minus_100_targets() -> None:

@@ -12,10 +12,12 @@ from plait.models.layers import (
     make_norm,
 )
 from plait.models.loss import lm_loss
+from plait.models.spec import ModelSpec
 
 __all__ = [
     "GPT",
     "GPTConfig",
+    "ModelSpec",
     "lm_loss",
     "Attention",
     "Block",

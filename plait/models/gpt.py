@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from plait.models.config import GPTConfig
 from plait.models.layers import MLP, Attention, Block, RMSNorm, make_norm
+from plait.models.spec import ModelSpec
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -80,12 +81,13 @@ class GPT(nn.Module):
         """Number of parameters this module holds (only the present parts, for a pipeline stage)."""
         return sum(parameter.numel() for parameter in self.parameters())
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token, 6*N + 12*L*d_model*T (PaLM appendix B / Megatron-LM estimate).
+    def spec(self) -> ModelSpec:
+        """The model description of the whole model (``plait.models.spec``: sizes, parameters, FLOPs)."""
+        return ModelSpec.from_gpt_config(self.config)
 
-        6N counts forward (2N) and backward (4N) matmuls over all N present parameters; 12*L*d*T adds the attention
-        score and value products over the L present blocks at context T = seq_len. Summing over pipeline stages gives
-        the full model's figure.
-        """
-        n_blocks = len(self.blocks)
-        return 6 * self.num_parameters() + 12 * n_blocks * self.config.d_model * self.config.seq_len
+    def flops_per_token(self) -> int:
+        """Model FLOPs of one trained token at context ``seq_len`` through the parts this module holds (the present
+        blocks, and the LM head if present): ``ModelSpec.flops_per_token`` (Narayanan et al. 2021, eq. 3; forward +
+        backward = 3 x forward; recomputation excluded, Chowdhery et al. 2022 app. B). Embedding lookups cost no
+        FLOPs, so summing over pipeline stages gives the full model's figure."""
+        return self.spec().flops_per_token(blocks=len(self.blocks), logits=self.lm_head is not None)

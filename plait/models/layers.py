@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from plait.models.config import GPTConfig
 
@@ -75,6 +76,12 @@ class Attention(nn.Module):
 
     Head counts come from the projections' output widths (width // head_dim), never from the config, so sharding
     `q`/`k`/`v` by heads just works; with fewer kv heads each kv head serves n_q/n_kv consecutive q heads.
+
+    ``recompute_core`` (set by ``Layout(recompute="selective")``, off by default): the attention core (`attend`:
+    the kv-head repetition, softmax(q k^T) and its product with v, whatever kernel `core` is) keeps nothing for
+    backward but its inputs q, k, v and runs again in backward (torch.utils.checkpoint, RNG replayed), so the
+    s^2-sized softmax, its dropout mask and output of a math kernel are never held (Korthikanti et al. 2022,
+    "selective activation recomputation"). The flag lives here, not on `core`, so that it survives a swapped core.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -89,6 +96,7 @@ class Attention(nn.Module):
         self.v = nn.Linear(config.d_model, kv_width, bias=config.bias)
         self.o = nn.Linear(q_width, config.d_model, bias=config.bias)
         self.core = ScaledDotProductAttention(config.dropout)
+        self.recompute_core = False
 
     def split_heads(self, projected: Tensor) -> Tensor:
         """[B, T, heads*head_dim] -> [B, heads, T, head_dim], with heads read off the tensor's width."""
@@ -106,17 +114,24 @@ class Attention(nn.Module):
             k = apply_rotary(k, positions, self.rope_theta)
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        q, k, v = self.project_qkv(x, positions)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention core: kv heads repeated to the query heads, then `core` -> [B, H, T, D]."""
         q_heads, kv_heads = q.shape[1], k.shape[1]
         if q_heads != kv_heads:
             if q_heads % kv_heads != 0:
                 raise ValueError(f"{q_heads} query heads cannot share {kv_heads} key/value heads evenly.")
             k = k.repeat_interleave(q_heads // kv_heads, dim=1)
             v = v.repeat_interleave(q_heads // kv_heads, dim=1)
-        attended = self.core(q, k, v)  # [B, H, T, D]
+        return self.core(q, k, v)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        q, k, v = self.project_qkv(x, positions)
+        if self.recompute_core and torch.is_grad_enabled():
+            attended = checkpoint(self.attend, q, k, v, use_reentrant=False)
+        else:
+            attended = self.attend(q, k, v)  # [B, H, T, D]
         batch, _, length, _ = attended.shape
-        return self.o(attended.transpose(1, 2).reshape(batch, length, q_heads * self.head_dim))
+        return self.o(attended.transpose(1, 2).reshape(batch, length, q.shape[1] * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -6,7 +6,8 @@
     plait.planner.predict("llama-70b", plait.Layout(dp=16, tp=8, pp=8, microbatches=64), "h100", global_batch=1024)
 
 Modules: hardware.py (catalogue, this-machine), models.py (named models, config.json, profiling), costs.py (FLOPs,
-roofline compute time, alpha-beta collectives), memory.py (ZeRO paper + Korthikanti activations), predict.py
+roofline compute time, alpha-beta collectives), activations.py + memory.py (ZeRO paper, activations per block,
+a step's peak), predict.py
 (one layout, pipeline via the schedule simulator), inter_op.py (Alpa stage DP), intra_op.py (Alpa sharding ILP),
 search.py (enumerate + prune + rank), report.py (tables, TOML), calibrate.py, published.py (validation data).
 See docs/planner.md.

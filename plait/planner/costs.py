@@ -1,11 +1,10 @@
 """Time primitives of the cost model: FLOPs of a transformer block, its compute time, and collectives.
 
-FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", sec. 5.1, eq. 3):
-a block's forward pass costs 24 b s h^2 (1 + s / 6h) for a = heads, h = hidden, f = 4h: the matmuls
-2 b s (4 h^2 + 2 h f) plus the attention scores and values 4 b s^2 h. Written here for k kv heads and a gated
-MLP as 2 b s [h (h + 2 k d) + h^2 + (2|3) h f] + 4 b s_q s_k h. The logits cost 2 b s h V. A backward pass costs
-twice the forward; full recomputation adds one forward of every block (Chowdhery et al. 2022, app. B: model
-FLOPs exclude it, hardware FLOPs include it).
+FLOPs are the model description's (``plait.models.spec``, re-exported here as ``block_flops`` and
+``logits_flops``): Narayanan et al. 2021, eq. 3, a block's forward 2 b s [h (h + 2 k d) + h^2 + (2|3) h f] +
+4 b s_q s_k h, the logits 2 b s h V, a backward pass twice the forward; recomputation adds forward FLOPs (full: every
+block's forward; selective: the attention core's 4 b s^2 h; Chowdhery et al. 2022, app. B: model FLOPs exclude
+it, hardware FLOPs include it).
 
 Compute time is a roofline sum (Williams et al. 2009): matmul FLOPs / (peak x compute efficiency) plus the
 bytes that memory-bound operators (norms, residual adds, dropout, activation functions, softmax) move through
@@ -31,8 +30,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from plait.layout import AXES, Layout
+from plait.models.spec import ModelSpec, block_flops, logits_flops
 from plait.planner.hardware import Hardware
-from plait.planner.models import ModelSpec
 
 COMPUTE_EFFICIENCY = 0.724
 """The one global calibrated factor: achieved / peak FLOP/s of large matmuls. Fitted once, as the median over
@@ -176,17 +175,6 @@ class BlockTime:
     flops: float  # forward FLOPs of this block on this device
 
 
-def block_flops(spec: ModelSpec, batch: int, seq_q: int, seq_k: int) -> float:
-    """Forward FLOPs of one block for ``batch`` samples of ``seq_q`` queries attending to ``seq_k`` keys."""
-    h, d = spec.hidden, spec.head_dim
-    matmul_params = h * (h + 2 * spec.kv * d) + h * h + (3 if spec.gated else 2) * h * spec.ffn
-    return 2 * batch * seq_q * matmul_params + 4 * batch * seq_q * seq_k * h
-
-
-def logits_flops(spec: ModelSpec, batch: int, seq: int) -> float:
-    return 2 * batch * seq * spec.hidden * spec.vocab
-
-
 def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e: int, flash: bool) -> float:
     """HBM bytes the memory-bound operators of one block's forward pass move on one device."""
     tokens = batch * seq_q
@@ -200,7 +188,10 @@ def block_time(
     spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int
 ) -> BlockTime:
     """Per-device time of one block on a micro-batch of ``micro_batch`` samples of ``seq`` tokens under
-    ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision)."""
+    ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision). ``recompute``: "full" repeats the
+    forward (and its tp/cp collectives), "selective" the attention core (and the cp exchange inside it), a tuple of
+    blocks the forward times the share of the model's blocks it lists (the mean block: exact summed over the
+    model, an average per pipeline stage)."""
     t, cp, e = layout.tp, layout.cp, act_bytes(layout.precision)
     s_local = seq // cp
     flops = block_flops(spec, micro_batch, s_local, seq) / t
@@ -216,14 +207,23 @@ def block_time(
     attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
     cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_fwd
     cp_bwd_exposed = max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_bwd
-    recomputed = layout.recompute == "full"
+    recompute, recompute_comm = fwd, 2 * tp_one + cp_fwd_exposed  # "full": the whole forward again
+    if layout.recompute == "none":
+        recompute, recompute_comm = 0.0, 0.0
+    elif layout.recompute == "selective":  # the attention core again (its cp exchange too, inside the core)
+        scores = 0.0 if impl.flash_attention else 4.5 * spec.heads * s_local * seq * e * micro_batch / t
+        recompute = attention_fwd + scores / (hw.memory_bandwidth * impl.memory_efficiency)
+        recompute_comm = cp_fwd_exposed
+    elif isinstance(layout.recompute, tuple):  # some blocks: the mean over the model's blocks
+        share = len(set(layout.recompute)) / spec.layers
+        recompute, recompute_comm = share * recompute, share * recompute_comm
     return BlockTime(
         forward=fwd,
         backward=2 * fwd,
-        recompute=fwd if recomputed else 0.0,
+        recompute=recompute,
         forward_comm=2 * tp_one + cp_fwd_exposed,
         backward_comm=2 * tp_one + cp_bwd_exposed,
-        recompute_comm=(2 * tp_one + cp_fwd_exposed) if recomputed else 0.0,
+        recompute_comm=recompute_comm,
         flops=flops,
     )
 

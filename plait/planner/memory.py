@@ -1,98 +1,92 @@
-"""Memory per rank: ``estimate_memory`` (what plait's own implementation holds) and the planner's per-stage
-model, both from the published formulas below.
+"""Memory per rank: ``estimate_memory`` (the peak of one of plait's training steps, with its breakdown) and the
+planner's per-stage model ``stage_memory``; one set of formulas for both.
 
-Model states: ``zero_paper_bytes`` (Rajbhandari et al. 2020, Figure 1: 2 + 2 + K bytes per
-parameter, K = 12 for mixed-precision Adam, split by ZeRO stage over the N = dp x cp ranks that share a
-replica), or ``estimate_memory`` for plait's own fp32 implementation. Offload (ZeRO-Offload, Ren et al.
-2021) moves the optimizer states (and fp32 master) to host memory.
-
-Activations: ``activation_bytes`` (Korthikanti et al. 2022, eq. 2): s b h (34 + 5 a s / h) per
-block, s b h (10 + 24/t + 5 a s / (h t)) with tensor parallel t, and the whole of it / t with sequence
-parallelism (their eq. 4); 2 s b h (/ t with sequence parallelism) under full recomputation, plus one block's
-full activations while it is being recomputed. Context parallel divides s. Flash attention removes the
-5 a s^2 b score term. The last stage also keeps the fp32 logits, 4 s b V / t bytes (Korthikanti sec. 4.3).
-A pipeline stage holds the activations of as many stage-micro-batches as the schedule keeps in flight
-(``plait.parallel.pipeline.simulate``'s ``peak_activations``).
-
-Model states, ZeRO paper (Rajbhandari et al. 2020, sec. 3-5), for Psi parameters on N data-parallel ranks,
-mixed-precision Adam (2 bytes params + 2 bytes grads + K = 12 bytes of fp32 master, momentum, variance):
+**Model states.** ``zero_paper_bytes`` (Rajbhandari et al. 2020, Figure 1): for Psi parameters on N = dp x cp
+data-parallel ranks, mixed-precision Adam (2 bytes params + 2 bytes grads + K = 12 bytes of fp32 master, momentum,
+variance)
 
     stage 0: (2 + 2 + K) Psi      stage 1: (2 + 2) Psi + K Psi / N
     stage 2: 2 Psi + (2 + K) Psi / N      stage 3: (2 + 2 + K) Psi / N
 
-``zero_paper_bytes`` is exactly that. ``estimate_memory`` applies the same accounting to plait's own
-implementation, which keeps parameters and gradients in fp32 (autocast computes in bf16/fp16 from fp32 weights):
-params 4 Psi, grads 4 Psi, optimizer states S Psi (S = 8 for Adam/AdamW, 4 for SGD with momentum, 0 without),
-and, under ZeRO 1-2, a separate fp32 master shard of 4 Psi / N (under ZeRO-3 the shard *is* the master, unless
-it is offloaded: then a host copy of 4 Psi / N is the master).
+``estimate_memory`` applies the same accounting to plait's own implementation, which keeps parameters and
+gradients in fp32 (autocast computes in bf16/fp16 from fp32 weights): params 4 Psi, grads 4 Psi, optimizer states
+S Psi (S = 8 for Adam/AdamW, 4 for SGD with momentum, 0 without), and, under ZeRO 1-2, a separate fp32 master shard
+of 4 Psi / N (under ZeRO-3 the shard *is* the master, unless it is offloaded: then a host copy of 4 Psi / N is the
+master). Offload (ZeRO-Offload, Ren et al. 2021) moves optimizer states and masters to the host. Each figure is
+the most a rank holds of that kind over a step; gradients differ: ZeRO-1 holds the full local gradient (4 Psi)
+from backward until ``finish_backward`` reduce-scatters it, then its shard's sum (4 Psi / N), so ``gradients`` is
+the peak and ``gradients_at_step`` what is left at the optimizer step; between steps no gradient is held. With
+micro-batches (gradient accumulation, and every pipeline) the full local gradient accumulates under ``no_sync``
+at every stage (4 Psi, and the 4 Psi / N shard beside it under ZeRO-2/3). With pp > 1 a rank's Psi is its stages'.
 
-Every figure is the most a rank holds of that kind over a training step, which is also what it holds at the
-optimizer step and between steps, except for gradients: ZeRO-1 holds the full local gradient (4 Psi) from the
-backward pass until ``finish_backward`` reduce-scatters it, and then only its shard's sum (4 Psi / N). So
-``gradients`` is the peak (4 Psi under stages 0-1, 4 Psi / N under 2-3) and ``gradients_at_step`` what is left
-when the optimizer steps; between steps no gradient is held. Communication buffers in flight (a ZeRO-2 bucket
-being reduce-scattered, ZeRO-3's gathered units) are working memory, not model states, and are not counted.
-Activations per transformer layer (Korthikanti et al. 2022, eq. 2): s b h (34 + 5 a s / h) bytes with 2-byte
-activations, s b h (10 + 24/t + 5 a s / (h t)) with tensor parallelism t (eq. 3), s b h (34 + 5 a s / h) / t with
-tensor and sequence parallelism (eq. 4: the norm/dropout/residual regions split along the sequence too; plait's
-SP keeps the gathered inputs of q/k/v and of the MLP whole instead of re-gathering them in backward, which adds
-4 s b h (1 - 1/t): see docs/tensor_parallel.md), and 2 s b h (2 s b h / t with SP) with full
-recomputation (only the layer input is kept); scaled by (activation bytes / 2) for fp32.
+**Activations** (``plait.planner.activations``, where the per-block formulas are written out): plait's model
+tensor by tensor ("plait" accounting, equal to ``SavedActivations`` to the byte for plait's GPT; another model is
+estimated as plait's GPT of its shape), or Korthikanti et al. 2022 for Megatron-style implementations; recomputation none / selective / full / per block; attention kernel flash (no
+s^2 term) or math; activations in the compute dtype; a pipeline rank holds the activations of the micro-batches
+its schedule keeps in flight, walked action by action over its stages (F adds a stage's bytes, B or I frees them).
+
+**The peak** is the largest of the step's phases (device bytes; what ``torch.cuda.max_memory_allocated`` reports):
+
+- "loss": the backward of a micro-batch begins on the last stage: model states, the gradients accumulated so far,
+  every saved activation in flight and the loss buffers (``loss_buffer_bytes``: the log-softmax's gradient and its
+  input's gradient, 8 s b V / t bytes in fp32), plus ZeRO-3's gathered root unit and one block. For a language
+  model with a large vocabulary this is the peak (issue 14's H100 figures: 17.0 / 17.4 / 29.5 GiB predicted against
+  17.1 / 17.4 / 29.6 measured, see docs/zero.md);
+  The forward's end (the logits, their fp32 copy and the log-softmax: (e + 4) s b V / t besides the same saved
+  activations) never exceeds it, so it is not a phase of its own;
+- "recompute": the last recomputed block runs again: its full activations beside the rest (full / per-block);
+- "backward end": the gradients at their peak plus what the reduction copies (ZeRO-1 reduce-scatters a flat copy
+  of the whole gradient; ZeRO-3 one unit's full gradient);
+- "step": the gradients left at the optimizer step plus the optimizer's temporaries (torch's foreach Adam/AdamW,
+  the CUDA default, allocates one fp32 temporary the size of the stepped elements; CPU steps one tensor at a time).
+
+On CUDA the caching allocator rounds blocks up and fragments: ``reserved`` = peak x (1 + ``CUDA_CACHING_OVERHEAD``),
+a documented prior (5%), not a fit; issue 14 quotes one reserved/allocated pair (17.4 / 17.1 GiB, +1.8%).
+Communication buffers of DDP's buckets and offload staging are not modelled beyond the gradients they hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait.layout import Layout
+from plait.models.spec import ModelSpec
+from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
-from plait.planner.models import ModelSpec
+from plait.planner.model_states import FOREACH_TEMPORARIES, STATE_FLOATS, optimizer_kind, zero_paper_bytes
 
-STATE_FLOATS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
-"""fp32 state tensors each optimizer keeps per parameter element."""
-
-
-def zero_paper_bytes(psi: float, n: int, stage: int, k: int = 12) -> float:
-    """Model-state bytes per rank for ``psi`` parameters, ``n`` ranks, ZeRO ``stage`` (the paper's Figure 1)."""
-    if stage == 0:
-        return (2 + 2 + k) * psi
-    if stage == 1:
-        return (2 + 2) * psi + k * psi / n
-    if stage == 2:
-        return 2 * psi + (2 + k) * psi / n
-    if stage == 3:
-        return (2 + 2 + k) * psi / n
-    raise ValueError(f"ZeRO stage {stage} does not exist; use 0, 1, 2 or 3")
-
-
-def optimizer_kind(optimizer: str | torch.optim.Optimizer) -> str:
-    """Map an optimizer (or its name) to a ``STATE_FLOATS`` key."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__.lower()
-        if name == "sgd":
-            return "sgd_momentum" if optimizer.defaults.get("momentum", 0) else "sgd"
-        optimizer = name
-    if optimizer not in STATE_FLOATS:
-        raise ValueError(f"optimizer {optimizer!r} is unknown to the estimator; use one of {', '.join(STATE_FLOATS)}")
-    return optimizer
+CUDA_CACHING_OVERHEAD = 0.05
+"""Reserved over allocated bytes of PyTorch's CUDA caching allocator (block rounding, fragmentation): a prior."""
 
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per rank, by kind; ``host`` is the part offloaded to CPU/NVMe (not on the device)."""
+    """Bytes per rank, by kind; ``host`` is the part offloaded to CPU/NVMe (not on the device). With activations
+    (``estimate_memory(..., activations=...)``), ``peak`` is the device bytes at the step's highest phase
+    (``peak_phase``), ``breakdown`` what it is made of, ``phases`` every phase's device bytes."""
 
     parameters: float
     gradients: float
     optimizer_states: float
     master_weights: float
     activations: float = 0.0
+    """Saved for backward at the peak: every micro-batch in flight (plait's model: == SavedActivations)."""
     host: float = 0.0
     gradients_at_step: float = 0.0
     """Gradient bytes left when the optimizer steps (equal to ``gradients`` except under ZeRO-1: 4 Psi / N)."""
+    peak: float = 0.0
+    peak_phase: str = "step"
+    breakdown: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    allocator_overhead: float = 0.0
+    """Reserved minus allocated at the peak (CUDA's caching allocator, ``CUDA_CACHING_OVERHEAD``; 0 on CPU)."""
 
     @property
     def model_states(self) -> float:
@@ -100,11 +94,278 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
+        """Model states at their peaks plus the saved activations (a sum of kinds, not a moment: see ``peak``)."""
         return self.model_states + self.activations
 
     @property
     def device(self) -> float:
         return self.total - self.host
+
+    @property
+    def reserved(self) -> float:
+        """What the allocator holds from the device at the peak: ``peak`` plus its overhead."""
+        return self.peak + self.allocator_overhead
+
+
+# ---------------------------------------------------------------------- model states
+def _states(psi: float, layout: Layout, kind: str) -> MemoryEstimate:
+    n, stage = layout.dp * layout.cp, layout.zero
+    states = STATE_FLOATS[kind] * 4 * psi
+    offloaded = layout.offload != "none" and stage >= 1
+    estimate = MemoryEstimate(
+        parameters=4 * psi if stage < 3 else 4 * psi / n,
+        gradients=4 * psi if stage < 2 else 4 * psi / n,  # ZeRO-1: the full local gradient, until reduced
+        optimizer_states=states if stage == 0 else states / n,
+        master_weights=4 * psi / n if stage in (1, 2) or (stage == 3 and offloaded) else 0.0,
+        gradients_at_step=4 * psi if stage == 0 else 4 * psi / n,
+    )
+    if offloaded:
+        estimate.host = estimate.optimizer_states + estimate.master_weights
+    return estimate
+
+
+def _accumulates(layout: Layout) -> bool:
+    """Whether full local gradients accumulate under no_sync before the reduction (micro-batches, pipelines)."""
+    return layout.microbatches > 1 or layout.pp > 1
+
+
+# ---------------------------------------------------------------------- the shape of the run
+def _spec(model: Any, psi: int, shape: dict[str, Any]) -> ModelSpec:
+    """The model description for the activation formulas: from ``shape``'s sizes (a parameter count was given),
+    a ``ModelSpec``, a plait ``GPT``/``GPTConfig`` or a transformers model (through the planner's reader)."""
+    if all(key in shape for key in ("hidden", "heads", "layers")):
+        hidden = int(shape["hidden"])
+        return ModelSpec(
+            "given",
+            int(shape["layers"]),
+            hidden,
+            int(shape["heads"]),
+            int(shape.get("ffn", 4 * hidden)),
+            int(shape.get("vocab", 1)),
+            int(shape.get("seq", 1)),
+            kv_heads=shape.get("kv_heads"),
+            gated=bool(shape.get("gated", False)),
+            learned_positions=bool(shape.get("learned_positions", True)),
+        )
+    if isinstance(model, int):
+        raise ValueError(
+            f"activations={shape} for a parameter count ({psi}) needs the model's sizes too. Fix: pass the model "
+            f"(a GPT, GPTConfig, ModelSpec or transformers model), or add hidden, heads, layers (and vocab) to it."
+        )
+    from plait.planner.models import resolve_model
+
+    spec = resolve_model(model)
+    if not isinstance(spec, ModelSpec):
+        raise ValueError("activations need a transformer model description, not measured layer profiles.")
+    return spec
+
+
+def _block_ranges(layers: int, stages: int, cuts: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) blocks of each pipeline stage: the layout's cuts, else an even split (the first stages take
+    one more block each when ``stages`` does not divide ``layers``, as ``plan_split`` does)."""
+    if cuts:
+        bounds = [0, *cuts, layers]
+    else:
+        size, extra = divmod(layers, stages)
+        bounds = [0]
+        for stage in range(stages):
+            bounds.append(bounds[-1] + size + (1 if stage < extra else 0))
+    return list(zip(bounds, bounds[1:]))
+
+
+def rank_in_flight_peaks(schedule: Any, stage_bytes: Sequence[float]) -> list[float]:
+    """Per rank of a pipeline ``Schedule``: the most activation bytes it holds at once, walking its actions in
+    order (F of stage s adds ``stage_bytes[s]``, B or I of it frees them; W needs only what I leaves)."""
+    peaks = []
+    for actions in schedule.actions:
+        held = peak = 0.0
+        for action in actions:
+            if action.kind == "F":
+                held += stage_bytes[action.stage]
+            elif action.kind in ("B", "I"):
+                held -= stage_bytes[action.stage]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def _recompute_of(layout: Layout, block: int) -> str:
+    if isinstance(layout.recompute, tuple):
+        return "full" if block in layout.recompute else "none"
+    return str(layout.recompute)
+
+
+def estimate_memory(
+    model: nn.Module | int | Any,
+    layout: Layout,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    world_size: int | None = None,
+    activations: dict[str, Any] | None = None,
+    device: str = "cuda",
+) -> MemoryEstimate:
+    """Per-rank bytes of plait's model states and, given ``activations``, of a whole training step's peak.
+
+    ``model``: a module (its trainable parameters are counted: call this before ``parallelize``, since ZeRO-3
+    leaves the model's own parameters empty between uses), a parameter count, a ``ModelSpec`` or a ``GPTConfig``.
+    The data-parallel degree comes from ``layout`` (resolved with ``world_size`` when it holds a -1); tensor and
+    pipeline parallelism divide the parameters by tp and by stage.
+
+    ``activations``: ``{"batch": samples per micro-batch on a rank, "seq": tokens per sample}`` and optionally
+    ``attention`` ("flash", the default, or "math"), ``dropout`` (default: a plait GPT's or GPTConfig's, else 0) and,
+    for a parameter count, the sizes ``hidden``, ``heads``, ``layers`` (``vocab``, ``ffn``, ``kv_heads``, ``gated``,
+    ``learned_positions``). ``device``: "cuda" (dropout masks of 1 byte, foreach optimizer temporaries, the caching
+    allocator's overhead) or "cpu"."""
+    if not layout.is_resolved:
+        layout = layout.resolve(world_size or 1)
+    kind = optimizer_kind(optimizer)
+    if isinstance(model, int):
+        psi_model = model
+    elif isinstance(model, nn.Module):
+        psi_model = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    else:
+        psi_model = -1  # a description: counted from the spec below
+    shape = dict(activations or {})
+    config = getattr(model, "config", model)  # a plait GPT's GPTConfig (or the GPTConfig itself): its dropout
+    if "dropout" not in shape and isinstance(getattr(config, "dropout", None), float):
+        shape["dropout"] = config.dropout
+    spec = _spec(model, psi_model, shape) if activations or psi_model < 0 else None
+    if psi_model < 0:
+        assert spec is not None
+        psi_model = spec.parameters
+    if not activations:
+        estimate = _states(psi_model / layout.tp / layout.pp, layout, kind)
+        estimate.peak = _step_phase(estimate, layout, kind, device)
+        estimate.phases = {"step": estimate.peak}
+        return estimate
+    assert spec is not None
+    return _estimate_step(spec, psi_model, layout, kind, shape, device)
+
+
+def _step_phase(states: MemoryEstimate, layout: Layout, kind: str, device: str) -> float:
+    base = states.parameters + states.optimizer_states + states.master_weights - states.host
+    temporaries = 0.0
+    if device == "cuda" and not (layout.offload != "none" and layout.zero >= 1):
+        stepped = states.optimizer_states / max(1, 4 * STATE_FLOATS[kind]) if STATE_FLOATS[kind] else 0.0
+        temporaries = 4 * stepped * FOREACH_TEMPORARIES.get(kind, 0)
+    return base + states.gradients_at_step + temporaries
+
+
+def _run_forward(spec: ModelSpec, layout: Layout, shape: dict[str, Any], device: str) -> Forward:
+    return Forward(
+        batch=int(shape["batch"]),
+        seq=int(shape.get("seq", spec.seq)) // layout.cp,
+        precision=layout.precision,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        attention=str(shape.get("attention", "flash")),
+        dropout=float(shape.get("dropout", 0.0)),
+        mask_bytes=1 if device == "cuda" else None,
+        per_sample_positions=layout.cp > 1,
+    )
+
+
+def rank_activations(
+    spec: ModelSpec, layout: Layout, fwd: Forward, ends: bool = True
+) -> tuple[list[float], list[tuple[int, int]]]:
+    """Per pipeline rank, the most saved-activation bytes it holds at once (every micro-batch its schedule keeps
+    in flight, plait accounting; ``ends``: with the embeddings and the head), and the [start, end) blocks of every
+    stage."""
+    stages = layout.pp * layout.virtual_stages
+    ranges = _block_ranges(spec.layers, stages, layout.pipeline_cuts)
+    recomputed_any = layout.recompute == "full" or isinstance(layout.recompute, tuple)
+    stage_bytes = []
+    for s, (start, end) in enumerate(ranges):
+        blocks = sum(block_bytes(spec, fwd, _recompute_of(layout, i)) for i in range(start, end))
+        outside = ends_bytes(spec, fwd, s == 0, s == stages - 1, "plait", recomputed_any) if ends else 0.0
+        stage_bytes.append(blocks + outside)
+    if layout.pp == 1:
+        return [stage_bytes[0]], ranges
+    from plait.parallel.pipeline.schedule import build_schedule
+
+    schedule = build_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    return rank_in_flight_peaks(schedule, stage_bytes), ranges
+
+
+def _estimate_step(
+    spec: ModelSpec, psi_model: int, layout: Layout, kind: str, shape: dict[str, Any], device: str
+) -> MemoryEstimate:
+    fwd = _run_forward(spec, layout, shape, device)
+    stages = layout.pp * layout.virtual_stages
+    whole = "layers" not in shape or "vocab" in shape  # sizes without a vocabulary: the blocks only
+    in_flight, ranges = rank_activations(spec, layout, fwd, ends=whole)
+    best: MemoryEstimate | None = None
+    for rank, saved in enumerate(in_flight):
+        owned = range(rank, stages, layout.pp)
+        blocks = [i for s in owned for i in range(*ranges[s])]
+        has_first, has_last = 0 in owned, stages - 1 in owned
+        psi: float = psi_model
+        if layout.pp > 1 and psi_model == spec.parameters:  # the stages' own parameters
+            psi = len(blocks) * spec.block_parameters
+            psi += (spec.embedding_parameters if has_first else 0) + (spec.head_parameters if has_last else 0)
+        elif layout.pp > 1:  # a module the spec does not count exactly: an even share
+            psi = psi_model / layout.pp
+        estimate = _rank_peak(spec, psi / layout.tp, layout, kind, fwd, saved, blocks, has_last and whole, device)
+        if best is None or estimate.peak > best.peak:
+            best = estimate
+    assert best is not None
+    return best
+
+
+def _rank_peak(
+    spec: ModelSpec,
+    psi: float,
+    layout: Layout,
+    kind: str,
+    fwd: Forward,
+    saved: float,
+    blocks: list[int],
+    last: bool,
+    device: str,
+) -> MemoryEstimate:
+    """The phases of one rank's step (module docstring) and their maximum."""
+    estimate = _states(psi, layout, kind)
+    n = layout.dp * layout.cp
+    if _accumulates(layout) and layout.zero >= 2:  # no_sync: the full local gradient beside the shard
+        estimate.gradients = 4 * psi + 4 * psi / n
+    estimate.activations = saved
+    base = estimate.parameters + estimate.optimizer_states + estimate.master_weights - estimate.host
+    accumulated = estimate.gradients if _accumulates(layout) else 0.0
+    gathered = 0.0
+    if layout.zero == 3:  # the root unit (embeddings, final norm, head) and one block, whole, in fp32
+        root = (spec.embedding_parameters + spec.head_parameters) if layout.pp == 1 else 0.0
+        gathered = 4 * (root + spec.block_parameters) / layout.tp
+    loss = loss_buffer_bytes(spec, fwd) if last else 0.0
+    phases = {"loss": base + accumulated + saved + loss + gathered}
+    on_device = 0.0 if estimate.host else 1.0  # offload moves optimizer states and masters together
+    parts = {
+        "parameters": estimate.parameters,
+        "optimizer_states": on_device * estimate.optimizer_states,
+        "master_weights": on_device * estimate.master_weights,
+        "gradients": accumulated,
+        "activations": saved,
+        "loss_buffers": loss,
+        "gathered": gathered,
+    }
+    breakdowns = {"loss": parts}
+    recomputed = [i for i in blocks if _recompute_of(layout, i) == "full"]
+    if recomputed or layout.recompute == "selective":
+        one = block_bytes(spec, fwd, "none")
+        again = one - block_bytes(spec, fwd, "full" if recomputed else "selective")
+        head = 4 * spec.hidden * spec.vocab / layout.tp if last else 0.0  # the head's gradient, by then
+        phases["recompute"] = base + max(accumulated, head) + saved + again + gathered
+        breakdowns["recompute"] = {**parts, "gradients": max(accumulated, head), "loss_buffers": 0.0, "again": again}
+    copy = 4 * psi if layout.zero == 1 else (4 * spec.block_parameters / layout.tp if layout.zero == 3 else 0.0)
+    phases["backward end"] = base + estimate.gradients + copy
+    breakdowns["backward end"] = {**parts, "gradients": estimate.gradients, "activations": 0.0, "loss_buffers": 0.0}
+    breakdowns["backward end"]["gathered"] = copy
+    phases["step"] = _step_phase(estimate, layout, kind, device)
+    breakdowns["step"] = {**parts, "gradients": estimate.gradients_at_step, "activations": 0.0, "loss_buffers": 0.0}
+    breakdowns["step"]["gathered"] = phases["step"] - base - estimate.gradients_at_step
+    estimate.peak_phase = max(phases, key=lambda name: phases[name])
+    estimate.peak, estimate.phases = phases[estimate.peak_phase], phases
+    estimate.breakdown = breakdowns[estimate.peak_phase]
+    estimate.allocator_overhead = CUDA_CACHING_OVERHEAD * estimate.peak if device == "cuda" else 0.0
+    return estimate
 
 
 def activation_bytes(
@@ -118,64 +379,15 @@ def activation_bytes(
     act_bytes: int = 2,
     sequence_parallel: bool = False,
 ) -> float:
-    """Activations held for backward by ``layers`` transformer layers (Korthikanti et al. 2022)."""
-    sbh = seq * batch * hidden
-    per_layer = (
-        sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) if tp > 1 else sbh * (34 + 5 * heads * seq / hidden)
-    )
-    if sequence_parallel and tp > 1:
-        per_layer = sbh * (34 + 5 * heads * seq / hidden) / tp
-        sbh = sbh / tp  # a recomputed layer keeps only its input, split along the sequence
-    kept = (layers - recompute_layers) * per_layer + recompute_layers * 2 * sbh
-    return kept * act_bytes / 2
+    """Activations held for backward by ``layers`` transformer layers by Korthikanti et al. 2022 (eqs. 2-4; 2 s b h
+    per recomputed layer, / t with SP), scaled by ``act_bytes`` / 2."""
+    spec = ModelSpec("korthikanti", max(1, layers), hidden, heads, 4 * hidden, 1, seq)
+    fwd = Forward(batch, seq, "fp32" if act_bytes == 4 else "bf16", tp, sequence_parallel, attention="math")
+    kept = (layers - recompute_layers) * block_bytes(spec, fwd, "none", "korthikanti")
+    return kept + recompute_layers * block_bytes(spec, fwd, "full", "korthikanti")
 
 
-def estimate_memory(
-    model: nn.Module | int,
-    layout: Layout,
-    optimizer: str | torch.optim.Optimizer = "adamw",
-    world_size: int | None = None,
-    activations: dict[str, int] | None = None,
-) -> MemoryEstimate:
-    """Per-rank bytes of plait's model states (and activations, given ``seq, batch, hidden, heads, layers``).
-
-    ``model`` is a module (its trainable parameters are counted: call this before ``parallelize``, since ZeRO-3
-    leaves the model's own parameters empty between uses) or a parameter count; the data-parallel
-    degree comes from ``layout`` (resolved with ``world_size`` when it holds a -1)."""
-    psi = model if isinstance(model, int) else sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if not layout.is_resolved:
-        layout = layout.resolve(world_size or 1)
-    n = layout.dp * layout.cp
-    states = STATE_FLOATS[optimizer_kind(optimizer)] * 4 * psi
-    stage = layout.zero
-    offloaded = layout.offload != "none" and stage >= 1
-    estimate = MemoryEstimate(
-        parameters=4 * psi if stage < 3 else 4 * psi / n,
-        gradients=4 * psi if stage < 2 else 4 * psi / n,  # ZeRO-1: the full local gradient, until reduced
-        optimizer_states=states if stage == 0 else states / n,
-        master_weights=4 * psi / n if stage in (1, 2) or (stage == 3 and offloaded) else 0.0,
-        gradients_at_step=4 * psi if stage == 0 else 4 * psi / n,
-    )
-    if offloaded:
-        estimate.host = estimate.optimizer_states + estimate.master_weights
-    if activations:
-        recompute = layout.recompute
-        layers = activations["layers"]
-        recomputed = layers if recompute == "full" else (0 if recompute == "none" else len(recompute))
-        estimate.activations = activation_bytes(
-            activations["seq"],
-            activations["batch"],
-            activations["hidden"],
-            activations["heads"],
-            layers,
-            tp=layout.tp,
-            recompute_layers=recomputed,
-            act_bytes=2 if layout.precision != "fp32" else 4,
-            sequence_parallel=layout.sequence_parallel,
-        )
-    return estimate
-
-
+# ---------------------------------------------------------------------- the planner's per-stage model
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device, by kind (``host``: offloaded, not counted in ``device``)."""
@@ -212,7 +424,7 @@ def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple
     before ZeRO sharding, split over N = dp x cp ranks by ``layout.zero``."""
     n, stage = layout.dp * layout.cp, layout.zero
     if impl.state_accounting == "plait":
-        est = estimate_memory(int(psi), layout)
+        est = _states(psi, layout, "adamw")
         params, grads, states = est.parameters, est.gradients, est.optimizer_states + est.master_weights
         return params, grads, states, est.host
     params_and_grads = zero_paper_bytes(psi, n, stage, k=0)
@@ -222,22 +434,70 @@ def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple
     return params, params_and_grads - params, states, host
 
 
+def accounting(impl: Implementation) -> str:
+    """The activation accounting of an implementation: plait's own runtime ("plait") or Megatron-style
+    ("korthikanti"), following its model-state accounting."""
+    return "plait" if impl.state_accounting == "plait" else "korthikanti"
+
+
+def _forward(spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: Implementation) -> Forward:
+    return Forward(
+        micro_batch,
+        seq // layout.cp,
+        "fp32" if act_bytes(layout.precision) == 4 else "bf16",
+        layout.tp,
+        layout.sequence_parallel,
+        attention="flash" if impl.flash_attention else "math",
+        mask_bytes=1,
+        per_sample_positions=layout.cp > 1,
+    )
+
+
 def block_activation_bytes(
-    spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: Implementation, recomputed: bool
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq: int,
+    impl: Implementation,
+    recomputed: bool | str,
 ) -> float:
-    """Bytes one block keeps for backward for one micro-batch (module docstring)."""
-    s_local, t, e = seq // layout.cp, layout.tp, act_bytes(layout.precision)
-    sp = layout.sequence_parallel
-    if recomputed:
-        return activation_bytes(s_local, micro_batch, spec.hidden, spec.heads, 1, recompute_layers=1, act_bytes=e) / (
-            t if sp else 1
-        )
-    full = activation_bytes(s_local, micro_batch, spec.hidden, spec.heads, 1, tp=1 if sp else t, act_bytes=e)
-    if sp:
-        full /= t
-    if impl.flash_attention:
-        full -= 5 * spec.heads * s_local * s_local * micro_batch * (e / 2) / t
-    return full
+    """Bytes one block keeps for backward for one micro-batch: ``recomputed`` True / "full" (whole block),
+    "selective", or False / "none" (``plait.planner.activations``, by the implementation's accounting)."""
+    mode = "full" if recomputed is True else ("none" if recomputed is False else str(recomputed))
+    return block_bytes(spec, _forward(spec, layout, micro_batch, seq, impl), mode, accounting(impl))
+
+
+@functools.lru_cache(maxsize=65536)
+def _activation_terms(
+    spec: ModelSpec,
+    micro_batch: int,
+    seq_local: int,
+    precision: str,
+    tp: int,
+    sequence_parallel: bool,
+    flash: bool,
+    context_parallel: bool,
+    kind: str,
+    recomputed: bool,
+) -> tuple[float, float, float, float, float, float]:
+    """One block's bytes recomputed none / selective / full, the first and the last stage's ends and the loss
+    buffers (plait accounting only), for one micro-batch: what ``stage_memory`` combines (cached: the search asks
+    for the same shapes many times)."""
+    fwd = Forward(
+        micro_batch,
+        seq_local,
+        "fp32" if act_bytes(precision) == 4 else "bf16",
+        tp,
+        sequence_parallel,
+        attention="flash" if flash else "math",
+        mask_bytes=1,
+        per_sample_positions=context_parallel,
+    )
+    none, selective, full = (block_bytes(spec, fwd, m, kind) for m in ("none", "selective", "full"))
+    first = ends_bytes(spec, fwd, True, False, kind, recomputed)
+    last = ends_bytes(spec, fwd, False, True, kind, recomputed)
+    loss = loss_buffer_bytes(spec, fwd) if kind == "plait" else 0.0
+    return none, selective, full, first, last, loss
 
 
 def stage_memory(
@@ -251,29 +511,69 @@ def stage_memory(
     in_flight: int,
     last_stage: bool,
     block_params: float,
+    *,
+    first_block: int | None = None,
+    first_stage: bool = False,
 ) -> MemoryBreakdown:
     """Per-device bytes of one pipeline stage holding ``stage_params`` parameters (before tp) and
     ``stage_blocks`` blocks, with ``in_flight`` stage-micro-batches of activations alive at the peak (counted in
-    units of the stage's blocks / virtual stages)."""
+    units of the stage's blocks / virtual stages). ``recompute`` as a tuple of blocks: the listed blocks among
+    ``first_block`` .. (when given), else that share of the model's blocks. ``reserved``: the implementation's
+    fixed reserve plus, on GPUs, the caching allocator's ``CUDA_CACHING_OVERHEAD`` of the rest."""
     psi = stage_params / layout.tp
     params, grads, states, host = model_state_bytes(psi, layout, impl)
     if layout.pp > 1 and layout.zero >= 2:  # micro-batches accumulate unsharded gradients (no_sync) before the
         grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]  # one reduce-scatter per step
-    recompute = layout.recompute == "full"
-    per_block = block_activation_bytes(spec, layout, micro_batch, seq, impl, recompute)
+    mode, kind = layout.recompute, accounting(impl)
+    none, selective, full, first, last, loss = _activation_terms(
+        spec, micro_batch, seq // layout.cp, layout.precision, layout.tp, layout.sequence_parallel,
+        impl.flash_attention, layout.cp > 1, kind, mode != "none",
+    )  # fmt: skip
+    per_block = {"none": none, "selective": selective, "full": full}
     blocks_per_chunk = stage_blocks / layout.virtual_stages
-    activations = in_flight * blocks_per_chunk * per_block
-    if recompute:  # the block being recomputed holds its full activations for a moment
-        activations += block_activation_bytes(spec, layout, micro_batch, seq, impl, False)
+    if isinstance(mode, tuple):
+        if first_block is None:
+            recomputed = blocks_per_chunk * len(set(mode)) / spec.layers
+        else:
+            recomputed = (
+                sum(1 for i in set(mode) if first_block <= i < first_block + stage_blocks) / layout.virtual_stages
+            )
+        chunk = recomputed * full + (blocks_per_chunk - recomputed) * none
+    else:
+        chunk = blocks_per_chunk * per_block[str(mode)]
+    activations = in_flight * chunk
+    if mode == "full" or (isinstance(mode, tuple) and chunk < blocks_per_chunk * none):
+        activations += none - full  # a recomputed block's activations, for a moment
+    elif mode == "selective":
+        activations += none - selective
+    ends_held = in_flight if layout.schedule == "gpipe" else 1  # 1F1B-like: the last stage's F is followed by its B
+    activations += ends_held * ((first if first_stage else 0.0) + (last if last_stage else 0.0))
     if last_stage:
-        activations += 4 * (seq // layout.cp) * micro_batch * spec.vocab / layout.tp
+        activations += loss
     e = act_bytes(layout.precision)
     buffers = 2 * layout.bucket_mb * 2**20 if layout.zero < 3 and layout.dp * layout.cp > 1 else 0.0
     if layout.zero == 3:  # the gathered block being used and the one prefetched
         buffers = 2 * block_params / layout.tp * e
         if layout.pp > 1 and layout.schedule == "zero-bubble":  # I and W gather the whole stage chunk
             buffers = max(buffers, psi / layout.virtual_stages * e)
-    return MemoryBreakdown(params, grads, states - host, activations, buffers, impl.reserved_bytes, host)
+    allocated = params + grads + states - host + activations + buffers
+    reserved = impl.reserved_bytes + (CUDA_CACHING_OVERHEAD * allocated if impl.reserved_bytes > 0 else 0.0)
+    return MemoryBreakdown(params, grads, states - host, activations, buffers, reserved, host)
 
 
-__all__ = ["MemoryBreakdown", "block_activation_bytes", "model_state_bytes", "stage_memory"]
+__all__ = [
+    "CUDA_CACHING_OVERHEAD",
+    "STATE_FLOATS",
+    "optimizer_kind",
+    "MemoryBreakdown",
+    "MemoryEstimate",
+    "accounting",
+    "activation_bytes",
+    "block_activation_bytes",
+    "estimate_memory",
+    "model_state_bytes",
+    "rank_activations",
+    "rank_in_flight_peaks",
+    "stage_memory",
+    "zero_paper_bytes",
+]

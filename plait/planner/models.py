@@ -5,9 +5,9 @@ A model may be given by name (``NAMED``: GPT-2 sizes, GPT-3 175B, Llama 1/2/3), 
 ``config.json`` path (read as JSON; transformers is not needed), by a transformers model or its config (read
 through ``config.to_dict()``, the same keys), by a ``GPTConfig``, or by a plait ``GPT``.
 
-Parameter count of one block (Narayanan et al. 2021, sec. 5.1, generalised to grouped-query attention and
-gated MLPs): attention h (h + 2 k d) + h h (k kv heads of width d = h / a), MLP (2 or 3) h f, norms 2 h; plus
-embeddings V h (+ s h for learned positions), final norm h, and an untied head V h.
+``ModelSpec`` itself (sizes, parameter count, FLOPs per token) lives in ``plait.models.spec``, the one model
+description that metrics, the reference GPT and the planner share; it is imported here so that
+``from plait.planner.models import ModelSpec`` keeps working.
 """
 
 from __future__ import annotations
@@ -21,87 +21,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer: ``layers`` blocks of width ``hidden`` with ``heads`` attention heads
-    (``kv_heads`` key/value heads), an MLP of width ``ffn`` (``gated``: SwiGLU, three matrices), ``vocab``
-    tokens and a default context of ``seq`` tokens."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    ffn: int
-    vocab: int
-    seq: int
-    kv_heads: int | None = None
-    gated: bool = False
-    tied_embeddings: bool = False
-    learned_positions: bool = False
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model {self.name!r}: {key}={value!r} must be a positive integer.")
-        if self.hidden % self.heads:
-            raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of heads={self.heads}.")
-        if self.heads % self.kv:
-            raise ConfigError(f"model {self.name!r}: kv_heads={self.kv} does not divide heads={self.heads}.")
-
-    @property
-    def kv(self) -> int:
-        return self.kv_heads or self.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def block_parameters(self) -> int:
-        h, f, kvw = self.hidden, self.ffn, self.kv * self.head_dim
-        weights = h * (h + 2 * kvw) + h * h + (3 if self.gated else 2) * h * f
-        biases = (h + 2 * kvw + h + (2 if self.gated else 1) * f + h) if self.bias else 0
-        return weights + biases + 2 * h * (2 if self.bias else 1)
-
-    @property
-    def embedding_parameters(self) -> int:
-        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
-
-    @property
-    def head_parameters(self) -> int:
-        """Final norm and (untied) output projection."""
-        return self.hidden * (2 if self.bias else 1) + (0 if self.tied_embeddings else self.vocab * self.hidden)
-
-    @property
-    def parameters(self) -> int:
-        return self.layers * self.block_parameters + self.embedding_parameters + self.head_parameters
-
-    def with_seq(self, seq: int | None) -> ModelSpec:
-        if seq is None or seq == self.seq:
-            return self
-        from dataclasses import replace
-
-        return replace(self, seq=seq)
-
-    def to_gpt_config(self) -> dict[str, Any]:
-        """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model."""
-        return {
-            "n_layer": self.layers,
-            "d_model": self.hidden,
-            "n_head": self.heads,
-            "n_kv_head": self.kv,
-            "d_ff": self.ffn,
-            "vocab_size": self.vocab,
-            "seq_len": self.seq,
-            "mlp": "swiglu" if self.gated else "gelu",
-            "position": "learned" if self.learned_positions else "rope",
-            "norm": "layernorm" if self.learned_positions else "rmsnorm",
-            "bias": self.bias,
-        }
+from plait.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -217,19 +137,7 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
             str(getattr(config, "model_type", "") or type(model).__name__),
         ).with_seq(seq)
     if isinstance(model, GPTConfig):
-        return ModelSpec(
-            "gpt",
-            model.n_layer,
-            model.d_model,
-            model.n_head,
-            model.ffn_dim,
-            model.vocab_size,
-            model.seq_len,
-            kv_heads=model.kv_heads,
-            gated=model.mlp == "swiglu",
-            learned_positions=model.position == "learned",
-            bias=model.bias,
-        ).with_seq(seq)
+        return ModelSpec.from_gpt_config(model).with_seq(seq)
     if isinstance(model, (str, Path)):
         key = str(model).lower()
         if key in NAMED:

@@ -36,11 +36,9 @@ from plait.planner.costs import (
     IMPLEMENTATIONS,
     Implementation,
     act_bytes,
-    block_flops,
     block_time,
     collective_time,
     head_time,
-    logits_flops,
     spans_nodes,
 )
 from plait.planner.hardware import Hardware, get_hardware
@@ -398,9 +396,8 @@ def predict(
         time["shared_processors"] = max(0.0, shared - step)
         step += time["shared_processors"]
 
-    per_sample_layers = block_flops(spec, 1, s, s)
-    model_flops = global_batch * 3 * (spec.layers * per_sample_layers + logits_flops(spec, 1, s))
-    hardware_flops = model_flops + (global_batch * spec.layers * per_sample_layers if layout.recompute == "full" else 0)
+    model_flops = global_batch * s * spec.flops_per_token(s)
+    hardware_flops = model_flops + global_batch * s * spec.recompute_flops_per_token(layout.recompute, s)
 
     worst: MemoryBreakdown | None = None
     for r, (blocks, params) in enumerate(stage_params):

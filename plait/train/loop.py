@@ -53,9 +53,38 @@ class Summary:
     eval_loss: float
     accuracy: float
     tokens_per_s: float
+    """Training throughput after warm-up: the tokens of this run's steps after its first, over those steps'
+    own seconds (the first step, which grows the allocator and builds lazy state, is left out; a run of one
+    step reports that step)."""
     seconds: float
     world_size: int
     layout: str
+
+
+@dataclass
+class Throughput:
+    """Tokens per second of a run's steps after its first: the first step grows the allocator and builds lazy
+    state (warm-up), so it is counted apart and used only when it is the only step."""
+
+    steps: int = 0
+    first_tokens: int = 0
+    first_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """Count one step of ``tokens`` tokens that took ``seconds``."""
+        if self.steps == 0:
+            self.first_tokens, self.first_seconds = tokens, seconds
+        else:
+            self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.seconds > 0:
+            return self.tokens / self.seconds
+        return self.first_tokens / self.first_seconds if self.first_seconds > 0 else 0.0
 
 
 def default_run_dir() -> Path:
@@ -202,7 +231,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
     meter = StepMeter(engine, model_config, dataset.seq_len)
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
-    started, tokens, stats, last_eval = time.perf_counter(), 0, None, ""
+    started, stats, last_eval = time.perf_counter(), None, ""
+    throughput = Throughput()
     try:
         for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
@@ -213,7 +243,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
                 tracer = Tracer(engine).start()
             meter.before_step()
             stats = engine.train_step(batch)
-            tokens += stats.tokens
+            throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats)  # a collective: every rank
             mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
@@ -260,7 +290,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
         final_loss=stats.loss if stats else float("nan"),
         eval_loss=result.loss,
         accuracy=result.accuracy,
-        tokens_per_s=tokens / seconds if seconds else 0.0,
+        tokens_per_s=throughput.tokens_per_s,
         seconds=seconds,
         world_size=world.world_size,
         layout=engine.layout.short(),

@@ -6,9 +6,10 @@ and bytes sent per mesh axis per rank, plus the model FLOPs utilisation
 
     MFU = tokens x model FLOPs per token / step seconds / peak FLOP/s of all devices
 
-Model FLOPs per token are the planner's (``plait.planner.costs``: Narayanan et al. 2021, eq. 3, forward
-2 b s [matmul parameters] + 4 b s^2 h per block plus 2 b s h V for the logits; backward twice the forward;
-recomputation excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalogue's dense figure
+Model FLOPs per token are the model description's (``plait.models.spec.ModelSpec.flops_per_token``, the
+count ``GPT.flops_per_token`` and the planner use too: Narayanan et al. 2021, eq. 3, forward 2 b s [matmul
+parameters] + 4 b s^2 h per block plus 2 b s h V for the logits; backward twice the forward; recomputation
+excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalogue's dense figure
 for the GPU named by ``torch.cuda.get_device_name`` at the layout's precision (fp32: TF32), times the world
 size; on CPU it is ``plait calibrate``'s measured matmul FLOP/s of the whole machine, times the number of
 hosts; otherwise MFU is null and one log line names ``plait calibrate``.
@@ -48,16 +49,18 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
 
 
 def model_flops_per_token(model: Any, seq: int) -> float:
-    """Model FLOPs of one trained token (forward + backward) for sequences of ``seq`` tokens; ``model``: anything
+    """Model FLOPs of one trained token (forward + backward) for sequences of ``seq`` tokens:
+    ``ModelSpec.flops_per_token`` of the model's description. ``model``: a ``ModelSpec`` or anything
     ``plait.planner.models.resolve_model`` takes (a GPT, GPTConfig, Hugging Face model or config, a name)."""
-    from plait.planner.costs import block_flops, logits_flops
-    from plait.planner.models import resolve_model
+    from plait.models.spec import ModelSpec
 
-    spec = resolve_model(model, seq)
-    if isinstance(spec, list):
+    if not isinstance(model, ModelSpec):
+        from plait.planner.models import resolve_model
+
+        model = resolve_model(model, seq)
+    if isinstance(model, list):
         raise TypeError("model FLOPs need a transformer spec, not a list of measured layer profiles.")
-    forward = spec.layers * block_flops(spec, 1, seq, seq) + logits_flops(spec, 1, seq)
-    return 3.0 * forward / seq
+    return float(model.flops_per_token(seq))
 
 
 def catalogue_gpu(device_name: str) -> str | None:

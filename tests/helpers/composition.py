@@ -171,7 +171,7 @@ def _whole_tensors(engine: plait.Engine, local: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def _gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
+def whole_gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
     """The synchronised gradients of this rank's parameters, whole (ZeRO shards over dp_cp, tp slices over tp)."""
     strategy = engine.strategy
     if hasattr(strategy, "full_gradients"):
@@ -181,7 +181,7 @@ def _gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
     return _whole_tensors(engine, local)
 
 
-def _parameters(engine: plait.Engine) -> dict[str, torch.Tensor]:
+def whole_parameters(engine: plait.Engine) -> dict[str, torch.Tensor]:
     """This rank's parameters, whole: the strategy's full parameters (ZeRO-3 gathers its flat shards over dp_cp),
     tensor-parallel slices all-gathered over tp."""
     return _whole_tensors(engine, engine.strategy.full_parameters())
@@ -196,7 +196,7 @@ def train_combo(combo: Combo) -> dict:
     if combo.mutant:
         _sum_instead_of_average(engine)
     grads: list[dict[str, torch.Tensor]] = []
-    engine.before_optimizer_step.append(lambda e: grads.append(_gradients(e)) if not grads else None)
+    engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
     evaluation = engine.evaluate([loader.batch_at(STEPS)]).loss
@@ -204,7 +204,7 @@ def train_combo(combo: Combo) -> dict:
         "losses": [s.loss for s in stats],
         "grad_norms": [s.grad_norm for s in stats],
         "grads": grads[0],
-        "params": _parameters(engine),
+        "params": whole_parameters(engine),
         "eval": evaluation,
     }
 
