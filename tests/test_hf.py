@@ -19,18 +19,16 @@ pytest.importorskip("transformers")
 from helpers.harness import run_distributed  # noqa: E402
 from helpers.hf import (  # noqa: E402
     GLOBAL_BATCH,
-    GRAD_TOL,
-    LOGIT_TOL,
-    LOSS_RTOL,
-    PARAM_TOL,
     SEQ,
     VOCAB,
+    check,
+    check_split,
     global_batch,
     make_model,
+    merge_stages,
     reference,
     run_cases,
 )
-from helpers.reference import assert_tensors_close  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForMaskedLM,
@@ -41,28 +39,6 @@ from plait.models.hf import return_logits  # noqa: E402
 from plait.parallel.pipeline.apply import plan_pipeline  # noqa: E402
 from plait.parallel.tensor import plan_tensor_parallel  # noqa: E402
 from plait.parallel.tensor.plan import default_plan, resolve_plan  # noqa: E402
-
-
-def check(result: dict, kind: str, what: str) -> None:
-    expected = reference(kind)
-    torch.testing.assert_close(result["logits"], expected.logits, **LOGIT_TOL, msg=lambda m: f"{what} logits: {m}")
-    for step, (a, e) in enumerate(zip(result["losses"], expected.losses, strict=True)):
-        assert abs(a - e) <= LOSS_RTOL * abs(e), f"{what} step {step}: loss {a!r} != reference {e!r}"
-    assert_tensors_close(result["grads"], expected.grads[0], f"{what} step 0 grad", GRAD_TOL)
-    assert_tensors_close(result["params"], expected.params[-1], f"{what} final param", PARAM_TOL)
-
-
-def merge_stages(results: list[dict]) -> dict:
-    """Pipeline parallel: the whole model's result from its stages' (union by name; replicas agree exactly)."""
-    whole = {"logits": next(r["logits"] for r in results if r["logits"] is not None), "losses": results[0]["losses"]}
-    for field in ("grads", "params"):
-        whole[field] = {}
-        for result in results:
-            for name, tensor in result[field].items():
-                assert name not in whole[field] or torch.equal(whole[field][name], tensor), f"replicas differ: {name}"
-                whole[field][name] = tensor
-    return whole
-
 
 TWO_RANKS = [
     ("gpt2", Layout(dp=2)),
@@ -99,26 +75,6 @@ def test_hf_models_match_single_device(world, cases):
         check_split(results, kind, layout.tp if layout.tp > 1 else 1, what)
 
 
-SPLIT = {
-    "gpt2": ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"),
-    "llama": ("embed_tokens.weight", "_proj.weight", "lm_head.weight"),
-}
-"""Name endings of the parameters the built-in plans split (GPT-2's lm_head.weight is wte.weight, tied)."""
-
-
-def check_split(results: list[dict], kind: str, tp: int, what: str) -> None:
-    """Each rank holds 1/tp of every split parameter, all of the replicated ones, and the right ones are split
-    (with pp: of its own stage's parameters)."""
-    full = reference(kind).params[-1]
-    for result in results:
-        expected = {name for name in result["local_numel"] if name.endswith(SPLIT[kind])} if tp > 1 else set()
-        assert result["sharded"] == expected, f"{what}: split {sorted(result['sharded'] ^ expected)} unexpectedly"
-        for name, numel in result["local_numel"].items():
-            share = full[name].numel() // tp if name in expected else full[name].numel()
-            assert numel == share, f"{what} {name}: {numel} elements held, expected {share}"
-
-
-# ----------------------------------------------------------------- plans, adapter, bad input
 def test_built_in_plans_cover_every_block_and_keep_the_tie():
     gpt2, llama = make_model("gpt2"), make_model("llama", num_hidden_layers=3)
     gpt2_styles = resolve_plan(gpt2, default_plan(gpt2), tp=2).styles

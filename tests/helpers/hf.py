@@ -6,7 +6,7 @@ has skipped without it."""
 from __future__ import annotations
 
 import torch
-from helpers.reference import train_reference
+from helpers.reference import assert_tensors_close, train_reference
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import plait
@@ -145,3 +145,46 @@ LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 LOSS_RTOL = 1e-5
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def check(result: dict, kind: str, what: str) -> None:
+    expected = reference(kind)
+    torch.testing.assert_close(result["logits"], expected.logits, **LOGIT_TOL, msg=lambda m: f"{what} logits: {m}")
+    for step, (a, e) in enumerate(zip(result["losses"], expected.losses, strict=True)):
+        assert abs(a - e) <= LOSS_RTOL * abs(e), f"{what} step {step}: loss {a!r} != reference {e!r}"
+    assert_tensors_close(result["grads"], expected.grads[0], f"{what} step 0 grad", GRAD_TOL)
+    assert_tensors_close(result["params"], expected.params[-1], f"{what} final param", PARAM_TOL)
+
+
+def merge_stages(results: list[dict]) -> dict:
+    """Pipeline parallel: the whole model's result from its stages' (union by name; replicas agree exactly)."""
+    whole = {"logits": next(r["logits"] for r in results if r["logits"] is not None), "losses": results[0]["losses"]}
+    for field in ("grads", "params"):
+        whole[field] = {}
+        for result in results:
+            for name, tensor in result[field].items():
+                assert name not in whole[field] or torch.equal(whole[field][name], tensor), f"replicas differ: {name}"
+                whole[field][name] = tensor
+    return whole
+
+
+SPLIT = {
+    "gpt2": ("wte.weight", "c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"),
+    "llama": ("embed_tokens.weight", "_proj.weight", "lm_head.weight"),
+}
+"""Name endings of the parameters the built-in plans split (GPT-2's lm_head.weight is wte.weight, tied)."""
+
+
+def check_split(results: list[dict], kind: str, tp: int, what: str) -> None:
+    """Each rank holds 1/tp of every split parameter, all of the replicated ones, and the right ones are split
+    (with pp: of its own stage's parameters)."""
+    full = reference(kind).params[-1]
+    for result in results:
+        expected = {name for name in result["local_numel"] if name.endswith(SPLIT[kind])} if tp > 1 else set()
+        assert result["sharded"] == expected, f"{what}: split {sorted(result['sharded'] ^ expected)} unexpectedly"
+        for name, numel in result["local_numel"].items():
+            share = full[name].numel() // tp if name in expected else full[name].numel()
+            assert numel == share, f"{what} {name}: {numel} elements held, expected {share}"
+
+
+# ----------------------------------------------------------------- plans, adapter, bad input
