@@ -29,13 +29,13 @@ from helpers.composition import (
     GLOBAL_BATCH,
     STEPS,
     Combo,
-    _gradients,
-    _parameters,
     assert_combo_matches,
     check_in_one_process,
     make_model,
     optimizer,
     reference_trajectory,
+    whole_gradients,
+    whole_parameters,
 )
 from helpers.harness import run_distributed
 
@@ -69,7 +69,7 @@ def _train_gpt(layout: Layout) -> dict:
     model, task = make_model()
     engine = plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=CLIP)
     grads: list[dict[str, torch.Tensor]] = []
-    engine.before_optimizer_step.append(lambda e: grads.append(_gradients(e)) if not grads else None)
+    engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     strategy = engine.strategy
     losses = []
@@ -96,7 +96,7 @@ def _train_gpt(layout: Layout) -> dict:
         )
     result["eval"] = engine.evaluate([loader.batch_at(STEPS)]).loss
     result["first_stage"] = engine.mesh.index("pp") == 0
-    result["params"] = _parameters(engine)
+    result["params"] = whole_parameters(engine)
     return result
 
 
