@@ -14,10 +14,12 @@ See docs/planner.md.
 
 from plait.planner.costs import IMPLEMENTATIONS, Implementation
 from plait.planner.hardware import CATALOGUE, Hardware, get_hardware
+from plait.planner.hf_config import from_hf_config
 from plait.planner.inter_op import InterOpPlan, balanced_stages, inter_op_plan
 from plait.planner.intra_op import IntraOpPlan, block_operators, solve_intra_op
-from plait.planner.models import NAMED, LayerProfile, ModelSpec, from_hf_config, profile_layers, resolve_model
+from plait.planner.models import NAMED, ModelSpec, resolve_model
 from plait.planner.predict import Prediction, predict
+from plait.planner.profile import LayerProfile, profile_layers
 from plait.planner.search import PlanResult, plan
 
 __all__ = [
