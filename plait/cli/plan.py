@@ -38,9 +38,18 @@ def add_planner_commands(commands: Any) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a name (llama-70b, gpt3-175b, ...) or a config.json path")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a name (llama-70b, gpt3-175b, ...) or a Hugging Face config.json path (ALiBi models such as BLOOM: give --seq)",
+    )
     parser.add_argument("--gpus", type=int, help="number of devices (plan: required; simulate: from --layout)")
     parser.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200 or this-machine")
+    parser.add_argument(
+        "--hardware",
+        metavar="FILE.toml",
+        help="a custom cluster (per-level bandwidth/latency, devices per node, oversubscription); replaces --gpu",
+    )
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
     parser.add_argument("--global-batch", type=int, help="samples per step (default: one per dp rank)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -81,10 +90,12 @@ def run_planner(args: argparse.Namespace) -> int:
         for op, (alpha, beta) in hw["measured"].items():
             console.print(f"  {op:15s} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:8.3f} ns/byte")
         return 0
+    from plait.planner.hardware import get_hardware
     from plait.planner.models import resolve_model
-    from plait.planner.report import print_plan, print_prediction, write_plan_toml
+    from plait.planner.report import model_section, print_plan, print_prediction, write_plan_toml
 
     spec = resolve_model(args.model, args.seq)
+    hardware = get_hardware(args.hardware if args.hardware else args.gpu)
     if args.command == "plan":
         import json
 
@@ -95,7 +106,7 @@ def run_planner(args: argparse.Namespace) -> int:
         result = plan(
             spec,
             args.gpus,
-            args.gpu,
+            hardware,
             global_batch=args.global_batch,
             top=args.top,
             precision=args.precision,
@@ -103,7 +114,8 @@ def run_planner(args: argparse.Namespace) -> int:
         )
         print_plan(result, console)
         if args.out:
-            path = write_plan_toml(result.best, spec.to_gpt_config(), args.out)
+            hf_config = args.model if str(args.model).endswith(".json") else None
+            path = write_plan_toml(result.best, model_section(spec, hf_config), args.out, result.notes)
             console.print(f"wrote {path} (plait train --config {path})")
         if args.json_out:
             with open(args.json_out, "w") as f:
@@ -117,7 +129,7 @@ def run_planner(args: argparse.Namespace) -> int:
     if args.precision != "bf16" or layout.precision == "fp32":
         layout = replace(layout, precision=args.precision)
     prediction = predict(
-        spec, layout, args.gpu, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation
+        spec, layout, hardware, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation
     )
     print_prediction(prediction, console)
     return 0

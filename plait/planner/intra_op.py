@@ -87,22 +87,29 @@ def reshard_cost(source: str, target: str, nbytes: float, tp: int, hw: Hardware)
         return 0.0
     if (source, target) not in RESHARD_OPS:
         return math.inf
-    return collective_time(hw, RESHARD_OPS[(source, target)], nbytes, tp, inter_node=tp > hw.devices_per_node)
+    return collective_time(hw, RESHARD_OPS[(source, target)], nbytes, tp, span=tp)
 
 
 def block_operators(
-    spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_bytes: int = 2, peak_fraction: float = 0.66
+    spec: ModelSpec,
+    tp: int,
+    tokens: int,
+    hw: Hardware,
+    act_bytes: int = 2,
+    peak_fraction: float | None = None,
+    precision: str = "bf16",
 ) -> list[Operator]:
-    """The operators of one transformer block for ``tokens`` tokens, with their strategies' costs."""
+    """The operators of one transformer block for ``tokens`` tokens, with their strategies' costs (matmuls at
+    ``peak_fraction`` of the peak: by default the hardware's fitted compute efficiency)."""
     h, f, e = spec.hidden, spec.ffn, act_bytes
-    flops_rate = hw.flops("bf16") * peak_fraction
+    flops_rate = hw.flops(precision) * (hw.compute_efficiency if peak_fraction is None else peak_fraction)
     bandwidth = hw.memory_bandwidth * 0.8
     kv = 2 * spec.kv * spec.head_dim
 
     def linear(name: str, d_in: int, d_out: int) -> Operator:
         t_full = 2 * tokens * d_in * d_out / flops_rate
         w = d_in * d_out * e
-        grad_sync = collective_time(hw, "all_reduce", w, tp, inter_node=tp > hw.devices_per_node)
+        grad_sync = collective_time(hw, "all_reduce", w, tp, span=tp)
         return Operator(
             name,
             (
@@ -122,7 +129,7 @@ def block_operators(
         return Operator(name, tuple(options), tokens * width * e)
 
     attn_flops = 4 * tokens * tokens * h / flops_rate  # one sequence of ``tokens``
-    kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, inter_node=tp > hw.devices_per_node)
+    kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, span=tp)
     attention = Operator(
         "attention",
         (
