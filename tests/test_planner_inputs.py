@@ -240,6 +240,9 @@ def test_cli_plan_from_an_hf_config_on_a_custom_cluster_writes_a_complete_run_co
     sim = ["simulate", "--model", "llama-7b", "--hardware", str(cluster), "--layout", "dp=8,microbatches=2"]
     assert main([*sim, "--global-batch", "16"]) == 0
     assert "test-cluster" in capsys.readouterr().out
+    cuts = ["simulate", "--model", "gpt2-medium", "--layout", "dp=1,pp=2,microbatches=4,pipeline_cuts=[20]"]
+    assert main(cuts) == 0
+    assert "0-19 | 20-23" in capsys.readouterr().out  # the given stage cuts, not the planner's
 
 
 def test_hardware_round_trips_through_json_with_levels():

@@ -164,7 +164,7 @@ def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
     from plait.planner.hardware import COLLECTIVES
 
     monkeypatch.setenv("PLAIT_CALIBRATION", str(tmp_path / "cal.json"))
-    data = calibrate(2, repeats=1)
+    data = calibrate(2, repeats=1, max_bytes=2**20)
     hw = get_hardware("this-machine")
     assert hw.flops("fp32") > 1e8 and set(hw.measured) == set(COLLECTIVES) and hw.measured_ranks == 2
     assert 1 <= hw.compute_units <= 2 and data["seconds"] < 120

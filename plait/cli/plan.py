@@ -27,7 +27,11 @@ def add_planner_commands(commands: Any) -> None:
         description="Predict one given layout with the planner's cost model.",
     )
     _model_args(sim)
-    sim.add_argument("--layout", required=True, help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1")
+    sim.add_argument(
+        "--layout",
+        required=True,
+        help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1 (stage cuts: pipeline_cuts=[10,20,...])",
+    )
     cal = commands.add_parser(
         "calibrate",
         help="measure this machine (matmul FLOP/s, gloo alpha-beta) in seconds",
@@ -35,6 +39,10 @@ def add_planner_commands(commands: Any) -> None:
     )
     cal.add_argument("--nproc", type=int, default=2, help="local gloo processes (default 2)")
     cal.add_argument("--out", help="where to write the JSON (default ~/.cache/plait/calibration.json)")
+    cal.add_argument("--repeats", type=int, default=7, help="timed runs per collective and size (median; default 7)")
+    cal.add_argument(
+        "--max-mb", type=float, default=32, help="largest collective payload, MiB (default 32: your gradients' size)"
+    )
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +74,16 @@ def parse_layout(text: str) -> Any:
     from plait.train.config import parse_value
 
     fields: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    parts, depth, current = [], 0, ""
+    for char in text:  # split on commas outside brackets: pipeline_cuts=[6,12] is one item
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    for item in filter(None, (part.strip() for part in parts)):
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--layout item {item!r} is not key=value. Fix: e.g. --layout dp=2,tp=4")
@@ -81,7 +98,7 @@ def run_planner(args: argparse.Namespace) -> int:
     if args.command == "calibrate":
         from plait.planner.calibrate import calibrate
 
-        data = calibrate(args.nproc, out=args.out)
+        data = calibrate(args.nproc, repeats=args.repeats, out=args.out, max_bytes=int(args.max_mb * 2**20))
         hw = data["hardware"]
         console.print(
             f"matmul {hw['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "

@@ -258,7 +258,7 @@ def plan(
         if key not in best_of or rank < (round(best_of[key].step_time, 12), best_of[key].memory.device):
             best_of[key] = candidate
     shortlist = sorted(best_of.values(), key=lambda p: (round(p.step_time, 12), p.memory.device))[: max(3 * top, 8)]
-    exact = [_with_cuts(predict(spec, c.layout, hw, batch, implementation=impl, exact=True)) for c in shortlist]
+    exact = [with_pipeline_cuts(predict(spec, c.layout, hw, batch, implementation=impl, exact=True)) for c in shortlist]
     exact = [c for c in exact if c.fits] or exact
     exact.sort(key=lambda p: (round(p.step_time, 12), p.memory.device))
     result = PlanResult(spec, hw, world_size, batch, exact[:top], evaluated, pruned, time.perf_counter() - started)
@@ -302,7 +302,7 @@ def _intra_op(
     return cache[(tp, tokens)]
 
 
-def _with_cuts(prediction: Prediction) -> Prediction:
+def with_pipeline_cuts(prediction: Prediction) -> Prediction:
     """The prediction with its stage boundaries written into its layout (``Layout.pipeline_cuts``)."""
     if prediction.layout.pp == 1 or prediction.layout.pipeline_cuts:
         return prediction
