@@ -108,10 +108,12 @@ def run_planner(args: argparse.Namespace) -> int:
             console.print(f"  {op:15s} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:8.3f} ns/byte")
         return 0
     from plait.planner.hardware import get_hardware
-    from plait.planner.models import resolve_model
+    from plait.planner.models import ModelSpec, resolve_model
     from plait.planner.report import model_section, print_plan, print_prediction, write_plan_toml
 
     spec = resolve_model(args.model, args.seq)
+    if not isinstance(spec, ModelSpec):  # names and config paths always give a spec; keep the type checker sure
+        raise ConfigError("plait plan / simulate need a model name or a config.json. Fix: e.g. --model llama-7b.")
     hardware = get_hardware(args.hardware if args.hardware else args.gpu)
     if args.command == "plan":
         import json
