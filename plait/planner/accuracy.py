@@ -212,7 +212,16 @@ def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, floa
         f"- published layouts predicted not to fit their GPUs: {len(stats['not_fitting'])}"
         + "".join(f"; {s.run.label}: {s.memory_gib:.1f} of {s.limit_gib:.1f} GiB" for s in stats["not_fitting"]),
         f"- pending (not predicted): {len(stats['pending'])}",
+        "",
+        "By source:",
+        "",
     ]
+    for source in dict.fromkeys(s.run.source for s in scored):
+        rows = [s for s in scored if s.run.source == source and s.error is not None]
+        loo = [s.loo_error for s in rows if s.loo_error is not None]
+        role = SOURCES[source].role
+        text = f"- {source} ({role}): {_stats([s.error for s in rows if s.error is not None])}"
+        lines.append(text + (f"; leave-one-out {_stats(loo)}" if loo else ""))
     return "\n".join(lines)
 
 
