@@ -304,7 +304,7 @@ def test_plan_for_a_70b_model_on_thousands_of_gpus_takes_seconds(gpus, global_ba
     # order of Llama 2's 4M-token batches)
     started = time.process_time()  # this process's CPU time: the search's cost, whatever else loads the machine
     result = plan("llama-70b", gpus, "h100", global_batch=global_batch, top=3)
-    assert time.process_time() - started < 10  # the issue's bound; 2-4 s of one core
+    assert time.process_time() - started < 10  # the issue's bound; 2-5 s of one core
     assert result.best.fits and result.best.world_size == gpus and result.best.mfu > 0.2
 
 
