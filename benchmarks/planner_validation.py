@@ -1,17 +1,21 @@
 """The planner on this machine: predicted vs measured step time of the reference GPT on 4 and 8 CPU ranks.
 
-    python -m benchmarks.planner_validation              # 4 and 8 ranks, prints the table
+    python -m benchmarks.planner_validation              # 4 and 8 ranks, prints the table (needs a quiet machine)
     python -m benchmarks.planner_validation --write-docs # and puts it into docs/planner.md
+    python -m benchmarks.planner_validation --quick      # 4 ranks, 2 rounds: checks that it runs (~5 min)
 
 For each world size: ``plait calibrate`` at that many gloo ranks (compute throughput, the processors the ranks
-really get, per-collective alpha-beta fits), then ``plait.planner.predict`` for a fixed set of layouts plus
-the top layouts ``plait.plan`` ranks (``--gpu this-machine``, implementation ``plait-cpu``), then every layout
-is trained in one launch (``benchmarks.launch``): one engine per layout built from the same seed, a warm-up
-step each, then ``rounds`` rounds of ``steps`` timed steps in alternating order (A B C, C B A, ...); each
-round is scaled to the typical round (``steady``), so slow phases of the shared machine fall on every layout
-alike; the median step is the measurement. Reported: the
-table (layout, predicted, measured, measured / predicted), the Spearman rank correlation of predicted vs
-measured, and how much slower (measured) the planner's choice is than the fastest of the layouts it ranked.
+really get, per-collective alpha-beta fits up to the model's gradient size), then ``plait.planner.predict`` for a
+broad fixed set of layouts (at 4 ranks 25: data parallel with ZeRO-1/2/3 and recomputation, tensor parallel with and
+without sequence parallelism, context parallel ring and Ulysses, pipelines with 1F1B, interleaving and zero-bubble,
+and mixtures) plus the top layouts ``plait.plan`` ranks (``--gpu this-machine``, implementation ``plait-cpu``).
+Every layout carries the stage cuts the planner predicts it with (``Layout.pipeline_cuts``), so the runtime runs
+the split that was predicted. Then every layout is trained in one launch (``benchmarks.launch``): one engine per
+layout built from the same seed, a warm-up step each, then ``rounds`` rounds of ``steps`` timed steps in
+alternating order (A B C, C B A, ...); each round is scaled to the typical round (``steady``), so slow phases of
+the shared machine fall on every layout alike; the median step is the measurement. Reported: the table (layout,
+predicted, measured, measured / predicted), the Spearman rank correlation of predicted vs measured, and how much
+slower (measured) the planner's choice is than the fastest of the layouts it ranked.
 """
 
 from __future__ import annotations
@@ -34,23 +38,44 @@ from benchmarks.launch import launch
 from plait.layout import Layout
 from plait.models import GPT, GPTConfig, lm_loss
 
-MODEL = GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=8, d_model=256)
+MODEL = GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=8, d_model=192)
+"""8 blocks of width 192 (3.6M parameters, 14 MB of fp32 gradients): small enough that 4 ranks hold ~30 engines at
+once on a shared machine, large enough that compute, not Python, dominates a step."""
 GLOBAL_BATCH = 16
 LAYOUTS: dict[int, tuple[Layout, ...]] = {
     4: (
         Layout(dp=4),
+        Layout(dp=4, microbatches=4),
+        Layout(dp=4, zero=1),
+        Layout(dp=4, zero=2),
         Layout(dp=4, zero=3),
         Layout(dp=4, recompute="full"),
-        Layout(dp=4, microbatches=4),
+        Layout(dp=4, zero=3, recompute="full"),
         Layout(dp=2, tp=2),
+        Layout(dp=2, tp=2, sequence_parallel=True),
         Layout(tp=4),
+        Layout(tp=4, sequence_parallel=True),
+        Layout(cp=4),
+        Layout(cp=4, cp_mode="ulysses"),
+        Layout(dp=2, cp=2),
+        Layout(tp=2, cp=2),
         Layout(pp=4, microbatches=4),
-        Layout(pp=2, dp=2, microbatches=2),
+        Layout(pp=4, microbatches=8),
         Layout(pp=4, microbatches=16),
+        Layout(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2),
+        Layout(pp=4, microbatches=8, schedule="zero-bubble"),
+        Layout(pp=2, dp=2, microbatches=2),
+        Layout(pp=2, dp=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+        Layout(pp=2, dp=2, zero=1, microbatches=2),
+        Layout(pp=2, tp=2, microbatches=4),
+        Layout(pp=2, cp=2, microbatches=4),
     ),
     8: (
         Layout(dp=8),
         Layout(dp=8, zero=1),
+        Layout(dp=8, zero=3),
+        Layout(dp=4, cp=2),
+        Layout(dp=2, tp=2, cp=2),
         Layout(dp=4, tp=2),
         Layout(dp=2, tp=4),
         Layout(tp=8),
@@ -83,12 +108,15 @@ class Row:
     @property
     def name(self) -> str:
         lay, parts = self.layout, []
-        for key in ("dp", "tp", "pp"):
+        for key in ("dp", "tp", "cp", "pp"):
             if getattr(lay, key) > 1:
-                parts.append(f"{key}{getattr(lay, key)}")
+                parts.append(
+                    f"{key}{getattr(lay, key)}" + ("-ulysses" if key == "cp" and lay.cp_mode == "ulysses" else "")
+                )
         parts += [f"zero{lay.zero}"] * bool(lay.zero) + [f"m{lay.microbatches}"] * (lay.microbatches > 1)
-        parts += [lay.schedule] * (lay.pp > 1) + ["recompute"] * (lay.recompute == "full")
-        parts += ["sp"] * lay.sequence_parallel
+        if lay.pp > 1:
+            parts.append(lay.schedule + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
+        parts += ["recompute"] * (lay.recompute == "full") + ["sp"] * lay.sequence_parallel
         return " ".join(parts)
 
 
@@ -157,28 +185,29 @@ def validate(
     """Calibrate at ``world`` ranks (unless ``calibration`` is given), predict ``layouts`` and plan()'s ``top``
     layouts, measure them all; rows in the order measured."""
     from plait.planner import Hardware, plan, predict
-    from plait.planner.calibrate import calibrate
+    from plait.planner.calibrate import calibrate, payload_sizes
+    from plait.planner.search import with_pipeline_cuts
 
     if calibration is None:
         with tempfile.TemporaryDirectory() as tmp:
-            calibration = calibrate(world, out=Path(tmp) / "calibration.json")
+            gradient_bytes = 4 * GPT(config).num_parameters()
+            calibration = calibrate(
+                world, out=Path(tmp) / "calibration.json", max_bytes=max(payload_sizes(gradient_bytes))
+            )
     hw = Hardware.from_dict(calibration["hardware"])
     ranked = plan(
         config, world, hw, global_batch=global_batch, precision="fp32", implementation="plait-cpu", top=top
     ).candidates
     chosen = [p.layout for p in ranked]
-    extra = [lay.resolve(world) for lay in (layouts if layouts is not None else LAYOUTS[world])]
-    candidates = list(dict.fromkeys([*chosen, *extra]))
+    predicted = {lay: p for lay, p in zip(chosen, ranked)}
+    for lay in layouts if layouts is not None else LAYOUTS[world]:
+        prediction = predict(config, lay.resolve(world), hw, global_batch, implementation="plait-cpu")
+        cut = with_pipeline_cuts(prediction)  # the runtime runs the split the planner predicted
+        predicted.setdefault(cut.layout, cut)
     rows = [
-        Row(
-            world,
-            lay,
-            predict(config, lay, hw, global_batch, implementation="plait-cpu").step_time,
-            [],
-            chosen.index(lay) if lay in chosen else None,
-        )
-        for lay in candidates
+        Row(world, lay, p.step_time, [], chosen.index(lay) if lay in chosen else None) for lay, p in predicted.items()
     ]
+    candidates = [row.layout for row in rows]
     for row, seconds in zip(rows, steady(measure(config, world, candidates, global_batch, **timing))):
         row.measured = seconds
     return rows
@@ -245,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per layout per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/planner.md")
+    parser.add_argument("--quick", action="store_true", help="4 ranks, 2 rounds: check that it runs (noisy figures)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds, args.rounds = [4], 2
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     rows = [row for world in args.worlds for row in validate(world, steps=args.steps, rounds=args.rounds)]

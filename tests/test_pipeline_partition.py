@@ -4,6 +4,7 @@ limits explained, the profiler's byte counts, the GPT as a chain of layers, and 
 (predicted vs measured stage times, cuts that split_model accepts)."""
 
 import itertools
+import math
 import random
 import re
 import time
@@ -278,3 +279,46 @@ def test_auto_partition_memory_limit_too_small_is_explained():
     model = small_gpt(n_layer=2)
     with pytest.raises(LayoutError, match="alone needs"):
         auto_partition(gpt_layers(model), torch.randint(0, 32, (2, 16)), 2, memory_limit=1000, repeats=1, measure=False)
+
+
+# ---------------------------------------------------------------------------------------- the one DP core
+def test_the_chain_dp_core_matches_brute_force_for_max_and_sum():
+    """``inter_op.split_chain`` is the one dynamic program behind PipeDream's partitioner (max of stage costs, cost
+    depending on the stage's index: in-flight memory) and Alpa's inter-op pass (sum over stages on sub-meshes of
+    several sizes using every device): checked against every split on random small chains."""
+    import numpy as np
+
+    from plait.planner import inter_op
+    from plait.planner import partition as partition_module
+    from plait.planner.inter_op import split_chain
+
+    assert partition_module.split_chain is inter_op.split_chain  # partition.py calls the same core
+    rng = random.Random(5)
+    for _ in range(150):
+        n, budget = rng.randint(1, 6), rng.randint(1, 5)
+        sizes = sorted(rng.sample([1, 2, 3], rng.randint(1, 2)))
+        table = {
+            (d, s): np.array([[rng.choice([rng.randint(0, 9), math.inf]) for _ in range(n + 1)] for _ in range(n + 1)])
+            for d in range(budget + 1)
+            for s in sizes
+        }
+        for combine in ("max", "sum"):
+            best = math.inf
+            for k in range(1, n + 1):
+                for cuts in itertools.combinations(range(1, n), k - 1):
+                    bounds = list(zip((0, *cuts), (*cuts, n)))
+                    for units in itertools.product(sizes, repeat=k):
+                        if sum(units) != budget:
+                            continue
+                        used, values = 0, []
+                        for (i, j), s in zip(bounds, units):
+                            values.append(table[(used, s)][i, j])
+                            used += s
+                        best = min(best, max(values) if combine == "max" else sum(values))
+            found = split_chain(n, budget, sizes, lambda d, s: table[(d, s)], combine)  # noqa: B023
+            if math.isinf(best):
+                assert found is None
+                continue
+            value, stages = found
+            assert value == best and sum(s for *_, s in stages) == budget
+            assert stages[0][0] == 0 and stages[-1][1] == n and all(a < b for a, b, _ in stages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -169,15 +170,24 @@ def test_activations_follow_korthikanti():
 
 @pytest.mark.parametrize(
     "schedule, p, m, v",
-    [("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1), ("interleaved", 4, 8, 2), ("zero-bubble", 4, 12, 1), ("gpipe", 4, 8, 1)],
+    [
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 8, 32, 1),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 4, 8, 3),
+        ("interleaved", 2, 8, 4),
+        ("zero-bubble", 4, 12, 1),
+        ("gpipe", 4, 8, 1),
+    ],
 )
 def test_pipeline_closed_forms_match_the_simulator(schedule, p, m, v):
-    """The search's fast pass and predict(exact=True) agree on equal stages (1% for rounding of p2p)."""
+    """The search's fast pass and predict(exact=True) agree on equal stages (3%: the p2p transfers the closed
+    forms put on the critical path); a rank's forward f and backward b are split over its v chunks."""
     from plait.parallel.pipeline import build_schedule, simulate
 
     f, b, p2p = 1.0, 2.0, 0.05
     sim = simulate(build_schedule(schedule, p, m, v), {"F": f / v, "B": b / v, "p2p": p2p})
-    makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, f / v, b / v, p2p)
+    makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, f, b, p2p)
     assert makespan == pytest.approx(sim.makespan, rel=0.03)
     assert busy == pytest.approx(max(sim.busy)) and in_flight == max(sim.peak_activations)
 
@@ -262,17 +272,21 @@ def test_intra_op_ilp_finds_megatron_sequence_parallel():
 
 # ---------------------------------------------------------------------- search, report, CLI
 def test_plan_ranks_fitting_layouts_and_writes_a_runnable_toml(tmp_path):
-    result = plan("llama-7b", 16, "a100-80gb", seq=2048, global_batch=64, top=3)
+    result = plan("llama-7b", 16, "a100-80gb", seq=2048, global_batch=64, top=8)
     times = [c.step_time for c in result.candidates]
     assert times == sorted(times) and all(c.fits and c.world_size == 16 for c in result.candidates)
     by_hand = predict("llama-7b", Layout(dp=16, microbatches=4, zero=1), "a100-80gb", global_batch=64, seq=2048)
+    assert any(c.layout.pp > 1 for c in result.candidates)
     assert result.best.step_time <= by_hand.step_time * (1 + 1e-9)
     assert "slower" in result.why_runner_up_loses()
     path = tmp_path / "plan.toml"
-    path.write_text(plan_toml(result.best, resolve_model("llama-7b", 2048).to_gpt_config()))
+    path.write_text(plan_toml(result.best, resolve_model("llama-7b", 2048).to_gpt_config(), result.notes))
     config = load_config(path)
     assert config.layout == result.best.layout and config.train.global_batch == 64
     assert config.model["n_layer"] == 32 and config.model["mlp"] == "swiglu"
+    piped = next(c for c in result.candidates if c.layout.pp > 1)  # the inter-op pass's cuts are in the layout
+    assert len(piped.layout.pipeline_cuts) == piped.layout.pp * piped.layout.virtual_stages - 1
+    assert [start for start, _ in piped.stages[1:]] == list(piped.layout.pipeline_cuts)
 
 
 def test_plan_errors_name_what_would_help():
@@ -288,9 +302,9 @@ def test_plan_errors_name_what_would_help():
 def test_plan_for_a_70b_model_on_thousands_of_gpus_takes_seconds(gpus, global_batch):
     # 10,000 = 2^4 x 5^4 GPUs: dp is a multiple of 25, so the batch is one too (2000 x 4096 tokens = 8M, the
     # order of Llama 2's 4M-token batches)
-    started = time.perf_counter()
+    started = time.process_time()  # this process's CPU time: the search's cost, whatever else loads the machine
     result = plan("llama-70b", gpus, "h100", global_batch=global_batch, top=3)
-    assert time.perf_counter() - started < 10  # the issue's bound; ~2 s on one busy core
+    assert time.process_time() - started < 10  # the issue's bound; 2-5 s of one core
     assert result.best.fits and result.best.world_size == gpus and result.best.mfu > 0.2
 
 
@@ -317,8 +331,10 @@ def test_divisors_come_from_factorisation_not_a_loop_over_n():
     assert _divisors(2**20 + 1) == [1, 17, 61681, 2**20 + 1]
     assert len(_divisors(10**12)) == 169  # (12 + 1)^2: a loop over 10^12 candidates would never finish
     assert time.perf_counter() - started < 1
-    with pytest.raises(ConfigError, match=r"of 1048573 devices.*splits: 1048573 .*or \d+ or 1048576 devices"):
-        plan("llama-70b", 1_048_573, "h100", global_batch=1024)  # a prime: dp would have to be 1 or 1,048,573
+    # a prime: dp would have to be 1 or 1,048,573; the largest count any shape reaches for batch 1024 is
+    # tp 8 x pp 80 x dp 1024 = 655,360 (cp needs >= 4096 tokens per rank: none at 4096)
+    with pytest.raises(ConfigError, match=r"of 1048573 devices.*splits: 1048573 .*or 655360 devices"):
+        plan("llama-70b", 1_048_573, "h100", global_batch=1024)
 
 
 def test_cli_plan_simulate_and_errors(tmp_path, capsys):
@@ -423,3 +439,108 @@ def test_split_backward_makes_zero_bubble_dearer_where_calibrated():
         predict("gpt2-xl", one_f_one_b, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time
         == predict("gpt2-xl", one_f_one_b, hw, global_batch=8).step_time
     )
+
+
+# ---------------------------------------------------------------------- Alpa's passes inside plan()
+def test_rank_balanced_stages_balance_ranks_not_chunks():
+    """Interleaving places chunk c on rank c mod p, so the inter-op pass balances each rank's total: exactly (vs
+    brute force) when the layers are equal but the heavier first and last (a transformer), never worse than
+    balancing chunks otherwise."""
+    from plait.planner.inter_op import rank_balanced_stages, rank_loads
+
+    rng = random.Random(3)
+    for _ in range(120):
+        p, v = rng.randint(2, 3), rng.randint(2, 3)
+        n = rng.randint(p * v, p * v + 6)
+        equal = rng.random() < 0.5
+        costs = [1.0] * n if equal else [rng.uniform(0.5, 3) for _ in range(n)]
+        if equal:
+            costs[0] += rng.uniform(0, 2)
+            costs[-1] += rng.uniform(0, 3)
+        got = rank_balanced_stages(costs, p, v)
+        assert len(got) == p * v and got[0][0] == 0 and got[-1][1] == n and all(a < b for a, b in got)
+        worst = max(rank_loads(costs, got, p))
+        assert worst <= max(rank_loads(costs, balanced_stages(costs, p * v), p)) + 1e-9
+        if equal:
+            best = min(
+                max(rank_loads(costs, list(zip((0, *cuts), (*cuts, n))), p))
+                for cuts in itertools.combinations(range(1, n), p * v - 1)
+            )
+            assert worst == pytest.approx(best)
+
+
+def test_interleaving_a_22_layer_model_beats_1f1b_once_ranks_are_balanced():
+    """Issue 16: balancing chunks predicted interleaving 13% slower than 1F1B on a 22-layer model (a rank with two
+    long chunks set the pace). Balancing ranks, every depth is predicted faster than 1F1B, as measured in
+    Narayanan et al. 2021 (sec. 5.4)."""
+    from plait.planner.published import gpt
+
+    spec = gpt("gpt-22-layers", 22, 4096, 32)
+    for p, m in ((2, 8), (4, 8), (4, 32)):
+        one_f_one_b = predict(spec, Layout(dp=1, pp=p, microbatches=m, precision="bf16"), "a100-80gb").step_time
+        for v in (2, 3, 4):
+            layout = Layout(dp=1, pp=p, microbatches=m, schedule="interleaved", virtual_stages=v, precision="bf16")
+            assert predict(spec, layout, "a100-80gb").step_time < one_f_one_b, (p, m, v)
+
+
+def test_predict_uses_the_layouts_pipeline_cuts_and_refuses_cuts_past_the_model():
+    layout = Layout(dp=1, pp=2, microbatches=4, precision="bf16")
+    even = predict("gpt2-xl", layout, "h100", global_batch=4)
+    uneven = predict("gpt2-xl", dataclasses.replace(layout, pipeline_cuts=(40,)), "h100", global_batch=4)
+    assert uneven.stages == [(0, 40), (40, 48)] and uneven.step_time > even.step_time  # 40 blocks set the pace
+    # without cuts the inter-op pass balances the stages: the output layer (1600 x 50257) weighs on the last one,
+    # which gets fewer blocks
+    (a, b), (c, d) = even.stages
+    assert b - a > d - c and even.layer_costs[-1] > even.layer_costs[1]
+    with pytest.raises(LayoutError, match="cut past the last of gpt2-xl's 48 blocks"):
+        predict("gpt2-xl", dataclasses.replace(layout, pipeline_cuts=(48,)), "h100", global_batch=4)
+
+
+def test_per_block_recomputation_is_timed_for_the_blocks_listed():
+    base = Layout(dp=1, pp=2, microbatches=4, precision="bf16")
+    none, full = (predict("gpt2-xl", dataclasses.replace(base, recompute=r), "h100", 4) for r in ("none", "full"))
+    some = predict("gpt2-xl", dataclasses.replace(base, recompute=tuple(range(0, 48, 2))), "h100", 4)
+    assert none.step_time < some.step_time < full.step_time
+    extra = (full.hardware_flops - none.hardware_flops) / 2  # half the blocks recomputed: half the extra FLOPs
+    assert some.hardware_flops == pytest.approx(none.hardware_flops + extra)
+    assert some.model_flops == none.model_flops  # recomputation is hardware FLOPs, not model FLOPs
+    with pytest.raises(LayoutError, match="names block 48"):
+        predict("gpt2-xl", dataclasses.replace(base, recompute=(48,)), "h100", 4)
+
+
+def test_plan_runs_the_intra_op_ilp_and_cross_checks_the_inter_op_dp():
+    result = plan("llama-70b", 256, "h100", global_batch=256, top=3)
+    notes = " | ".join(result.notes)
+    best = result.best.layout
+    if best.tp > 1:
+        assert "intra-op ILP at tp=" in notes and "qkv column" in notes and best.sequence_parallel
+    assert best.pp > 1 and len(best.pipeline_cuts) == best.pp * best.virtual_stages - 1
+    if best.virtual_stages == 1:  # Alpa's DP over the same per-block costs agrees with the chosen cuts
+        match = re.search(r"the chosen cuts \S+ s \(([+-][\d.]+)%\)", notes)
+        assert match and abs(float(match.group(1))) < 0.5
+    depths = {c.layout.virtual_stages for c in plan("llama-70b", 64, "h100", global_batch=128, top=12).candidates}
+    assert depths - {1, 2}, depths  # interleave depth is searched, not only 2
+
+
+def test_the_intra_op_ilp_decides_sequence_parallelism():
+    """On hardware where all-gather and reduce-scatter are far dearer than all-reduce (a measured machine can be),
+    the ILP keeps norms replicated: tp layouts are planned without sequence parallelism."""
+    from plait.models import GPTConfig
+
+    hw = dataclasses.replace(
+        get_hardware("h100"),
+        measured={"all_reduce": (1e-5, 1e-12), "all_gather": (1e-2, 1e-7), "reduce_scatter": (1e-2, 1e-7)},
+        measured_ranks=8,
+    )
+    config = GPTConfig(vocab_size=512, seq_len=512, n_layer=4, n_head=8, d_model=512)
+    tp_layouts = [c.layout for c in plan(config, 8, hw, global_batch=8, top=30).candidates if c.layout.tp > 1]
+    assert tp_layouts and not any(lay.sequence_parallel for lay in tp_layouts)
+    tp_layouts = [c.layout for c in plan("llama-7b", 8, "h100", global_batch=8, top=30).candidates if c.layout.tp > 1]
+    assert tp_layouts and all(lay.sequence_parallel for lay in tp_layouts)  # NVLink: Megatron-SP
+
+
+def test_a_70b_plan_on_512_h100s_stays_in_published_mfu():
+    """Published H100 runs of 70B-class models reach 38-49% MFU (Llama 3 Table 4: 38-43%; Megatron-Core up to 47%);
+    with the Hopper efficiency fitted on MosaicML's table, plan() stays in that range."""
+    result = plan("llama-70b", 512, "h100", global_batch=1024, top=3)
+    assert all(0.38 <= c.mfu <= 0.49 for c in result.candidates), [round(c.mfu, 3) for c in result.candidates]

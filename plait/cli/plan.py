@@ -27,7 +27,11 @@ def add_planner_commands(commands: Any) -> None:
         description="Predict one given layout with the planner's cost model.",
     )
     _model_args(sim)
-    sim.add_argument("--layout", required=True, help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1")
+    sim.add_argument(
+        "--layout",
+        required=True,
+        help="e.g. dp=16,tp=8,pp=8,microbatches=64,schedule=1f1b,zero=1 (stage cuts: pipeline_cuts=[10,20,...])",
+    )
     cal = commands.add_parser(
         "calibrate",
         help="measure this machine (matmul FLOP/s, gloo alpha-beta) in seconds",
@@ -35,12 +39,25 @@ def add_planner_commands(commands: Any) -> None:
     )
     cal.add_argument("--nproc", type=int, default=2, help="local gloo processes (default 2)")
     cal.add_argument("--out", help="where to write the JSON (default ~/.cache/plait/calibration.json)")
+    cal.add_argument("--repeats", type=int, default=7, help="timed runs per collective and size (median; default 7)")
+    cal.add_argument(
+        "--max-mb", type=float, default=32, help="largest collective payload, MiB (default 32: your gradients' size)"
+    )
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a name (llama-70b, gpt3-175b, ...) or a config.json path")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a name (llama-70b, gpt3-175b, ...) or a Hugging Face config.json path (ALiBi models such as BLOOM: give --seq)",
+    )
     parser.add_argument("--gpus", type=int, help="number of devices (plan: required; simulate: from --layout)")
     parser.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200 or this-machine")
+    parser.add_argument(
+        "--hardware",
+        metavar="FILE.toml",
+        help="a custom cluster (per-level bandwidth/latency, devices per node, oversubscription); replaces --gpu",
+    )
     parser.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
     parser.add_argument("--global-batch", type=int, help="samples per step (default: one per dp rank)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -57,7 +74,16 @@ def parse_layout(text: str) -> Any:
     from plait.train.config import parse_value
 
     fields: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    parts, depth, current = [], 0, ""
+    for char in text:  # split on commas outside brackets: pipeline_cuts=[6,12] is one item
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    for item in filter(None, (part.strip() for part in parts)):
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--layout item {item!r} is not key=value. Fix: e.g. --layout dp=2,tp=4")
@@ -72,7 +98,7 @@ def run_planner(args: argparse.Namespace) -> int:
     if args.command == "calibrate":
         from plait.planner.calibrate import calibrate
 
-        data = calibrate(args.nproc, out=args.out)
+        data = calibrate(args.nproc, repeats=args.repeats, out=args.out, max_bytes=int(args.max_mb * 2**20))
         hw = data["hardware"]
         console.print(
             f"matmul {hw['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
@@ -81,10 +107,14 @@ def run_planner(args: argparse.Namespace) -> int:
         for op, (alpha, beta) in hw["measured"].items():
             console.print(f"  {op:15s} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:8.3f} ns/byte")
         return 0
-    from plait.planner.models import resolve_model
-    from plait.planner.report import print_plan, print_prediction, write_plan_toml
+    from plait.planner.hardware import get_hardware
+    from plait.planner.models import ModelSpec, resolve_model
+    from plait.planner.report import model_section, print_plan, print_prediction, write_plan_toml
 
     spec = resolve_model(args.model, args.seq)
+    if not isinstance(spec, ModelSpec):  # names and config paths always give a spec; keep the type checker sure
+        raise ConfigError("plait plan / simulate need a model name or a config.json. Fix: e.g. --model llama-7b.")
+    hardware = get_hardware(args.hardware if args.hardware else args.gpu)
     if args.command == "plan":
         import json
 
@@ -95,7 +125,7 @@ def run_planner(args: argparse.Namespace) -> int:
         result = plan(
             spec,
             args.gpus,
-            args.gpu,
+            hardware,
             global_batch=args.global_batch,
             top=args.top,
             precision=args.precision,
@@ -103,7 +133,8 @@ def run_planner(args: argparse.Namespace) -> int:
         )
         print_plan(result, console)
         if args.out:
-            path = write_plan_toml(result.best, spec.to_gpt_config(), args.out)
+            hf_config = args.model if str(args.model).endswith(".json") else None
+            path = write_plan_toml(result.best, model_section(spec, hf_config), args.out, result.notes)
             console.print(f"wrote {path} (plait train --config {path})")
         if args.json_out:
             with open(args.json_out, "w") as f:
@@ -117,7 +148,7 @@ def run_planner(args: argparse.Namespace) -> int:
     if args.precision != "bf16" or layout.precision == "fp32":
         layout = replace(layout, precision=args.precision)
     prediction = predict(
-        spec, layout, args.gpu, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation
+        spec, layout, hardware, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation
     )
     print_prediction(prediction, console)
     return 0

@@ -9,10 +9,15 @@
   autograd): the slope over the layer count of a tiny plait GPT's training-step time (``block_overhead``);
 - split backward: zero-bubble's I + W over one B, timed on plait's own pipeline stage (``split_backward``);
 - communication: for each collective of ``plait.comm.Comm`` (all_reduce, all_gather, reduce_scatter,
-  all_to_all, broadcast, send_recv), the median time over a few repeats at several payload sizes in ``nproc``
-  local gloo processes, fitted by least squares to the alpha-beta model t = alpha + beta x bytes (Hockney 1994);
-  the fits hold for groups of ``nproc`` ranks (``Hardware.measured_ranks``; other sizes are scaled by the ring
-  formulas in ``costs.collective_time``), so calibrate with the rank count you will run.
+  all_to_all, broadcast, send_recv), the median time over ``repeats`` runs at payload sizes from 4 KiB up to
+  ``max_bytes`` (by default 32 MiB: the gradients of the models timed on this machine, so the fit holds where the
+  data-parallel reductions are), in ``nproc`` local gloo processes, fitted to the alpha-beta model t = alpha +
+  beta x bytes (Hockney 1994) by least squares on relative errors (each size counts alike, so neither the
+  latency-bound small sizes nor the large ones dominate). ZeRO's collectives are timed as ZeRO calls them: the
+  reduce-scatter of a flat gradient buffer averaged (``op="avg"``) and issued asynchronously, then waited for, and
+  the all-gather of the parameter shards. The fits hold for groups of ``nproc`` ranks (``Hardware.measured_ranks``;
+  other sizes are scaled by the ring formulas in ``costs.collective_time``), so calibrate with the rank count you
+  will run.
 
 The result is written as JSON (``hardware.calibration_path()``): ``get_hardware("this-machine")`` reads it. With
 the fits, predicted step times of layouts run on this machine can be compared with measured ones.
@@ -35,15 +40,27 @@ from plait.logging import get_logger
 from plait.planner.hardware import COLLECTIVES, THIS_MACHINE, Hardware, calibration_path
 
 logger = get_logger(__name__)
-SIZES = (2**8, 2**12, 2**16, 2**18)
-"""Payload sizes in float32 elements (1 KiB .. 1 MiB): small enough to take seconds, large enough for beta."""
+MAX_BYTES = 32 * 2**20
+"""The largest collective payload timed by default (the reference GPT of benchmarks/planner_validation.py has
+~14 MB of fp32 gradients)."""
+
+
+def payload_sizes(max_bytes: int = MAX_BYTES, smallest: int = 4 * 2**10) -> list[int]:
+    """Payload sizes in bytes, 4 KiB then x4 up to ``max_bytes`` (included)."""
+    sizes, size = [], smallest
+    while size < max_bytes:
+        sizes.append(size)
+        size *= 4
+    return [*sizes, max_bytes]
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of t = alpha + beta x bytes, both clamped at >= 0."""
+    """(alpha, beta) of t = alpha + beta x bytes by least squares on relative errors (weights 1 / t), both
+    clamped at >= 0."""
     if len(nbytes) < 2:
         raise ValueError("an alpha-beta fit needs at least two sizes")
-    beta, alpha = np.polyfit(np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    t = np.asarray(seconds, dtype=float)
+    beta, alpha = np.polyfit(np.asarray(nbytes, dtype=float), t, 1, w=1 / np.maximum(t, 1e-12))
     return max(float(alpha), 0.0), max(float(beta), 1e-15)
 
 
@@ -153,11 +170,13 @@ def measure_memory_bandwidth(mib: int = 64, repeats: int = 3) -> float:
 
 
 def _collective_calls(comm: Any, x: torch.Tensor, size: int, rank: int, peer: int | None) -> dict[str, Any]:
-    """One call per collective of ``COLLECTIVES`` on ``x`` (``size`` elements per rank), through plait's Comm."""
+    """One call per collective of ``COLLECTIVES`` on ``x`` (``size`` elements per rank), through plait's Comm; the
+    reduce-scatter and all-gather as ZeRO makes them (an averaged, asynchronous reduce-scatter of a flat buffer,
+    then waited for; an all-gather of the shards)."""
     return {
         "all_reduce": lambda: comm.all_reduce(x, "dp"),
         "all_gather": lambda: comm.all_gather(x[:size], "dp"),
-        "reduce_scatter": lambda: comm.reduce_scatter(x, "dp"),
+        "reduce_scatter": lambda: comm.reduce_scatter(x, "dp", op="avg", async_op=True).wait(),
         "all_to_all": lambda: comm.all_to_all(x, "dp", 0, 0),
         "broadcast": lambda: comm.broadcast(x, "dp"),
         "send_recv": lambda: comm.send_recv(
@@ -166,7 +185,7 @@ def _collective_calls(comm: Any, x: torch.Tensor, size: int, rank: int, peer: in
     }
 
 
-def _bench_rank(repeats: int) -> tuple[dict[str, list[tuple[float, float]]], float] | None:
+def _bench_rank(repeats: int, max_bytes: int) -> tuple[dict[str, list[tuple[float, float]]], float] | None:
     """One calibration rank (under ``plait.launch.run_local``): every collective through plait's Comm, timed on
     rank 0, which returns (timings, the ranks' matmul FLOP/s together); the other ranks return None."""
     import torch.distributed as dist
@@ -179,7 +198,8 @@ def _bench_rank(repeats: int) -> tuple[dict[str, list[tuple[float, float]]], flo
     comm = Comm(Mesh.build(Layout(dp=world)), timeout_s=60)
     peer = 1 - rank if rank < 2 else None
     timings: dict[str, list[tuple[float, float]]] = {op: [] for op in COLLECTIVES}
-    for size in SIZES:
+    for payload in payload_sizes(max_bytes):
+        size = max(1, payload // (4 * world))  # float32 elements per rank; the whole tensor is size x world
         x = torch.ones(size * world)
         calls = _collective_calls(comm, x, size, rank, peer)
         for op, call in calls.items():
@@ -197,7 +217,9 @@ def _bench_rank(repeats: int) -> tuple[dict[str, list[tuple[float, float]]], flo
     return (timings, float(together[0])) if rank == 0 else None
 
 
-def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -> dict[str, Any]:
+def calibrate(
+    nproc: int = 2, repeats: int = 7, out: str | Path | None = None, max_bytes: int = MAX_BYTES
+) -> dict[str, Any]:
     """Measure this machine (module docstring), write the JSON and return it."""
     if not isinstance(nproc, int) or nproc < 2:
         raise ConfigError(f"--nproc {nproc!r}: calibrating collectives needs at least 2 processes. Fix: --nproc 2.")
@@ -209,7 +231,7 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
     torch.set_num_threads(threads)
     from plait.launch import run_local
 
-    measured = run_local(_bench_rank, nproc, repeats, timeout=600, comm_timeout_s=120)[0]
+    measured = run_local(_bench_rank, nproc, repeats, max_bytes, timeout=900, comm_timeout_s=300)[0]
     assert measured is not None  # rank 0 returns its timings
     timings, together = measured
     fits = {op: fit_alpha_beta([b for b, _ in rows], [t for _, t in rows]) for op, rows in timings.items()}
@@ -251,12 +273,13 @@ def calibrate(nproc: int = 2, repeats: int = 5, out: str | Path | None = None) -
 
 
 __all__ = [
-    "SIZES",
+    "MAX_BYTES",
     "calibrate",
     "fit_alpha_beta",
     "measure_block_overhead",
     "measure_matmul_flops",
     "measure_memory_bandwidth",
     "measure_split_backward",
+    "payload_sizes",
     "sustained_matmul_flops",
 ]

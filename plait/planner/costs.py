@@ -6,7 +6,8 @@ FLOPs are the model description's (``plait.models.spec``, re-exported here as ``
 block's forward; selective: the attention core's 4 b s^2 h; Chowdhery et al. 2022, app. B: model FLOPs exclude
 it, hardware FLOPs include it).
 
-Compute time is a roofline sum (Williams et al. 2009): matmul FLOPs / (peak x compute efficiency) plus the
+Compute time is a roofline sum (Williams et al. 2009): matmul FLOPs / (peak x compute efficiency, the fitted
+fraction of the GPU generation, ``Hardware.compute_efficiency``, times the implementation's) plus the
 bytes that memory-bound operators (norms, residual adds, dropout, activation functions, softmax) move through
 HBM / (bandwidth x memory efficiency), plus a fixed per-block cost where the hardware has one
 (``Hardware.block_overhead``, CPU ranks: a third forward, two thirds backward). Those bytes follow the operators Korthikanti et al. 2022 (sec. 4.1)
@@ -17,9 +18,10 @@ Communication is the alpha-beta model (Hockney 1994) of bandwidth-optimal algori
 Gropp 2005; Chan et al. 2007): for N ranks and S bytes, ring all-reduce 2(N-1) alpha + 2 (N-1)/N S / beta, tree
 all-reduce 2 log2(N) alpha + 2 S / beta (the smaller is taken), all-gather and reduce-scatter (N-1) alpha +
 (N-1)/N S / beta, all-to-all (N-1) alpha + (N-1)/N S / beta, broadcast log2(N) alpha + S / beta, p2p alpha +
-S / beta. beta is the intra-node link when the group fits in one node (ranks are ordered pp, dp, cp, tp with tp
-innermost, so an axis of stride st and size n stays in a node iff st x n <= devices per node), else the
-device's network share. A calibrated machine replaces the link model by its measured per-collective fit,
+S / beta. A group of an axis of stride st and size n (ranks are ordered pp, dp, cp, tp with tp innermost) spans
+st x n consecutive ranks; alpha and beta are those of the innermost network level that joins that many devices
+(``Hardware.level``: NVLink within a node, the network share beyond, or a custom cluster's levels with their
+oversubscription). A calibrated machine replaces the link model by its measured per-collective fit,
 taken at ``measured_ranks`` ranks and carried to n ranks by the same formulas' factors (alpha x steps(n) /
 steps(n0), beta x fraction(n) / fraction(n0)).
 """
@@ -27,15 +29,12 @@ steps(n0), beta x fraction(n) / fraction(n0)).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from plait.layout import AXES, Layout
 from plait.models.spec import ModelSpec, block_flops, logits_flops
 from plait.planner.hardware import Hardware
 
-COMPUTE_EFFICIENCY = 0.724
-"""The one global calibrated factor: achieved / peak FLOP/s of large matmuls. Fitted once, as the median over
-the rows of Narayanan et al. 2021 Table 1 (see docs/planner.md), and used unchanged for every row, GPU, layout."""
 MEMORY_EFFICIENCY = 0.8
 """Achievable / datasheet HBM bandwidth for streaming kernels (a prior, not fitted: STREAM-like copies reach 80-90%)."""
 COMM_EFFICIENCY = 0.8
@@ -57,10 +56,18 @@ class Implementation:
         overlap_cp: ring attention hides its K/V exchange behind the attention compute (Liu et al. 2023).
         flash_attention: attention scores are never stored (Dao et al. 2022): no s^2 memory or traffic.
         scatter_gather: pipeline sends b s h / tp per boundary instead of b s h (Narayanan et al. 2021, sec. 4.1).
+        overlap_p2p: pipeline sends and receives run beside compute (asynchronous p2p); False: a stage waits for
+            its own sends (blocking p2p: DeepSpeed's pipeline engine, Megatron-LM 2021), so each chunk's forward
+            and backward also pay the transfer of their output.
+        zero3_reuse_limit: ZeRO-3 keeps a gathered block between the recomputation and the backward pass only when
+            it has at most this many parameters (DeepSpeed's stage3_max_reuse_distance, 1e9 by default); a larger
+            block is gathered once more for its backward.
         grad_bytes: bytes per gradient element reduced across data parallel ranks.
         state_accounting: "zero-paper" (2 + 2 + 12 bytes per parameter; plait.planner.memory.zero_paper_bytes) or
             "plait" (fp32 parameters and gradients; plait.planner.memory.estimate_memory).
-        compute_efficiency, memory_efficiency, comm_efficiency: see the module constants.
+        compute_efficiency: a factor on the hardware's fitted compute efficiency (1.0: none; the fitted value
+            belongs to the GPU generation, ``Hardware.compute_efficiency``).
+        memory_efficiency, comm_efficiency: see the module constants.
         reserved_bytes: memory the framework and allocator keep (CUDA context, fragmentation).
     """
 
@@ -69,9 +76,11 @@ class Implementation:
     overlap_cp: bool = True
     flash_attention: bool = True
     scatter_gather: bool = True
+    overlap_p2p: bool = True
+    zero3_reuse_limit: float = math.inf
     grad_bytes: int = 2
     state_accounting: str = "zero-paper"
-    compute_efficiency: float = COMPUTE_EFFICIENCY
+    compute_efficiency: float = 1.0
     memory_efficiency: float = MEMORY_EFFICIENCY
     comm_efficiency: float = COMM_EFFICIENCY
     reserved_bytes: float = 2 * 2**30
@@ -80,7 +89,28 @@ class Implementation:
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "plait": Implementation(),
-    "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False),
+    # the systems of the published runs the model is checked against (plait/planner/published.py): what they did,
+    # from their papers and code, not fitted
+    # Megatron-LM 2021-22 (Narayanan et al. 2021, Korthikanti et al. 2022): local DDP reduces gradients after the
+    # backward pass; fused softmax, no flash attention; pipeline scatter/gather
+    "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False, overlap_p2p=False),
+    # Megatron-DeepSpeed (MT-NLG, BLOOM): DeepSpeed's pipeline engine (1F1B, whole activations between stages,
+    # gradients reduced after the pipeline drains), Megatron's fused kernels, no flash attention
+    "megatron-deepspeed": Implementation(
+        name="megatron-deepspeed", overlap_dp=False, flash_attention=False, scatter_gather=False, overlap_p2p=False
+    ),
+    # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered per layer with prefetch, released
+    # after use unless reused within stage3_max_reuse_distance (1e9) parameters
+    "deepspeed-zero3": Implementation(
+        name="deepspeed-zero3", overlap_dp=True, flash_attention=False, zero3_reuse_limit=1e9
+    ),
+    # MosaicML Composer + PyTorch FSDP (llm-foundry): FULL_SHARD with prefetch, triton flash attention; mixed
+    # precision DEFAULT reduces fp32 gradients, PURE bf16 ones
+    "composer-fsdp": Implementation(name="composer-fsdp", grad_bytes=4),
+    "composer-fsdp-pure": Implementation(name="composer-fsdp-pure", grad_bytes=2),
+    # Meta's Llama 3 stack (Dubey et al. 2024, sec. 3.3): FSDP over dp (gradients reduce-scattered in fp32),
+    # Megatron-style tp with sequence parallelism, interleaved pipeline, all-gather context parallelism, flash attention
+    "llama3": Implementation(name="llama3", grad_bytes=4),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
     # reduces and copies on the same processors the ranks compute on, so nothing overlaps
     "plait-cpu": Implementation(
@@ -113,27 +143,40 @@ def axis_stride(layout: Layout, axis: str) -> int:
     raise ValueError(f"unknown axis {axis!r}")
 
 
+def axis_span(layout: Layout, axis: str) -> int:
+    """How many consecutive ranks a group of ``axis`` (or "dp_cp": dp and cp together) spans."""
+    if axis == "dp_cp":
+        return axis_stride(layout, "cp") * layout.cp * layout.dp
+    return axis_stride(layout, axis) * layout.degrees[axis]
+
+
 def spans_nodes(layout: Layout, axis: str, devices_per_node: int) -> bool:
     """True when a group of ``axis`` (or "dp_cp") has members on more than one node."""
-    if axis == "dp_cp":
-        return axis_stride(layout, "cp") * layout.cp * layout.dp > devices_per_node
-    return axis_stride(layout, axis) * layout.degrees[axis] > devices_per_node
+    return axis_span(layout, axis) > devices_per_node
+
+
+def peak_rate(hw: Hardware, impl: Implementation, precision: str) -> float:
+    """Achievable matmul FLOP/s: peak x the generation's fitted efficiency x the implementation's factor."""
+    return hw.flops(precision) * hw.compute_efficiency * impl.compute_efficiency
 
 
 # ---------------------------------------------------------------------- collectives
 def collective_time(
-    hw: Hardware, op: str, nbytes: float, n: int, inter_node: bool, comm_efficiency: float = COMM_EFFICIENCY
+    hw: Hardware, op: str, nbytes: float, n: int, span: int | bool, comm_efficiency: float = COMM_EFFICIENCY
 ) -> float:
-    """Seconds for one ``op`` over ``n`` ranks on ``nbytes`` of payload (the whole tensor; for all-to-all and
-    all-gather the full result), by the alpha-beta formulas of the module docstring."""
+    """Seconds for one ``op`` over ``n`` ranks spanning ``span`` consecutive ranks (True / False: beyond / within
+    a node) on ``nbytes`` of payload (the whole tensor; for all-to-all and all-gather the full result), by the
+    alpha-beta formulas of the module docstring."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    if op in hw.measured and not inter_node:
+    if isinstance(span, bool):
+        span = hw.devices_per_node + 1 if span else 1
+    if op in hw.measured and span <= hw.devices_per_node:
         alpha, beta = hw.measured[op]
         (steps, fraction), (steps0, fraction0) = _ring_factors(op, n), _ring_factors(op, hw.measured_ranks)
         return alpha * steps / steps0 + beta * nbytes * fraction / fraction0
-    alpha = hw.inter_node_latency if inter_node else hw.intra_node_latency
-    bandwidth = (hw.inter_node_bandwidth if inter_node else hw.intra_node_bandwidth) * comm_efficiency
+    level = hw.level(span)
+    alpha, bandwidth = level.latency, level.effective_bandwidth * comm_efficiency
     frac = (n - 1) / n
     if op == "all_reduce":
         ring = 2 * (n - 1) * alpha + 2 * frac * nbytes / bandwidth
@@ -184,39 +227,52 @@ def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e:
     return replicated + split + scores
 
 
+def recompute_mode(layout: Layout) -> str:
+    """ "none", "full", "selective" (Korthikanti et al. 2022: only the attention core) or "blocks" (a tuple of
+    block indices, each recomputed fully)."""
+    return "blocks" if isinstance(layout.recompute, tuple) else str(layout.recompute)
+
+
+def recomputed_blocks(layout: Layout, start: int, end: int) -> int:
+    """How many of blocks [start, end) the layout recomputes (fully or, under "selective", their attention)."""
+    mode = recompute_mode(layout)
+    if mode == "none":
+        return 0
+    if mode == "blocks" and isinstance(layout.recompute, tuple):
+        return sum(start <= index < end for index in set(layout.recompute))
+    return end - start
+
+
 def block_time(
     spec: ModelSpec, hw: Hardware, impl: Implementation, layout: Layout, micro_batch: int, seq: int
 ) -> BlockTime:
     """Per-device time of one block on a micro-batch of ``micro_batch`` samples of ``seq`` tokens under
-    ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision). ``recompute``: "full" repeats the
-    forward (and its tp/cp collectives), "selective" the attention core (and the cp exchange inside it), a tuple of
-    blocks the forward times the share of the model's blocks it lists (the mean block: exact summed over the
-    model, an average per pipeline stage)."""
+    ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision). ``recompute`` is what recomputing
+    this block costs when the layout recomputes it: a forward pass (full, or a block listed in a tuple), or only
+    the attention core (selective: scores, softmax and the product with V, Korthikanti et al. 2022)."""
     t, cp, e = layout.tp, layout.cp, act_bytes(layout.precision)
     s_local = seq // cp
     flops = block_flops(spec, micro_batch, s_local, seq) / t
-    peak = hw.flops(layout.precision) * impl.compute_efficiency
+    peak = peak_rate(hw, impl, layout.precision)
     traffic = block_traffic(spec, micro_batch, s_local, t, layout.sequence_parallel, e, impl.flash_attention)
-    fwd = flops / peak + traffic / (hw.memory_bandwidth * impl.memory_efficiency) + hw.block_overhead / 3
+    bandwidth = hw.memory_bandwidth * impl.memory_efficiency
+    fwd = flops / peak + traffic / bandwidth + hw.block_overhead / 3
     # tensor parallel (Shoeybi et al. 2019): 2 all-reduces forward, 2 backward, of b (s/cp) h; with sequence
     # parallelism each becomes an all-gather + reduce-scatter of the same total volume (Korthikanti et al. 2022)
     message = micro_batch * s_local * spec.hidden * e
-    tp_inter = spans_nodes(layout, "tp", hw.devices_per_node)
-    tp_one = collective_time(hw, "all_reduce", message, t, tp_inter, impl.comm_efficiency)
+    tp_one = collective_time(hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency)
     cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
     attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
     cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_fwd
     cp_bwd_exposed = max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_bwd
-    recompute, recompute_comm = fwd, 2 * tp_one + cp_fwd_exposed  # "full": the whole forward again
-    if layout.recompute == "none":
-        recompute, recompute_comm = 0.0, 0.0
-    elif layout.recompute == "selective":  # the attention core again (its cp exchange too, inside the core)
+    mode = recompute_mode(layout)
+    if mode == "selective":  # the attention core again (and its softmax traffic without flash attention)
         scores = 0.0 if impl.flash_attention else 4.5 * spec.heads * s_local * seq * e * micro_batch / t
-        recompute = attention_fwd + scores / (hw.memory_bandwidth * impl.memory_efficiency)
-        recompute_comm = cp_fwd_exposed
-    elif isinstance(layout.recompute, tuple):  # some blocks: the mean over the model's blocks
-        share = len(set(layout.recompute)) / spec.layers
-        recompute, recompute_comm = share * recompute, share * recompute_comm
+        recompute, recompute_comm = attention_fwd + scores / bandwidth + cp_fwd_exposed, cp_fwd_exposed
+    elif mode in ("full", "blocks"):
+        recompute, recompute_comm = fwd, 2 * tp_one + cp_fwd_exposed
+    else:
+        recompute = recompute_comm = 0.0
     return BlockTime(
         forward=fwd,
         backward=2 * fwd,
@@ -238,7 +294,7 @@ def _context_comm(
     if cp == 1:
         return 0.0, 0.0
     s_local = seq // cp
-    inter = spans_nodes(layout, "cp", hw.devices_per_node)
+    inter = axis_span(layout, "cp")
     kv_bytes = micro_batch * s_local * 2 * spec.kv * spec.head_dim * e / layout.tp
     if layout.cp_mode == "ring":
         step = collective_time(hw, "send_recv", kv_bytes, 2, inter, impl.comm_efficiency)
@@ -260,33 +316,27 @@ def head_time(
     flops = logits_flops(spec, micro_batch, s_local) / layout.tp
     e = act_bytes(layout.precision)
     logits_bytes = 3 * micro_batch * s_local * spec.vocab * 4 / layout.tp  # fp32 logits, softmax, gradient
-    fwd = flops / (hw.flops(layout.precision) * impl.compute_efficiency) + logits_bytes / (
-        hw.memory_bandwidth * impl.memory_efficiency
-    )
+    fwd = flops / peak_rate(hw, impl, layout.precision) + logits_bytes / (hw.memory_bandwidth * impl.memory_efficiency)
     embed_ar = collective_time(
         hw,
         "all_reduce",
         micro_batch * s_local * spec.hidden * e,
         layout.tp,
-        spans_nodes(layout, "tp", hw.devices_per_node),
+        axis_span(layout, "tp"),
         impl.comm_efficiency,
     )
     return fwd, 2 * fwd, flops, embed_ar
-
-
-def with_efficiency(impl: Implementation, compute_efficiency: float) -> Implementation:
-    return replace(impl, compute_efficiency=compute_efficiency)
 
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
     "BlockTime",
     "COMM_EFFICIENCY",
-    "COMPUTE_EFFICIENCY",
     "IMPLEMENTATIONS",
     "Implementation",
     "MEMORY_EFFICIENCY",
     "act_bytes",
+    "axis_span",
     "axis_stride",
     "block_flops",
     "block_time",
@@ -294,6 +344,8 @@ __all__ = [
     "collective_time",
     "head_time",
     "logits_flops",
+    "peak_rate",
+    "recompute_mode",
+    "recomputed_blocks",
     "spans_nodes",
-    "with_efficiency",
 ]

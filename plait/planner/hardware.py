@@ -12,9 +12,18 @@ Every figure is per device (one GPU), dense (no 2:4 sparsity), and in SI units (
 - B200: NVIDIA DGX B200 / HGX B200 datasheets: 72 PFLOP/s FP8 training and 36 PFLOP/s FP16/BF16 (sparse) per
   8 GPUs -> 2.25 PFLOP/s dense BF16 per GPU, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s total, 8x 400 Gb/s.
 
-Achievable fractions are not in datasheets; the cost model (costs.py) applies them in one place. The
-"this-machine" entry is not in this table: ``plait calibrate`` measures it (calibrate.py) and ``get_hardware``
-reads it back from the JSON file it wrote.
+Achievable fractions are not in datasheets. ``compute_efficiency`` (achieved / peak FLOP/s of a training step's
+matmuls) is fitted per GPU generation on published training runs of that generation (``GENERATION_EFFICIENCY``;
+``plait.planner.accuracy`` refits it and reports in-sample, leave-one-out and out-of-table errors; the tests hold
+these constants to the fit); the memory and link fractions are priors in costs.py. The "this-machine" entry is not in
+this table: ``plait calibrate`` measures it (calibrate.py, efficiency 1: it measures what is achieved) and
+``get_hardware`` reads it back from the JSON file it wrote.
+
+The network is a list of levels, innermost first (``NetworkLevel``): the catalogue's nodes have two (NVLink inside
+a node of 8, the InfiniBand/RoCE share beyond); a custom cluster (``load_hardware_toml``, ``--hardware FILE.toml``)
+may describe more (node, leaf switch, spine) with their bandwidth, latency and oversubscription. A collective whose
+group spans ``span`` consecutive ranks (plait's rank order: tp innermost) runs at the first level that joins that
+many devices.
 """
 
 from __future__ import annotations
@@ -28,12 +37,35 @@ from typing import Any
 
 from plait.errors import ConfigError
 
+GENERATION_EFFICIENCY = {"ampere": 0.726, "hopper": 0.519, "blackwell": 0.519}
+"""Fitted achieved / peak FLOP/s of training matmuls per GPU generation (``plait.planner.accuracy``: the median of
+measured / predicted over that generation's fitting tables is 1). Ampere: Narayanan et al. 2021 Table 1; Hopper:
+the one-node rows of MosaicML's llm-foundry H100 BF16 table; Blackwell: no published table fitted yet, Hopper's
+value assumed. tests/test_planner_validation.py holds these to what ``accuracy.fit()`` gives."""
+
 TB = 1e12
 GB = 1e9
 GIB = 2**30
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 """The collectives the cost model times (the same names as ``plait.comm.Comm``'s methods)."""
+
+
+@dataclass(frozen=True)
+class NetworkLevel:
+    """One level of the network, innermost first: it joins ``devices`` devices (0: all of them) with
+    ``bandwidth`` bytes/s per device in one direction, ``latency`` seconds per message step, and
+    ``oversubscription`` (uplink bandwidth shared by that many devices' worth of traffic: bandwidth / it)."""
+
+    name: str
+    devices: int
+    bandwidth: float
+    latency: float
+    oversubscription: float = 1.0
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth / self.oversubscription
 
 
 @dataclass(frozen=True)
@@ -66,6 +98,10 @@ class Hardware:
         split_backward: zero-bubble's input-gradient pass I plus weight-gradient pass W over one backward B
             (Qi et al. 2023 count I + W = B: 1.0 on GPUs; ``plait calibrate`` measures plait's two autograd passes
             on CPU, where the second traversal of the graph costs extra).
+        generation: the GPU generation ("ampere", "hopper", "blackwell"; "" for a measured machine).
+        compute_efficiency: achieved / peak FLOP/s of a training step's matmuls (module docstring): fitted per
+            generation for the catalogue, 1.0 for a calibrated machine.
+        levels: the network, innermost first (``NetworkLevel``); empty: two levels from the intra/inter fields.
         source: where the figures come from.
     """
 
@@ -87,6 +123,9 @@ class Hardware:
     block_overhead: float = 0.0
     compute_units: float = 0.0
     split_backward: float = 1.0
+    generation: str = ""
+    compute_efficiency: float = 1.0
+    levels: tuple[NetworkLevel, ...] = ()
     source: str = ""
 
     def flops(self, precision: str) -> float:
@@ -98,6 +137,20 @@ class Hardware:
             )
         return self.peak_flops[precision]
 
+    def network(self) -> tuple[NetworkLevel, ...]:
+        """The levels, innermost first (the two of a catalogue node when ``levels`` is empty)."""
+        if self.levels:
+            return self.levels
+        return (
+            NetworkLevel("node", self.devices_per_node, self.intra_node_bandwidth, self.intra_node_latency),
+            NetworkLevel("network", 0, self.inter_node_bandwidth, self.inter_node_latency),
+        )
+
+    def level(self, span: int) -> NetworkLevel:
+        """The innermost level that joins ``span`` consecutive devices."""
+        levels = self.network()
+        return next((lv for lv in levels if lv.devices == 0 or span <= lv.devices), levels[-1])
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["measured"] = {op: list(fit) for op, fit in self.measured.items()}
@@ -107,6 +160,7 @@ class Hardware:
     def from_dict(cls, data: dict[str, Any]) -> Hardware:
         data = dict(data)
         data["measured"] = {op: tuple(fit) for op, fit in data.get("measured", {}).items()}
+        data["levels"] = tuple(NetworkLevel(**level) for level in data.get("levels", ()))
         return cls(**data)
 
 
@@ -120,6 +174,7 @@ def _gpu(
     network_gbit_s: float,
     pcie_gb_s: float,
     host_tb_per_node: float,
+    generation: str,
     source: str,
 ) -> Hardware:
     return Hardware(
@@ -132,6 +187,8 @@ def _gpu(
         devices_per_node=8,
         host_bandwidth=pcie_gb_s * GB,
         host_memory_bytes=host_tb_per_node * TB / 8,
+        generation=generation,
+        compute_efficiency=GENERATION_EFFICIENCY[generation],
         source=source,
     )
 
@@ -139,11 +196,23 @@ def _gpu(
 CATALOGUE: dict[str, Hardware] = {
     hw.name: hw
     for hw in (
-        _gpu("a100-40gb", 312, 156, 40, 1.555, 600, 200, 25, 1, "NVIDIA A100 datasheet; DGX A100 datasheet"),
-        _gpu("a100-80gb", 312, 156, 80, 2.039, 600, 200, 25, 2, "NVIDIA A100 80GB datasheet; DGX A100 datasheet"),
-        _gpu("h100", 989, 494, 80, 3.35, 900, 400, 50, 2, "NVIDIA H100 SXM5 datasheet; DGX H100 datasheet"),
-        _gpu("h200", 989, 494, 141, 4.8, 900, 400, 50, 2, "NVIDIA H200 SXM datasheet; HGX H200"),
-        _gpu("b200", 2250, 1100, 180, 8.0, 1800, 400, 50, 2, "NVIDIA DGX B200 / HGX B200 datasheets"),
+        _gpu("a100-40gb", 312, 156, 40, 1.555, 600, 200, 25, 1, "ampere", "NVIDIA A100 datasheet; DGX A100 datasheet"),
+        _gpu(
+            "a100-80gb",
+            312,
+            156,
+            80,
+            2.039,
+            600,
+            200,
+            25,
+            2,
+            "ampere",
+            "NVIDIA A100 80GB datasheet; DGX A100 datasheet",
+        ),
+        _gpu("h100", 989, 494, 80, 3.35, 900, 400, 50, 2, "hopper", "NVIDIA H100 SXM5 datasheet; DGX H100 datasheet"),
+        _gpu("h200", 989, 494, 141, 4.8, 900, 400, 50, 2, "hopper", "NVIDIA H200 SXM datasheet; HGX H200"),
+        _gpu("b200", 2250, 1100, 180, 8.0, 1800, 400, 50, 2, "blackwell", "NVIDIA DGX B200 / HGX B200 datasheets"),
     )
 }
 ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100", "h200-sxm": "h200"}
@@ -157,11 +226,16 @@ def calibration_path() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "plait" / "calibration.json"
 
 
-def get_hardware(name: str | Hardware) -> Hardware:
-    """The catalogue entry called ``name`` (case-insensitive; aliases such as "a100"), or this machine's
-    calibration. Unknown names raise ConfigError listing the options."""
+def get_hardware(name: str | Path | Hardware) -> Hardware:
+    """The catalogue entry called ``name`` (case-insensitive; aliases such as "a100"), this machine's
+    calibration, or a cluster described in a TOML file (a path ending in .toml: ``load_hardware_toml``). Unknown
+    names raise ConfigError listing the options."""
     if isinstance(name, Hardware):
         return name
+    if str(name).endswith(".toml"):
+        from plait.planner.hardware_file import load_hardware_toml
+
+        return load_hardware_toml(name)
     key = str(name).lower()
     key = ALIASES.get(key, key)
     if key in CATALOGUE:
@@ -175,7 +249,20 @@ def get_hardware(name: str | Hardware) -> Hardware:
             )
         return Hardware.from_dict(json.loads(path.read_text())["hardware"])
     options = ", ".join([*CATALOGUE, THIS_MACHINE])
-    raise ConfigError(f"unknown GPU {name!r}. Fix: use one of {options} (aliases: {', '.join(ALIASES)}).")
+    raise ConfigError(
+        f"unknown GPU {name!r}. Fix: use one of {options} (aliases: {', '.join(ALIASES)}), or describe your "
+        f"cluster in a TOML file (--hardware FILE.toml; docs/planner.md)."
+    )
 
 
-__all__ = ["CATALOGUE", "COLLECTIVES", "GIB", "Hardware", "THIS_MACHINE", "calibration_path", "get_hardware"]
+__all__ = [
+    "CATALOGUE",
+    "COLLECTIVES",
+    "GENERATION_EFFICIENCY",
+    "GIB",
+    "Hardware",
+    "NetworkLevel",
+    "THIS_MACHINE",
+    "calibration_path",
+    "get_hardware",
+]

@@ -87,22 +87,29 @@ def reshard_cost(source: str, target: str, nbytes: float, tp: int, hw: Hardware)
         return 0.0
     if (source, target) not in RESHARD_OPS:
         return math.inf
-    return collective_time(hw, RESHARD_OPS[(source, target)], nbytes, tp, inter_node=tp > hw.devices_per_node)
+    return collective_time(hw, RESHARD_OPS[(source, target)], nbytes, tp, span=tp)
 
 
 def block_operators(
-    spec: ModelSpec, tp: int, tokens: int, hw: Hardware, act_bytes: int = 2, peak_fraction: float = 0.66
+    spec: ModelSpec,
+    tp: int,
+    tokens: int,
+    hw: Hardware,
+    act_bytes: int = 2,
+    peak_fraction: float | None = None,
+    precision: str = "bf16",
 ) -> list[Operator]:
-    """The operators of one transformer block for ``tokens`` tokens, with their strategies' costs."""
+    """The operators of one transformer block for ``tokens`` tokens, with their strategies' costs (matmuls at
+    ``peak_fraction`` of the peak: by default the hardware's fitted compute efficiency)."""
     h, f, e = spec.hidden, spec.ffn, act_bytes
-    flops_rate = hw.flops("bf16") * peak_fraction
+    flops_rate = hw.flops(precision) * (hw.compute_efficiency if peak_fraction is None else peak_fraction)
     bandwidth = hw.memory_bandwidth * 0.8
     kv = 2 * spec.kv * spec.head_dim
 
     def linear(name: str, d_in: int, d_out: int) -> Operator:
         t_full = 2 * tokens * d_in * d_out / flops_rate
         w = d_in * d_out * e
-        grad_sync = collective_time(hw, "all_reduce", w, tp, inter_node=tp > hw.devices_per_node)
+        grad_sync = collective_time(hw, "all_reduce", w, tp, span=tp)
         return Operator(
             name,
             (
@@ -122,7 +129,7 @@ def block_operators(
         return Operator(name, tuple(options), tokens * width * e)
 
     attn_flops = 4 * tokens * tokens * h / flops_rate  # one sequence of ``tokens``
-    kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, inter_node=tp > hw.devices_per_node)
+    kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, span=tp)
     attention = Operator(
         "attention",
         (
@@ -175,11 +182,13 @@ def solve_intra_op(ops: list[Operator], tp: int, hw: Hardware, memory_budget: fl
         c[s_offset[v] : s_offset[v + 1]] = [s.cost for s in op.strategies]
     for u, edge in enumerate(edges):
         c[e_offset[u] : e_offset[u + 1]] = np.where(np.isfinite(edge), edge, big).ravel()
-    rows, lower, upper = [], [], []
+    rows: list[np.ndarray] = []
+    bounds: list[tuple[float, float]] = []  # (lower, upper) of each row
     for v in range(len(ops)):  # one strategy per operator
         row = np.zeros(total)
         row[s_offset[v] : s_offset[v + 1]] = 1
-        rows.append(row), lower.append(1), upper.append(1)
+        rows.append(row)
+        bounds.append((1, 1))
     for u, edge in enumerate(edges):
         v = (u + 1) % len(ops)
         n_i, n_j = edge.shape
@@ -187,21 +196,27 @@ def solve_intra_op(ops: list[Operator], tp: int, hw: Hardware, memory_budget: fl
             row = np.zeros(total)
             row[e_offset[u] + i * n_j : e_offset[u] + (i + 1) * n_j] = 1
             row[s_offset[u] + i] = -1
-            rows.append(row), lower.append(0), upper.append(0)
+            rows.append(row)
+            bounds.append((0, 0))
         for j in range(n_j):  # sum_i e[i, j] = s_v[j]
             row = np.zeros(total)
             row[[e_offset[u] + i * n_j + j for i in range(n_i)]] = 1
             row[s_offset[v] + j] = -1
-            rows.append(row), lower.append(0), upper.append(0)
+            rows.append(row)
+            bounds.append((0, 0))
     if math.isfinite(memory_budget):
         row = np.zeros(total)
         for v, op in enumerate(ops):
             row[s_offset[v] : s_offset[v + 1]] = [s.memory for s in op.strategies]
-        rows.append(row), lower.append(0), upper.append(memory_budget)
+        rows.append(row)
+        bounds.append((0, memory_budget))
     integrality = np.zeros(total)
     integrality[: s_offset[-1]] = 1
     result = milp(
-        c, constraints=LinearConstraint(np.array(rows), lower, upper), integrality=integrality, bounds=Bounds(0, 1)
+        c,
+        constraints=LinearConstraint(np.array(rows), [lo for lo, _ in bounds], [hi for _, hi in bounds]),
+        integrality=integrality,
+        bounds=Bounds(0, 1),
     )
     if result.x is None or result.fun >= big:
         raise ConfigError(

@@ -1,8 +1,8 @@
 """What the planner needs to know about a model: ``ModelSpec`` (a decoder-only transformer's sizes) or a list of
-``LayerProfile`` (any model, measured block by block with ``profile_layers``).
+``plait.planner.profile.LayerProfile`` (any model, measured block by block with ``profile_layers``).
 
 A model may be given by name (``NAMED``: GPT-2 sizes, GPT-3 175B, Llama 1/2/3), by a Hugging Face
-``config.json`` path (read as JSON; transformers is not needed), by a transformers model or its config (read
+``config.json`` path (read as JSON by ``hf_config.py``; transformers is not needed), by a transformers model or its config (read
 through ``config.to_dict()``, the same keys), by a ``GPTConfig``, or by a plait ``GPT``.
 
 ``ModelSpec`` itself (sizes, parameter count, FLOPs per token) lives in ``plait.models.spec``, the one model
@@ -12,28 +12,14 @@ description that metrics, the reference GPT and the planner share; it is importe
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.spec import ModelSpec
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """One block of any model, measured for one sample: forward matmul FLOPs, parameters, bytes saved for
-    backward, and bytes of its output (what a pipeline stage boundary after it sends)."""
-
-    name: str
-    flops: float
-    parameters: int
-    activation_bytes: float
-    output_bytes: float
+from plait.planner.profile import LayerProfile
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -70,58 +56,12 @@ NAMED: dict[str, ModelSpec] = {
 }
 
 
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (GPT-2 or Llama-family keys) without importing transformers."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"cannot read model config {path}: {error}. Fix: give a Hugging Face config.json.") from error
-    return spec_from_hf_dict(data, str(path), path.parent.name or path.stem)
-
-
-def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str) -> ModelSpec:
-    """A ``ModelSpec`` from the keys of a Hugging Face config (``config.json`` or ``PretrainedConfig.to_dict()``);
-    ``where`` names the source in errors."""
-
-    def first(*keys: str, default: Any = None) -> Any:
-        for key in keys:
-            if data.get(key) is not None:
-                return data[key]
-        if default is None:
-            raise ConfigError(f"{where} has none of {', '.join(keys)}. Fix: give a decoder-only model's config.")
-        return default
-
-    hidden = int(first("hidden_size", "n_embd", "d_model"))
-    kind = str(data.get("model_type", ""))
-    gated = str(first("hidden_act", "activation_function", default="gelu")) in ("silu", "swiglu") or kind in (
-        "llama",
-        "mistral",
-        "qwen2",
-        "gemma",
-    )
-    gpt2 = kind == "gpt2"
-    return ModelSpec(
-        name=str(data.get("_name_or_path") or default_name),
-        layers=int(first("num_hidden_layers", "n_layer")),
-        hidden=hidden,
-        heads=int(first("num_attention_heads", "n_head")),
-        kv_heads=int(first("num_key_value_heads", default=first("num_attention_heads", "n_head"))),
-        ffn=int(first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
-        vocab=int(first("vocab_size")),
-        seq=int(first("max_position_embeddings", "n_positions", "n_ctx")),
-        gated=gated,
-        tied_embeddings=bool(data.get("tie_word_embeddings", gpt2)),
-        learned_positions=gpt2,
-        bias=gpt2,
-    )
-
-
 def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerProfile]:
     """A ``ModelSpec`` (or a list of ``LayerProfile``) from a name, a config.json path, a transformers model or
     config, a GPTConfig, a GPT, a ModelSpec or a profile list; ``seq`` overrides the context length of a spec."""
     from plait.models import GPT, GPTConfig
     from plait.models.hf import is_hf_model
+    from plait.planner.hf_config import from_hf_config, spec_from_hf_dict
 
     if isinstance(model, ModelSpec):
         return model.with_seq(seq)
@@ -135,7 +75,8 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
             config.to_dict(),
             f"{type(config).__name__} of {type(model).__name__}",
             str(getattr(config, "model_type", "") or type(model).__name__),
-        ).with_seq(seq)
+            seq,
+        )
     if isinstance(model, GPTConfig):
         return ModelSpec.from_gpt_config(model).with_seq(seq)
     if isinstance(model, (str, Path)):
@@ -143,7 +84,7 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
         if key in NAMED:
             return NAMED[key].with_seq(seq)
         if str(model).endswith(".json") or Path(model).is_file():
-            return from_hf_config(model).with_seq(seq)
+            return from_hf_config(model, seq)
         raise ConfigError(
             f"unknown model {model!r}. Fix: use one of {', '.join(NAMED)}, a Hugging Face "
             f"config.json path, a GPTConfig, a plait GPT or a transformers model."
@@ -155,42 +96,8 @@ def resolve_model(model: Any, seq: int | None = None) -> ModelSpec | list[LayerP
     )
 
 
-def profile_layers(blocks: list[nn.Module], example: torch.Tensor) -> list[LayerProfile]:
-    """Measure each block on ``example`` (one sample's input, e.g. [1, seq, hidden]): forward FLOPs with
-    ``torch.utils.flop_counter``, parameters, bytes autograd saves for backward, output bytes."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    profiles, x = [], example
-    for index, block in enumerate(blocks):
-        saved: list[int] = []
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved.append(tensor.numel() * tensor.element_size())  # noqa: B023 - called within this iteration
-            return tensor
-
-        counter = FlopCounterMode(display=False)
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = block(x)
-        params = sum(p.numel() for p in block.parameters())
-        profiles.append(
-            LayerProfile(
-                f"{index}:{type(block).__name__}",
-                float(counter.get_total_flops()),
-                params,
-                float(sum(saved)),
-                float(out.numel() * out.element_size()),
-            )
-        )
-        x = out.detach()
-    return profiles
-
-
 __all__ = [
-    "LayerProfile",
     "ModelSpec",
     "NAMED",
-    "from_hf_config",
-    "profile_layers",
     "resolve_model",
-    "spec_from_hf_dict",
 ]

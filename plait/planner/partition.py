@@ -11,7 +11,8 @@ where T(i..j) is the time of layers i..j-1 (with ``comm_overlaps=False`` also th
 ends) and C_i the transfer at the cut before layer i (for the first stage, none). A stage is allowed only if
 its memory fits: sum of the layers' static bytes + in_flight[k] x their activation bytes per micro-batch <=
 ``memory_limit``, where in_flight[k] is how many micro-batches stage k holds at once under the schedule
-(1F1B: p - k; GPipe: m), taken from the simulator. O(p n^2) work.
+(1F1B: p - k; GPipe: m), taken from the simulator. O(p n^2) work, done by the planner's one chain DP
+(``inter_op.split_chain``, with max as the combining operation; a link is a stage of its own in the max).
 
 ``auto_partition`` profiles the layers on this device (``profile.py``), runs the program on the result and
 measures each chosen stage forward + backward, so ``Partition.summary()`` shows predicted vs measured times.
@@ -23,12 +24,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 from torch import Tensor, nn
 
 from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.parallel.pipeline.schedule import build_schedule
 from plait.parallel.pipeline.simulate import simulate
+from plait.planner.inter_op import prefix_costs, split_chain
 from plait.planner.profile import LayerChain, LayerProfile, as_chain, measure_stages, profile_layers
 
 logger = get_logger(__name__)
@@ -164,14 +167,21 @@ def partition(
         return m_sum[j] - m_sum[i] + flight[k] * (a_sum[j] - a_sum[i])
 
     limit = math.inf if memory_limit is None else float(memory_limit)
-    bounds = _solve(
-        n,
-        p,
-        lambda k, i, j: stage_time(i, j) if stage_memory(k, i, j) <= limit else math.inf,
-        lambda i: links[i - 1] if comm_overlaps else 0.0,
-    )
-    if bounds is None:
-        raise LayoutError(_infeasible(n, p, limit, stage_memory, unit_names))
+    time_matrix = prefix_costs(times)
+    before = np.array([0.0, *links, 0.0])  # [i]: the transfer at the cut before layer i (none before layer 0)
+    after = np.array([0.0, *links, 0.0])  # [j]: the transfer at the cut after layer j - 1 (none after the last)
+    if comm_overlaps:
+        time_matrix = np.maximum(time_matrix, before[:, None])  # a link is a pipeline stage of its own
+    else:
+        time_matrix = time_matrix + before[:, None] + after[None, :]
+
+    def memory_matrix(k: int) -> np.ndarray:
+        return prefix_costs(memory) + flight[k] * prefix_costs(acts)
+
+    found = split_chain(n, p, (1,), lambda k, _s: np.where(memory_matrix(k) <= limit, time_matrix, math.inf))
+    if found is None:
+        raise LayoutError(_infeasible(n, p, limit, stage_memory, memory_matrix, unit_names))
+    bounds = [0, *(j for _, j, _ in found[1])]
     ranges = list(zip(bounds, bounds[1:]))
     return Partition(
         bounds=tuple(bounds),
@@ -190,29 +200,7 @@ def _prefix(values: list[float]) -> list[float]:
     return sums
 
 
-def _solve(n: int, p: int, stage_cost, link_cost) -> list[int] | None:
-    """The DP of the module doc: bounds [0, ..., n] minimising max(stage costs, link costs); None if every split
-    has an infinite stage. Ties keep the earliest cut (deterministic)."""
-    best = [[math.inf] * (n + 1) for _ in range(p + 1)]
-    choice = [[-1] * (n + 1) for _ in range(p + 1)]
-    best[0][0] = 0.0
-    for k in range(1, p + 1):
-        for j in range(k, n - (p - k) + 1):  # leave at least one layer to each later stage
-            for i in range(k - 1, j):
-                if best[k - 1][i] == math.inf:
-                    continue
-                cost = max(best[k - 1][i], stage_cost(k - 1, i, j), link_cost(i) if i > 0 else 0.0)
-                if cost < best[k][j]:
-                    best[k][j], choice[k][j] = cost, i
-    if best[p][n] == math.inf:
-        return None
-    bounds = [n]
-    for k in range(p, 0, -1):
-        bounds.append(choice[k][bounds[-1]])
-    return bounds[::-1]
-
-
-def _infeasible(n: int, p: int, limit: float, stage_memory, names: Sequence[str]) -> str:
+def _infeasible(n: int, p: int, limit: float, stage_memory, memory_matrix, names: Sequence[str]) -> str:
     """Why no split fits: a layer too big even alone (on the stage holding the fewest micro-batches it can be
     on), or else the smallest limit that works (the split minimising the largest stage's memory)."""
     for i in range(n):
@@ -226,7 +214,9 @@ def _infeasible(n: int, p: int, limit: float, stage_memory, names: Sequence[str]
                 f"to at least {_bytes(alone)}, use fewer micro-batches in flight, recompute activations, or "
                 f"shard that layer (tensor parallel / ZeRO)."
             )
-    fit = _solve(n, p, stage_memory, lambda i: 0.0)
+    found = split_chain(n, p, (1,), lambda k, _s: memory_matrix(k))
+    assert found is not None
+    fit = [0, *(j for _, j, _ in found[1])]
     smallest = max(stage_memory(k, i, j) for k, (i, j) in enumerate(zip(fit, fit[1:])))
     return (
         f"no split of {n} layers into {p} stages keeps every stage within memory_limit={_bytes(limit)}; the "

@@ -11,7 +11,8 @@ processor sharing (idle ranks give their processor to others).
 
 F and B of a stage sum its blocks' ``costs.block_time`` (compute, tensor/context parallel collectives, ZeRO-3's
 parameter gathers where compute cannot hide them) and the embedding / output layer on the first / last stage.
-Layers are cut into pp x v chunks by ``inter_op.balanced_stages``. The makespan comes from
+Layers are cut into pp x v chunks at the layout's ``pipeline_cuts``, or by the inter-op pass (``stage_chunks``:
+``inter_op.rank_balanced_stages`` balances each rank's total over its chunks). The makespan comes from
 ``plait.parallel.pipeline.simulate``: the schedule is simulated for m' = min(m, 2 pp) micro-batches (rounded to
 a multiple of pp) and extended by (m - m') x the slowest rank's work per micro-batch, which is exact for these
 schedules once m' >= pp (their idle time no longer grows with m).
@@ -34,15 +35,18 @@ from plait.parallel.pipeline.simulate import Costs
 from plait.planner.costs import (
     ADAM_BYTES_PER_PARAM,
     IMPLEMENTATIONS,
+    BlockTime,
     Implementation,
     act_bytes,
+    axis_span,
     block_time,
     collective_time,
     head_time,
-    spans_nodes,
+    recompute_mode,
+    recomputed_blocks,
 )
 from plait.planner.hardware import Hardware, get_hardware
-from plait.planner.inter_op import balanced_stages
+from plait.planner.inter_op import rank_balanced_stages
 from plait.planner.memory import MemoryBreakdown, stage_memory
 from plait.planner.models import ModelSpec, resolve_model
 from plait.planner.sharing import shared_makespan
@@ -78,6 +82,9 @@ class Prediction:
     memory: MemoryBreakdown
     memory_limit: float
     stages: list[tuple[int, int]] = field(default_factory=list)
+    layer_costs: tuple[float, ...] = ()
+    """Seconds each block keeps its rank busy per micro-batch (forward, backward, recomputation, tp/cp
+    communication; the embedding on block 0, the output layer on the last): what the inter-op pass balanced."""
 
     @property
     def world_size(self) -> int:
@@ -149,6 +156,16 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
         )
     if layout.zero and layout.dp * layout.cp == 1:
         raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
+    if layout.pipeline_cuts and layout.pipeline_cuts[-1] >= spec.layers:
+        raise LayoutError(
+            f"pipeline_cuts={list(layout.pipeline_cuts)} cut past the last of {spec.name}'s {spec.layers} blocks. "
+            f"Fix: cuts between 1 and {spec.layers - 1}, or none for the planner's split."
+        )
+    if isinstance(layout.recompute, tuple) and layout.recompute and max(layout.recompute) >= spec.layers:
+        raise LayoutError(
+            f"recompute={list(layout.recompute)} names block {max(layout.recompute)}, but {spec.name} has "
+            f"{spec.layers} blocks. Fix: block indices below {spec.layers}."
+        )
     return layout.check_batch(global_batch)
 
 
@@ -189,24 +206,37 @@ def _pipeline(
 
 
 @lru_cache(maxsize=4096)
-def _stages(layers: int, chunks: int, first_extra: float, last_extra: float) -> list[tuple[int, int]]:
-    """``balanced_stages`` of equal blocks (cost 1) whose first and last carry the embedding and the head (costs
-    in block units, rounded by the caller so that the search's many layouts share one partition)."""
-    costs = [1.0] * layers
-    costs[0] += first_extra
-    costs[-1] += last_extra
-    return balanced_stages(costs, chunks)
+def _balanced(costs: tuple[float, ...], p: int, v: int) -> tuple[tuple[int, int], ...]:
+    """``rank_balanced_stages`` of rounded block costs (rounded by the caller, so that the search's many layouts
+    share one partition)."""
+    return tuple(rank_balanced_stages(costs, p, v))
+
+
+def stage_chunks(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float) -> list[tuple[int, int]]:
+    """Blocks [start, end) of each of the pp x v chunks: the layout's ``pipeline_cuts`` when it has them, else the
+    inter-op pass (``inter_op.rank_balanced_stages``: each rank's total of forward, backward, recomputation and
+    tensor/context parallel communication, the embedding on the first chunk and the output layer on the last,
+    balanced across ranks)."""
+    chunks = layout.pp * layout.virtual_stages
+    if chunks == 1:
+        return [(0, spec.layers)]
+    if layout.pipeline_cuts:
+        bounds = [0, *layout.pipeline_cuts, spec.layers]
+        return list(zip(bounds, bounds[1:]))
+    unit = blk.forward + blk.backward + blk.forward_comm + blk.backward_comm or 1.0
+    costs = _layer_costs(spec, layout, blk, embed, head)
+    rounded = {c: round(c / unit, 2) for c in set(costs)}  # few distinct values: the blocks are equal but the ends
+    return list(_balanced(tuple(rounded[c] for c in costs), layout.pp, layout.virtual_stages))
 
 
 def pipeline_closed_form(
-    schedule: str, p: int, m: int, v: int, forward: float, backward: float, p2p: float
+    schedule: str, p: int, m: int, v: int, rank_f: float, rank_b: float, p2p: float
 ) -> tuple[float, float, int]:
-    """(makespan, busy, peak in-flight chunk-micro-batches) of equal stages with chunk times ``forward`` and
-    ``backward``: 1F1B and GPipe (m + p - 1)(F + B) (Narayanan et al. 2021, sec. 2.2), interleaved
-    m (F + B) + (p - 1)(F + B) / v with per-rank F, B (their sec. 2.2.2), ZB-H1 m (F + B) + (p - 1) F when
+    """(makespan, busy, peak in-flight chunk-micro-batches) of a pipeline whose slowest rank spends ``rank_f`` and
+    ``rank_b`` per micro-batch (over its v chunks): 1F1B and GPipe (m + p - 1)(F + B) (Narayanan et al. 2021,
+    sec. 2.2), interleaved m (F + B) + (p - 1)(F + B) / v (their sec. 2.2.2), ZB-H1 m (F + B) + (p - 1) F when
     I = W = B / 2 (Qi et al. 2023); plus 2 (p - 1) p2p transfers on the critical path. Used by the search;
     ``predict(exact=True)`` runs the simulator instead (tests hold them to each other)."""
-    rank_f, rank_b = forward * v, backward * v
     busy = m * (rank_f + rank_b)
     if p == 1:
         return busy, busy, 1
@@ -238,7 +268,7 @@ def predict(
 ) -> Prediction:
     """Predict ``layout`` for ``model`` (name, config.json, GPTConfig, GPT or ModelSpec) on ``hardware``.
     ``global_batch`` is in samples (default: dp x microbatches, one sample per micro-batch). ``exact=False``
-    times the pipeline with closed forms on the slowest chunk instead of the simulator (the search's fast pass)."""
+    times the pipeline with closed forms on the slowest rank instead of the simulator (the search's fast pass)."""
     spec = resolve_model(model, seq)
     if not isinstance(spec, ModelSpec):
         raise LayoutError(
@@ -257,21 +287,20 @@ def predict(
 
     blk = block_time(spec, hw, impl, layout, b, s)
     head_f, head_b, head_flops, embed_f = head_time(spec, hw, impl, layout, b, s)
-    block_cost = blk.forward + blk.backward + blk.recompute + blk.forward_comm + blk.backward_comm + blk.recompute_comm
-    unit_cost = block_cost or 1.0
-    chunks = _stages(spec.layers, p * v, round(embed_f / unit_cost, 4), round((head_f + head_b) / unit_cost, 4))
+    chunks = stage_chunks(spec, layout, blk, embed_f, head_f + head_b)
 
-    fwd, bwd, compute = [], [], []
+    fwd, bwd, compute, recomputed = [], [], [], []
     for start, end in chunks:
-        n = end - start
+        n, n_rec = end - start, recomputed_blocks(layout, start, end)
         f = n * (blk.forward + blk.forward_comm) + (embed_f if start == 0 else 0.0)
-        bw = n * (blk.backward + blk.backward_comm + blk.recompute + blk.recompute_comm)
+        bw = n * (blk.backward + blk.backward_comm) + n_rec * (blk.recompute + blk.recompute_comm)
         if end == spec.layers:
             f, bw = f + head_f, bw + head_b
         fwd.append(f)
         bwd.append(bw)
+        recomputed.append(n_rec)
         compute.append(
-            n * (blk.forward + blk.backward + blk.recompute) + (head_f + head_b if end == spec.layers else 0)
+            n * (blk.forward + blk.backward) + n_rec * blk.recompute + (head_f + head_b if end == spec.layers else 0)
         )
     stage_params = []
     for r in range(p):
@@ -282,36 +311,39 @@ def predict(
 
     # ZeRO-3: each micro-batch gathers this rank's parameters forward and backward and reduce-scatters gradients
     zero3 = 0.0
-    dp_inter = spans_nodes(layout, "dp_cp", hw.devices_per_node)
+    dp_span = axis_span(layout, "dp_cp")
     psi_max = max(params for _, params in stage_params) / t
     if layout.zero == 3:
-        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
+        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency)
+        # a block recomputed under ZeRO-3 is gathered for the recomputation; one too big to be kept until its backward
+        # (``Implementation.zero3_reuse_limit``) is gathered once more
+        regather = (
+            gather if recompute_mode(layout) == "full" and spec.block_parameters / t > impl.zero3_reuse_limit else 0.0
+        )
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
         scatter = (
-            collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_inter, impl.comm_efficiency)
+            collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_span, impl.comm_efficiency)
             if p == 1
             else 0.0
         )
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
-        zero3 = max(0.0, gather - hide_f) + max(0.0, gather + scatter - hide_b)
+        zero3 = max(0.0, gather - hide_f) + max(0.0, gather + regather + scatter - hide_b)
         fwd = [f * (1 + max(0.0, gather - hide_f) / rank_f) for f in fwd]
-        bwd = [x * (1 + max(0.0, gather + scatter - hide_b) / rank_b) for x in bwd]
+        bwd = [x * (1 + max(0.0, gather + regather + scatter - hide_b) / rank_b) for x in bwd]
 
     message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
-    p2p = (
-        collective_time(
-            hw, "send_recv", message, 2, spans_nodes(layout, "pp", hw.devices_per_node), impl.comm_efficiency
-        )
-        if p > 1
-        else 0.0
-    )
+    p2p = collective_time(hw, "send_recv", message, 2, axis_span(layout, "pp"), impl.comm_efficiency) if p > 1 else 0.0
+    if p > 1 and not impl.overlap_p2p:  # blocking p2p: a chunk also waits for its output's transfer
+        fwd = [f + (p2p if c < p * v - 1 else 0.0) for c, f in enumerate(fwd)]
+        bwd = [x + (p2p if c > 0 else 0.0) for c, x in enumerate(bwd)]
     unit = max(fwd) or 1.0
     schedule = layout.schedule if p > 1 else "1f1b"
     split = hw.split_backward if schedule == "zero-bubble" else 1.0
     shared = hw.compute_units if hw.compute_units and layout.world_size > hw.compute_units else 0.0
+    slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
     if exact:
         makespan, busy, in_flight = _pipeline(
             schedule,
@@ -327,39 +359,31 @@ def predict(
         )
         makespan, busy = makespan * unit, busy * unit
     else:
-        slowest = max(range(p * v), key=lambda c: fwd[c] + bwd[c])
-        makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, fwd[slowest], bwd[slowest] * split, p2p)
-    slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
-    rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in range(slow, p * v, p))
-    tp_time = (
-        m
-        * rank_blocks
-        * 4
-        * collective_time(
-            hw,
-            "all_reduce",
-            b * (s // layout.cp) * spec.hidden * e,
-            t,
-            spans_nodes(layout, "tp", hw.devices_per_node),
-            impl.comm_efficiency,
-        )
-        * ((6 / 4) if layout.recompute == "full" else 1)
+        rank_fwd = sum(fwd[c] for c in range(slow, p * v, p))
+        rank_bwd = sum(bwd[c] for c in range(slow, p * v, p))
+        makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, rank_fwd, rank_bwd * split, p2p)
+    slow_chunks = range(slow, p * v, p)
+    rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in slow_chunks)
+    full_recomputed = sum(recomputed[c] for c in slow_chunks) if recompute_mode(layout) in ("full", "blocks") else 0
+    tp_one = collective_time(
+        hw, "all_reduce", b * (s // layout.cp) * spec.hidden * e, t, axis_span(layout, "tp"), impl.comm_efficiency
     )
+    tp_time = m * (4 * rank_blocks + 2 * full_recomputed) * tp_one
 
     # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
     grads = psi_max * impl.grad_bytes
     dp_time = 0.0
     if n_shard > 1 and layout.zero == 3 and p > 1:
-        dp_time = collective_time(hw, "reduce_scatter", grads, n_shard, dp_inter, impl.comm_efficiency)
+        dp_time = collective_time(hw, "reduce_scatter", grads, n_shard, dp_span, impl.comm_efficiency)
     if n_shard > 1 and layout.zero < 3:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(hw, op, grads, n_shard, dp_inter, impl.comm_efficiency)
+        reduce = collective_time(hw, op, grads, n_shard, dp_span, impl.comm_efficiency)
         if impl.overlap_dp:
-            window = bwd[slow]
+            window = sum(bwd[c] for c in slow_chunks)
             tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
             reduce = max(reduce - window, tail)
         gather = (
-            collective_time(hw, "all_gather", psi_max * e, n_shard, dp_inter, impl.comm_efficiency)
+            collective_time(hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency)
             if layout.zero
             else 0.0
         )
@@ -372,13 +396,14 @@ def predict(
         if layout.offload == "nvme":
             offload += owned * 2 * 16 / hw.nvme_bandwidth  # read and write the fp32 states
     step = makespan + dp_time + optimizer + offload
+    rank_comm = m * sum(
+        (chunks[c][1] - chunks[c][0]) * (blk.forward_comm + blk.backward_comm) + recomputed[c] * blk.recompute_comm
+        for c in slow_chunks
+    )
     time = {
         "compute": 0.0,
         "tp_comm": tp_time if t > 1 else 0.0,
-        "cp_comm": max(
-            0.0,
-            m * rank_blocks * (blk.forward_comm + blk.backward_comm + blk.recompute_comm) - (tp_time if t > 1 else 0.0),
-        ),
+        "cp_comm": max(0.0, rank_comm - (tp_time if t > 1 else 0.0)),
         "zero3_comm": m * zero3,
         "pp_bubble": max(0.0, makespan - busy),
         "dp_comm": dp_time,
@@ -392,19 +417,24 @@ def predict(
     # the collectives (their calibrated times already include the sharing: measured with that many ranks)
     if hw.compute_units and layout.world_size > hw.compute_units:
         comm = time["tp_comm"] + time["cp_comm"] + time["zero3_comm"] + dp_time
-        shared = layout.world_size / hw.compute_units * (time["compute"] + optimizer) + comm
-        time["shared_processors"] = max(0.0, shared - step)
+        shared_bound = layout.world_size / hw.compute_units * (time["compute"] + optimizer) + comm
+        time["shared_processors"] = max(0.0, shared_bound - step)
         step += time["shared_processors"]
 
     model_flops = global_batch * s * spec.flops_per_token(s)
     hardware_flops = model_flops + global_batch * s * spec.recompute_flops_per_token(layout.recompute, s)
 
     worst: MemoryBreakdown | None = None
-    for r, (blocks, params) in enumerate(stage_params):
+    last = (p * v - 1) % p
+    # every rank holds ``held`` micro-batches at the peak here, so the fullest is one of: the most blocks, the most
+    # parameters, or the last (fp32 logits)
+    fullest = {last, max(range(p), key=lambda r: stage_params[r]), max(range(p), key=lambda r: stage_params[r][1])}
+    for r in sorted(fullest):
+        blocks, params = stage_params[r]
         held = in_flight if p > 1 else 1
         if p > 1 and layout.schedule in ("gpipe", "naive"):
             held = m * v if layout.schedule == "gpipe" else 1
-        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == (p * v - 1) % p, spec.block_parameters)
+        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == last, spec.block_parameters)
         if worst is None or mem.device > worst.device:
             worst = mem
     assert worst is not None
@@ -423,7 +453,22 @@ def predict(
         worst,
         hw.memory_bytes,
         chunks,
+        tuple(_layer_costs(spec, layout, blk, embed_f, head_f + head_b)),
     )
+
+
+def _layer_costs(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float) -> list[float]:
+    """``Prediction.layer_costs`` (see there)."""
+    base = blk.forward + blk.backward + blk.forward_comm + blk.backward_comm
+    extra = blk.recompute + blk.recompute_comm
+    if isinstance(layout.recompute, tuple):
+        listed = set(layout.recompute)
+        costs = [base + (extra if i in listed else 0.0) for i in range(spec.layers)]
+    else:
+        costs = [base + (extra if layout.recompute != "none" else 0.0)] * spec.layers
+    costs[0] += embed
+    costs[-1] += head
+    return costs
 
 
 def fmt_bytes(n: float) -> str:

@@ -3,10 +3,12 @@
 ``profile_layers`` runs each layer on the activation the previous one produced and records, per layer:
 the median forward and backward time over ``repeats`` runs after ``warmup`` runs (``time.perf_counter``
 around each pass, with ``torch.cuda.synchronize`` on CUDA so that asynchronous kernels are counted), the
-parameter bytes, the activation bytes autograd keeps for the backward (every tensor saved during the
+forward FLOPs (``torch.utils.flop_counter``: the matmuls and convolutions torch counts), the parameters
+(elements and bytes), the activation bytes autograd keeps for the backward (every tensor saved during the
 forward, counted once per storage through ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded
 — what one in-flight micro-batch costs the stage), and the output bytes (what crosses a stage boundary
-forward, and its gradient backward).
+forward, and its gradient backward). It is the one layer profile of plait: the pipeline partitioner
+(``partition.py``) cuts by its times, and the planner accepts a list of them as a model (``resolve_model``).
 
 ``measure_stages`` runs each stage's layers forward and backward as one chain, so predicted per-stage times
 (the sums of per-layer times) can be compared with measured ones (``measure_splits``: several splits timed
@@ -43,6 +45,10 @@ class LayerProfile:
     param_bytes: int
     activation_bytes: int
     output_bytes: int
+    flops: float = 0.0
+    """Forward FLOPs for the profiled micro-batch (``torch.utils.flop_counter``)."""
+    parameters: int = 0
+    """Parameter elements of the layer."""
 
     @property
     def time_s(self) -> float:
@@ -186,6 +192,16 @@ def saved_activation_bytes(module: nn.Module, value: Tensor) -> tuple[int, Tenso
     return saved.bytes, output
 
 
+def forward_flops(module: nn.Module, value: Tensor) -> float:
+    """FLOPs of one forward of ``module`` on ``value`` as ``torch.utils.flop_counter`` counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        module(_leaf(value))
+    return float(counter.get_total_flops())
+
+
 def _time_once(modules: Sequence[nn.Module], value: Tensor, name: str) -> tuple[float, float]:
     """Seconds of one forward and one backward of ``modules`` run in sequence on ``value``."""
     device = _device_of(value)
@@ -245,7 +261,14 @@ def profile_layers(
         output = values[i + 1]
         profiles.append(
             LayerProfile(
-                name, times[i][0], times[i][1], param_bytes, activation, output.numel() * output.element_size()
+                name,
+                times[i][0],
+                times[i][1],
+                param_bytes,
+                activation,
+                output.numel() * output.element_size(),
+                flops=forward_flops(module, values[i]),
+                parameters=sum(p.numel() for p in module.parameters()),
             )
         )
     return profiles
@@ -289,6 +312,7 @@ __all__ = [
     "LayerChain",
     "LayerProfile",
     "as_chain",
+    "forward_flops",
     "gpt_layers",
     "measure_splits",
     "measure_stages",

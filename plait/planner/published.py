@@ -1,112 +1,502 @@
-"""Published measurements the cost model is checked against (tests/test_planner_validation.py, docs/planner.md).
+"""Published training runs the cost model is checked against (``plait.planner.accuracy``, docs/planner.md).
 
-MEGATRON_2021: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (SC21, arXiv:2104.04473), Table 1 (weak scaling, GPT models, vocabulary 51,200, sequence 2048,
-A100 80GB SXM in DGX A100 nodes with 8 x 200 Gb/s HDR InfiniBand, mixed precision, full activation
-recomputation): parameters (billions), attention heads, hidden size, layers, tensor-parallel size,
-pipeline-parallel size, GPUs, global batch, achieved TFLOP/s per GPU (their FLOP count includes
-recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)).
+Each ``PublishedRun`` is one row of a published table: the model, the layout and system that ran, and what was
+measured. Nothing here is fitted; where a table leaves a setting out, the row's ``note`` says what is assumed. The
+sources (``SOURCES``) are of two roles:
 
-How each row is predicted, the same for every row (a description of that system, not a fit): micro-batch 1,
-the 1F1B (PipeDream-flush) schedule, data parallel = GPUs / (tp x pp), gradients reduced after the backward
-pass without overlap, fp16 gradients, pipeline scatter/gather on, attention without flash attention
-(``IMPLEMENTATIONS["megatron-2021"]``). The single fitted number is ``costs.COMPUTE_EFFICIENCY``:
-``fit_compute_efficiency()`` finds the value at which the median ratio measured / predicted is 1.
+- "fit": the GPU generation's compute efficiency (``hardware.GENERATION_EFFICIENCY``) is fitted on these rows
+  (Ampere: Megatron-LM 2021 Table 1; Hopper: MosaicML's H100 BF16 table); their errors are in-sample, and
+  leave-one-out errors are reported next to them.
+- "test": never used for fitting. Out-of-sample papers (Korthikanti 2022, MT-NLG, BLOOM, Llama 3) and
+  out-of-table rows of the fitting sources (Megatron-LM 2021 Table 2; MosaicML's A100 table, which fits nothing
+  on Ampere) are predicted with the fitted value of their generation.
 
-ZERO_FIGURE_1: Rajbhandari et al. 2020, Figure 1: a 7.5B-parameter model on 64 data-parallel ranks, mixed
-precision Adam (K = 12): 120 GB per rank without ZeRO, 31.4 GB with P_os, 16.6 GB with P_os+g, 1.9 GB with
-P_os+g+p.
+ZERO_FIGURE_1 (Rajbhandari et al. 2020, Figure 1: a 7.5B-parameter model on 64 data-parallel ranks, mixed precision
+Adam, K = 12: 120 / 31.4 / 16.6 / 1.9 GB per rank for ZeRO stages 0-3) checks the memory formulas.
 """
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
-from plait.layout import Layout
-from plait.planner.costs import IMPLEMENTATIONS, Implementation
-from plait.planner.models import ModelSpec
-from plait.planner.predict import Prediction, predict
+from plait.layout import RECOMPUTE_MODES, Layout
+from plait.planner.hardware import CATALOGUE, GB, Hardware, NetworkLevel
+from plait.planner.models import NAMED, ModelSpec
 
 
 @dataclass(frozen=True)
-class PublishedRow:
-    billions: float
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    batch: int
-    tflops_per_gpu: float
+class Source:
+    """Where a table comes from: ``citation`` (authors, title, venue), ``table``, ``where`` (the copy the numbers
+    were read from), the GPU ``generation`` and the ``role`` ("fit" or "test", module docstring)."""
+
+    citation: str
+    table: str
+    where: str
+    generation: str
+    role: str
+    paper: str
+    """Short name of the paper or report (for counting independent sources)."""
+
+
+SOURCES: dict[str, Source] = {
+    "megatron-2021-t1": Source(
+        "Narayanan, Shoeybi, Casper, LeGresley, Patwary, Korthikanti, et al., Efficient Large-Scale Language Model "
+        "Training on GPU Clusters Using Megatron-LM, SC21, arXiv:2104.04473",
+        "Table 1 (weak scaling, achieved TFLOP/s per GPU)",
+        "the paper",
+        "ampere",
+        "fit",
+        "Megatron-LM 2021",
+    ),
+    "megatron-2021-t2": Source(
+        "Narayanan et al. 2021 (as above)",
+        "Table 2 (PTD-P vs ZeRO-3 without model parallelism, 175B and 530B GPT, TFLOP/s per GPU)",
+        "the paper; TFLOP/s and settings as transcribed in cli99/llm-analysis examples/megatron-lm/run_train.sh and "
+        "run_train_zero.sh (commit b60b392)",
+        "ampere",
+        "test",
+        "Megatron-LM 2021",
+    ),
+    "korthikanti-2022-t5": Source(
+        "Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, Reducing Activation Recomputation in Large "
+        "Transformer Models, MLSys 2023, arXiv:2205.05198",
+        "Table 5 (end-to-end iteration time, full recomputation vs sequence parallel + selective recomputation)",
+        "iteration times and configurations as transcribed in calculon-ai/calculon calculon/llm/validation.py "
+        "(seqsel_tab5) and validation/*_{full,seqsel}.json (commit 0efb74e); MFU of the selective runs in the "
+        "NVIDIA/Megatron-LM README (41.5 / 51.4 / 56.0 / 56.3 %)",
+        "ampere",
+        "test",
+        "Korthikanti 2022",
+    ),
+    "mt-nlg-2022": Source(
+        "Smith, Patwary, Norick, LeGresley, Rajbhandari, Casper, et al., Using DeepSpeed and Megatron to Train "
+        "Megatron-Turing NLG 530B, arXiv:2201.11990",
+        "Section 2.4 (system throughput: batch 1920 on 280 / 350 / 420 DGX A100 nodes, 60.1 / 50.2 / 44.4 s per "
+        "iteration, 126 / 121 / 113 TFLOP/s per GPU)",
+        "the paper, as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md",
+        "ampere",
+        "test",
+        "MT-NLG 2022",
+    ),
+    "bloom-2022": Source(
+        "BigScience Workshop, BLOOM: A 176B-Parameter Open-Access Multilingual Language Model, arXiv:2211.05100; "
+        "training log of tr11-176B-ml",
+        "the training log line at iteration 85376 (global batch 2048, 104.70 s per iteration, TFLOPs: 149.77, "
+        "hardware FLOPs with the recomputation)",
+        "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 00327f8): hardware (384 A100 80GB, 8 "
+        "per node, 4 Omni-Path links per node), TP=4 PP=12 DP=8 MBS=2, the stage partition, ZeRO-1, bf16, "
+        "activation checkpointing",
+        "ampere",
+        "test",
+        "BLOOM 2022",
+    ),
+    "llama3-2024-t4": Source(
+        "Llama Team, AI @ Meta, The Llama 3 Herd of Models, arXiv:2407.21783",
+        "Table 4 (scaling configurations and BF16 MFU of Llama 3 405B pre-training)",
+        "the paper (Table 4 and sec. 3.3: H100 80GB at 700 W, 400 Gb/s RoCE per GPU, interleaved pipeline, no "
+        "activation checkpointing at 8K tokens, FSDP gradients reduce-scattered in fp32)",
+        "hopper",
+        "test",
+        "Llama 3 2024",
+    ),
+    "mosaicml-h100": Source(
+        "MosaicML, llm-foundry MPT training benchmarks",
+        "'H100 80GB BF16' table, the rows on one node of 8 GPUs (MFU): the compute efficiency is fitted where the "
+        "network matters least",
+        "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7); model shapes from "
+        "scripts/train/yamls/pretrain/mpt-*.yaml (vocabulary 50368, learned positions, biases: the NumParams "
+        "column matches them exactly)",
+        "hopper",
+        "fit",
+        "MosaicML llm-foundry",
+    ),
+    "mosaicml-h100-nodes": Source(
+        "MosaicML, llm-foundry MPT training benchmarks",
+        "'H100 80GB BF16' table, the rows on more than one node of 8 (MFU)",
+        "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7)",
+        "hopper",
+        "test",
+        "MosaicML llm-foundry",
+    ),
+    "mosaicml-a100": Source(
+        "MosaicML, llm-foundry MPT training benchmarks",
+        "'A100 80GB with 1600 Gbps node-node interconnect (RoCE)' table (MFU)",
+        "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7)",
+        "ampere",
+        "test",
+        "MosaicML llm-foundry",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measurement (module docstring). ``metric``: "hardware_tflops" (achieved TFLOP/s per GPU
+    counting recomputation, as Megatron-LM reports), "mfu" (model FLOPs utilization, 0-1) or "step_time"
+    (seconds per iteration)."""
+
+    source: str
+    label: str
+    spec: ModelSpec
+    layout_fields: tuple[tuple[str, Any], ...]
+    gpu: str | Hardware
+    global_batch: int
+    implementation: str
+    metric: str
+    value: float
+    note: str = ""
 
     @property
-    def spec(self) -> ModelSpec:
-        return ModelSpec(
-            f"gpt-{self.billions:g}b",
-            self.layers,
-            self.hidden,
-            self.heads,
-            4 * self.hidden,
-            51200,
-            2048,
-            learned_positions=True,
-            bias=True,
-        )
+    def generation(self) -> str:
+        return SOURCES[self.source].generation
+
+    @property
+    def role(self) -> str:
+        return SOURCES[self.source].role
+
+    @property
+    def pending(self) -> str:
+        """Why this row cannot be predicted yet ("" when it can)."""
+        recompute = dict(self.layout_fields).get("recompute", "none")
+        if isinstance(recompute, str) and recompute not in RECOMPUTE_MODES:
+            return f"needs Layout(recompute={recompute!r}), which this plait does not have yet"
+        return ""
 
     @property
     def layout(self) -> Layout:
-        dp = self.gpus // (self.tp * self.pp)
-        return Layout(
-            dp=dp,
-            tp=self.tp,
-            pp=self.pp,
-            microbatches=self.batch // dp,
-            schedule="1f1b",
-            recompute="full",
-            precision="fp16",
-        )
+        return Layout(**dict(self.layout_fields))
 
 
-MEGATRON_2021: tuple[PublishedRow, ...] = (
-    PublishedRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    PublishedRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    PublishedRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    PublishedRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    PublishedRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    PublishedRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    PublishedRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    PublishedRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    PublishedRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    PublishedRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+def _fields(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(kwargs.items())
+
+
+def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
+    """A Megatron-LM GPT (learned positions, biases, tied embeddings, MLP 4h)."""
+    return ModelSpec(
+        name, layers, hidden, heads, 4 * hidden, vocab, seq, tied_embeddings=True, learned_positions=True, bias=True
+    )
+
+
+# ------------------------------------------------------------------------------------ Megatron-LM 2021, Table 1
+MEGATRON_T1_ROWS = (  # billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
+
+
+def _megatron_t1() -> list[PublishedRun]:
+    runs = []
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_T1_ROWS:
+        dp = gpus // (tp * pp)
+        layout = _fields(
+            dp=dp, tp=tp, pp=pp, microbatches=batch // dp, schedule="1f1b", recompute="full", precision="fp16"
+        )
+        runs.append(
+            PublishedRun(
+                "megatron-2021-t1",
+                f"{billions:g}B, {gpus} GPUs",
+                gpt(f"gpt-{billions:g}b", layers, hidden, heads),
+                layout,
+                "a100-80gb",
+                batch,
+                "megatron-2021",
+                "hardware_tflops",
+                tflops,
+                "micro-batch 1 and 1F1B assumed (not in the table)",
+            )
+        )
+    return runs
+
+
+# ------------------------------------------------------------------------------------ Megatron-LM 2021, Table 2
+GPT_175B = gpt("gpt3-175b", 96, 12288, 96)
+GPT_530B = gpt("gpt-530b", 105, 20480, 128)
+
+
+def _megatron_t2() -> list[PublishedRun]:
+    runs = []
+    for spec, tp, pp, batch, rows in (
+        (GPT_175B, 8, 12, 1536, ((384, 153), (768, 149), (1536, 141))),
+        (GPT_530B, 8, 35, 2240, ((560, 171), (1120, 167), (2240, 159))),
+    ):
+        for gpus, tflops in rows:
+            dp = gpus // (tp * pp)
+            layout = _fields(
+                dp=dp, tp=tp, pp=pp, microbatches=batch // dp, schedule="1f1b", recompute="full", precision="fp16"
+            )
+            runs.append(
+                PublishedRun(
+                    "megatron-2021-t2",
+                    f"PTD-P {spec.name}, {gpus} GPUs",
+                    spec,
+                    layout,
+                    "a100-80gb",
+                    batch,
+                    "megatron-2021",
+                    "hardware_tflops",
+                    tflops,
+                    "micro-batch 1, 1F1B",
+                )
+            )
+    for spec, zero3_rows in (
+        (GPT_175B, ((384, 1536, 144), (768, 1536, 88), (1536, 1536, 44))),
+        (GPT_530B, ((640, 2560, 138), (1120, 2240, 98), (2240, 2240, 48))),
+    ):
+        for gpus, batch, tflops in zero3_rows:
+            layout = _fields(dp=gpus, zero=3, microbatches=1, recompute="full", precision="fp16")
+            runs.append(
+                PublishedRun(
+                    "megatron-2021-t2",
+                    f"ZeRO-3 {spec.name}, {gpus} GPUs",
+                    spec,
+                    layout,
+                    "a100-80gb",
+                    batch,
+                    "deepspeed-zero3",
+                    "hardware_tflops",
+                    tflops,
+                    f"micro-batch {batch // gpus} (the batch over the GPUs), no gradient accumulation",
+                )
+            )
+    return runs
+
+
+# ------------------------------------------------------------------------------------ Korthikanti et al. 2022
+def _korthikanti() -> list[PublishedRun]:
+    runs = []
+    models = (  # spec, tp, pp, interleave, batch, micro-batch, full-recompute seconds, selective + SP seconds
+        (gpt("gpt-22b", 48, 6144, 64), 8, 1, 1, 4, 4, 1.42, 1.10),
+        (GPT_175B, 8, 8, 3, 64, 1, 18.13, 13.75),
+        (GPT_530B, 8, 35, 3, 280, 1, 49.05, 37.83),
+        (gpt("gpt-1t", 128, 25600, 160), 8, 64, 1, 512, 1, 94.42, 71.49),
+    )
+    for spec, tp, pp, v, batch, mbs, full, selective in models:
+        schedule = "interleaved" if v > 1 else "1f1b"
+        common = dict(dp=1, tp=tp, pp=pp, microbatches=batch // mbs, schedule=schedule, virtual_stages=v)
+        for mode, seconds in (("full", full), ("selective", selective)):
+            sp = mode == "selective"
+            runs.append(
+                PublishedRun(
+                    "korthikanti-2022-t5",
+                    f"{spec.name} {'SP + selective' if sp else 'full recompute'}",
+                    spec,
+                    _fields(**common, recompute=mode, sequence_parallel=sp, precision="fp16"),
+                    "a100-80gb",
+                    batch,
+                    "megatron-2021",
+                    "step_time",
+                    seconds,
+                    f"{pp} stages x {v} chunks, micro-batch {mbs} (calculon's transcription)",
+                )
+            )
+    return runs
+
+
+# ------------------------------------------------------------------------------------ MT-NLG, BLOOM
+def _mt_nlg() -> list[PublishedRun]:
+    runs = []
+    for nodes, tflops in ((280, 126), (350, 121), (420, 113)):
+        dp = nodes * 8 // (8 * 35)
+        runs.append(
+            PublishedRun(
+                "mt-nlg-2022",
+                f"530B, {nodes * 8} GPUs",
+                GPT_530B,
+                _fields(dp=dp, tp=8, pp=35, microbatches=1920 // dp, recompute="full", precision="bf16"),
+                "a100-80gb",
+                1920,
+                "megatron-deepspeed",
+                "hardware_tflops",
+                tflops,
+                "micro-batch 1, activation checkpointing, vocabulary padded to 51200 assumed",
+            )
+        )
+    return runs
+
+
+JEAN_ZAY = dataclasses.replace(
+    CATALOGUE["a100-80gb"],
+    name="jean-zay-a100",
+    levels=(
+        NetworkLevel("nvlink", 8, 300 * GB, 5e-6),
+        NetworkLevel("omni-path", 0, 4 * 100 / 8 / 8 * GB, 1e-5),  # 4 x 100 Gb/s links per node of 8 GPUs
+    ),
+    source="IDRIS Jean Zay A100 80GB nodes (bigscience tr11-176B-ml README): 8 GPUs on NVLink, 4 Omni-Path links",
+)
+BLOOM_176B = ModelSpec("bloom-176b", 70, 14336, 112, 4 * 14336, 250880, 2048, tied_embeddings=True, bias=True)
+
+
+def _bloom() -> list[PublishedRun]:
+    cuts = (5, *range(11, 66, 6))  # pp rank 0: embedding + 5 blocks, ranks 1-10: 6 blocks, rank 11: 5 blocks
+    return [
+        PublishedRun(
+            "bloom-2022",
+            "176B, 384 GPUs",
+            BLOOM_176B,
+            _fields(
+                dp=8,
+                tp=4,
+                pp=12,
+                zero=1,
+                microbatches=2048 // (8 * 2),
+                recompute="full",
+                precision="bf16",
+                pipeline_cuts=cuts,
+            ),
+            JEAN_ZAY,
+            2048,
+            "megatron-deepspeed",
+            "hardware_tflops",
+            149.77,
+            "the published stage partition (5, 6 x 10, 5 blocks); bf16 gradients reduced",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------ Llama 3
+def _llama3() -> list[PublishedRun]:
+    runs = []
+    for gpus, cp, dp, seq, per_dp, mfu in (
+        (8192, 1, 64, 8192, 32, 0.43),
+        (16384, 1, 128, 8192, 16, 0.41),
+        (16384, 16, 8, 131072, 16, 0.38),
+    ):
+        runs.append(
+            PublishedRun(
+                "llama3-2024-t4",
+                f"405B, {gpus} GPUs, cp{cp}, seq {seq}",
+                NAMED["llama3-405b"].with_seq(seq),
+                _fields(
+                    dp=dp,
+                    tp=8,
+                    pp=16,
+                    cp=cp,
+                    zero=1,
+                    microbatches=per_dp,
+                    schedule="interleaved",
+                    virtual_stages=4,
+                    sequence_parallel=True,
+                    precision="bf16",
+                ),
+                "h100",
+                dp * per_dp,
+                "llama3",
+                "mfu",
+                mfu,
+                "micro-batch 1; the interleaving depth is not in the table (the text implies one layer per virtual "
+                "stage; plait's chunks hold at least one block, so 4 chunks per rank stand in); FSDP as ZeRO-1 "
+                "(parameters kept through the step); model FLOPs count full (not causal) attention",
+            )
+        )
+    return runs
+
+
+# ------------------------------------------------------------------------------------ MosaicML llm-foundry
+MPT = {  # layers, d_model, heads (d_model / 128)
+    "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20),
+    "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40),
+    "30b": (48, 7168, 56),
+    "70b": (80, 8192, 64),
+}
+MOSAIC_H100 = (  # size, seq, GPUs, MFU %, micro-batch, accumulation, activation checkpointing, PURE bf16
+    ("70b", 2048, 64, 42.57, 8, 4, True, False),
+    ("70b", 2048, 32, 36.15, 2, 16, True, False),
+    ("30b", 2048, 32, 43.92, 14, 3, True, False),
+    ("30b", 2048, 16, 43.07, 10, 3, True, False),
+    ("30b", 2048, 8, 38.11, 3, 21, True, False),
+    ("30b", 4096, 8, 35.86, 1, 21, True, False),
+    ("13b", 4096, 8, 41.6, 10, 3, True, False),
+    ("13b", 2048, 64, 39.86, 2, 1, False, False),
+    ("13b", 2048, 8, 39.79, 2, 1, False, False),
+    ("7b", 8192, 8, 37.14, 8, 2, True, False),
+    ("7b", 4096, 8, 40.42, 16, 2, True, False),
+    ("7b", 2048, 8, 46.44, 6, 1, False, False),
+    ("3b", 4096, 8, 42.31, 5, 6, False, False),
+    ("3b", 2048, 64, 40.8, 6, 3, False, False),
+    ("1b", 4096, 8, 40.26, 7, 4, False, False),
+    ("1b", 2048, 64, 40.85, 20, 1, False, False),
+)
+MOSAIC_A100 = (
+    ("70b", 2048, 64, 53.33, 8, 4, True, True),
+    ("30b", 2048, 8, 55.3, 3, 21, True, False),
+    ("30b", 4096, 8, 51.37, 1, 21, True, False),
+    ("13b", 4096, 8, 57.62, 10, 3, True, False),
+    ("13b", 2048, 8, 59.57, 2, 3, False, False),
+    ("7b", 4096, 8, 54.84, 16, 2, True, False),
+    ("7b", 2048, 8, 64.23, 6, 2, False, False),
+    ("3b", 4096, 8, 60.53, 5, 6, False, False),
+    ("1b", 2048, 8, 59.86, 14, 4, False, False),
+)
+
+
+def mpt(size: str, seq: int) -> ModelSpec:
+    layers, hidden, heads = MPT[size]
+    return ModelSpec(
+        f"mpt-{size}",
+        layers,
+        hidden,
+        heads,
+        4 * hidden,
+        50368,
+        seq,
+        tied_embeddings=True,
+        learned_positions=True,
+        bias=True,
+    )
+
+
+def _mosaic(source: str, rows: tuple, gpu: str) -> list[PublishedRun]:
+    runs = []
+    for size, seq, gpus, mfu, mbs, accum, checkpointing, pure in rows:
+        layout = _fields(
+            dp=gpus, zero=3, microbatches=accum, recompute="full" if checkpointing else "none", precision="bf16"
+        )
+        runs.append(
+            PublishedRun(
+                source,
+                f"mpt-{size} seq {seq}, {gpus} x {gpu}{' (AC)' if checkpointing else ''}",
+                mpt(size, seq),
+                layout,
+                gpu,
+                gpus * mbs * accum,
+                "composer-fsdp-pure" if pure else "composer-fsdp",
+                "mfu",
+                mfu / 100,
+                "FSDP FULL_SHARD as ZeRO-3",
+            )
+        )
+    return runs
+
+
+def published_runs() -> list[PublishedRun]:
+    """Every published row, fitting sources first."""
+    return [
+        *_megatron_t1(),
+        *_mosaic("mosaicml-h100", tuple(r for r in MOSAIC_H100 if r[2] <= 8), "h100"),
+        *_megatron_t2(),
+        *_korthikanti(),
+        *_mt_nlg(),
+        *_bloom(),
+        *_llama3(),
+        *_mosaic("mosaicml-h100-nodes", tuple(r for r in MOSAIC_H100 if r[2] > 8), "h100"),
+        *_mosaic("mosaicml-a100", MOSAIC_A100, "a100-80gb"),
+    ]
+
 
 ZERO_FIGURE_1 = {"psi": 7.5e9, "dp": 64, "bytes_by_stage": {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}}
 
 
-def predict_row(row: PublishedRow, implementation: Implementation | None = None) -> Prediction:
-    impl = implementation or IMPLEMENTATIONS["megatron-2021"]
-    return predict(row.spec, row.layout, "a100-80gb", global_batch=row.batch, implementation=impl)
-
-
-def errors(implementation: Implementation | None = None) -> list[tuple[PublishedRow, float, float]]:
-    """(row, predicted TFLOP/s per GPU, relative error) for every row of MEGATRON_2021."""
-    out = []
-    for row in MEGATRON_2021:
-        predicted = predict_row(row, implementation).tflops_per_device
-        out.append((row, predicted, predicted / row.tflops_per_gpu - 1))
-    return out
-
-
-def fit_compute_efficiency(low: float = 0.3, high: float = 1.0) -> float:
-    """The compute efficiency at which the median of measured / predicted TFLOP/s over MEGATRON_2021 is 1."""
-    base = IMPLEMENTATIONS["megatron-2021"]
-    for _ in range(14):  # +-0.0001 of the answer
-        mid = (low + high) / 2
-        ratio = statistics.median(r.tflops_per_gpu / p for r, p, _ in errors(replace(base, compute_efficiency=mid)))
-        low, high = (low, mid) if ratio < 1 else (mid, high)
-    return round((low + high) / 2, 3)
-
-
-__all__ = ["MEGATRON_2021", "PublishedRow", "ZERO_FIGURE_1", "errors", "fit_compute_efficiency", "predict_row"]
+__all__ = ["JEAN_ZAY", "PublishedRun", "SOURCES", "Source", "ZERO_FIGURE_1", "gpt", "mpt", "published_runs"]

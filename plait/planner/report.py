@@ -1,7 +1,9 @@
 """Show plans: a rich table of the top layouts, one layout's breakdown, and a RunConfig TOML for the best one.
 
-The TOML has the sections ``plait train --config`` reads ([layout], [model] as GPTConfig fields, [train] with
-the global batch); the prediction it came from is written above them as comments.
+The TOML is a complete run configuration that ``plait train --config`` reads: ``[layout]`` (every Layout field,
+including the ``pipeline_cuts`` the inter-op pass chose), ``[model]`` (the reference GPT's GPTConfig fields, or
+``hf_config = "PATH"`` when the plan was made from a Hugging Face config.json) and ``[train]`` with the global
+batch; the prediction it came from (and what Alpa's passes chose) is written above them as comments.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import tomli_w
 from rich.console import Console
 from rich.table import Table
 
+from plait.planner.models import ModelSpec
 from plait.planner.predict import Prediction, fmt_bytes, fmt_time
 from plait.planner.search import PlanResult
 
@@ -29,10 +32,15 @@ def layout_text(p: Prediction) -> str:
     ]
     if lay.pp > 1:
         parts.append(lay.schedule + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
+        if lay.pipeline_cuts:
+            parts.append("cuts " + ",".join(map(str, lay.pipeline_cuts)))
     if lay.sequence_parallel:
         parts.append("sp")
     if lay.recompute != "none":
-        parts.append("recompute")
+        mode = lay.recompute
+        parts.append(
+            "recompute" + ("" if mode == "full" else f"-{mode}" if isinstance(mode, str) else f"-blocks{list(mode)}")
+        )
     if lay.offload != "none":
         parts.append(f"offload-{lay.offload}")
     return " ".join(parts)
@@ -77,6 +85,8 @@ def print_plan(result: PlanResult, console: Console | None = None) -> None:
     console = console or Console()
     console.print(plan_table(result))
     console.print(f"why #2 loses: {result.why_runner_up_loses()}")
+    for note in result.notes:
+        console.print(f"- {note}")
     console.print(
         f"searched {result.evaluated} layouts ({result.pruned} pruned by memory or shape) in {result.seconds:.2f} s"
     )
@@ -95,30 +105,51 @@ def print_prediction(p: Prediction, console: Console | None = None) -> None:
         ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
         ("memory per GPU", memory_text(p)),
         ("fits", f"{'yes' if p.fits else 'NO'} (limit {fmt_bytes(p.memory_limit)})"),
-        ("stages (layers)", " | ".join(f"{a}-{b - 1}" for a, b in p.stages)),
+        ("stages (blocks)", " | ".join(f"{a}-{b - 1}" for a, b in p.stages)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
 
 
-def plan_toml(p: Prediction, model_fields: dict[str, object]) -> str:
-    """A RunConfig TOML (``plait train --config``) for prediction ``p``, with the prediction as comments."""
+def model_section(spec: ModelSpec, hf_config: str | Path | None = None) -> dict[str, object]:
+    """The ``[model]`` section of a planned run: ``hf_config = PATH`` (absolute) for a model planned from a Hugging
+    Face config.json, else the reference GPT's GPTConfig fields that build ``spec``."""
+    if hf_config is not None:
+        return {"hf_config": str(Path(hf_config).resolve())}
+    return dict(spec.to_gpt_config())
+
+
+def plan_toml(p: Prediction, model_fields: dict[str, object], notes: list[str] | tuple[str, ...] = ()) -> str:
+    """A RunConfig TOML (``plait train --config``) for prediction ``p``, with the prediction (and ``notes``, e.g.
+    what Alpa's passes chose) as comments."""
     header = [
         f"# plait plan: {p.model} on {p.world_size} x {p.hardware}",
         f"# predicted step {fmt_time(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, "
         f"{p.tflops_per_device:.0f} TFLOP/s per GPU, MFU {p.mfu:.1%}",
         f"# memory per GPU {memory_text(p)}",
+        *(f"# {note}" for note in notes),
         "",
     ]
     body = {"layout": p.layout.to_dict(), "model": dict(model_fields), "train": {"global_batch": p.global_batch}}
     return "\n".join(header) + tomli_w.dumps(body)
 
 
-def write_plan_toml(p: Prediction, model_fields: dict[str, object], path: str | Path) -> Path:
+def write_plan_toml(
+    p: Prediction, model_fields: dict[str, object], path: str | Path, notes: list[str] | tuple[str, ...] = ()
+) -> Path:
     path = Path(path)
-    path.write_text(plan_toml(p, model_fields))
+    path.write_text(plan_toml(p, model_fields, notes))
     return path
 
 
-__all__ = ["layout_text", "memory_text", "plan_table", "plan_toml", "print_plan", "print_prediction", "write_plan_toml"]
+__all__ = [
+    "layout_text",
+    "memory_text",
+    "model_section",
+    "plan_table",
+    "plan_toml",
+    "print_plan",
+    "print_prediction",
+    "write_plan_toml",
+]

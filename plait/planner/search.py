@@ -1,33 +1,58 @@
-"""Search: every layout of a device count, pruned by memory, ranked by predicted step time.
+"""Search: every layout of a device count, pruned by memory, ranked by predicted step time, with Alpa's two passes
+(Zheng et al. 2022) inside.
 
 Enumerated: tp and cp in powers of two (tp within a node and dividing the heads; cp dividing the sequence),
 pp over the divisors of what is left (at most the layer count), dp the rest (dividing the global batch);
-micro-batch size in powers of two; the schedule (1F1B, interleaved with 2 chunks, ZB-H1) when pp > 1; ZeRO
-stage; recomputation; CPU offload; Megatron sequence parallelism whenever tp > 1 (it only removes replicated
-work and memory). Pruning that loses nothing under this cost model: a layout whose model states alone exceed
-the device is skipped before it is timed; full recomputation is tried only where keeping activations does not
-fit, and offload only where nothing else fits (both only add time here). Candidates are timed with the
-pipeline's closed forms (``predict(exact=False)``); the best layout of each shape (tp, cp, pp, dp, micro-batches,
-schedule) is kept, its ZeRO stage chosen by time then memory, and the shortlist is re-timed with the schedule
+micro-batch size in powers of two; the schedule when pp > 1: 1F1B, ZB-H1 (the zero-bubble schedule plait's
+runtime runs) and interleaved 1F1B with v = 2, 3, 4, 6 or 8 chunks per rank; ZeRO stage; recomputation
+(selective where the runtime has it, full); CPU offload.
+
+Alpa's passes:
+- intra-op (``intra_op.solve_intra_op``, an ILP solved by HiGHS): for each tensor-parallel degree and micro-batch
+  size, the per-operator sharding of a block in its tp group. Its norm choice sets ``sequence_parallel`` (sharding
+  norms along the sequence is Megatron-SP); the chosen sharding is reported with the plan. plait's runtime runs
+  Megatron's column / row pairs: where the ILP prefers another sharding of the linear layers, the plan keeps
+  Megatron's and says so in its notes.
+- inter-op (``inter_op``): every timed layout's stage boundaries, balancing each rank's total cost (uneven stages:
+  the embedding and the output layer make the first and last stages lighter in blocks; interleaving balances
+  ranks, not chunks). With one sub-mesh shape Alpa's objective sum t_i + (B - 1) max t_j is a constant plus
+  (B - 1) max t_j, so its DP is the min-max split; ``PlanResult.notes`` reports the cross-check of the best plan's
+  cuts against ``inter_op_plan`` itself. The cuts go into the layout (``Layout.pipeline_cuts``), so a written plan
+  reaches ``plait train`` with them.
+
+Pruning that loses nothing under this cost model: a layout whose model states alone exceed the device is skipped
+before it is timed; recomputation is tried only where keeping activations does not fit, and offload only where
+nothing else fits (both only add time here). Candidates are timed with the pipeline's closed forms
+(``predict(exact=False)``, the fast path); the best layout of each shape (tp, cp, pp, dp, micro-batches, schedule,
+chunks) is kept, its ZeRO stage chosen by time then memory, and the shortlist is re-timed with the schedule
 simulator before the final ranking.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import ConfigError, LayoutError
-from plait.layout import Layout
+from plait.layout import RECOMPUTE_MODES, Layout
 from plait.logging import get_logger
-from plait.planner.costs import IMPLEMENTATIONS, Implementation
+from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
 from plait.planner.hardware import Hardware, get_hardware
+from plait.planner.inter_op import inter_op_plan
+from plait.planner.intra_op import IntraOpPlan, block_operators, solve_intra_op
 from plait.planner.memory import model_state_bytes
 from plait.planner.models import ModelSpec, resolve_model
 from plait.planner.predict import Prediction, fmt_bytes, predict
 
 logger = get_logger(__name__)
+
+MIN_CP_TOKENS = 4096
+"""The shortest sequence share per context-parallel rank the search considers. The cost model times ring attention's
+K/V exchange as hidden behind the attention compute, which holds for long blocks; published runs use context
+parallelism from 4K tokens per rank up (Megatron-Bridge's Llama 3 recipes: CP=2 at 8K tokens; Llama 3 405B: CP=16
+at 128K), and below that the model would favour cp for what it does not cost (many small attention kernels)."""
 
 
 @dataclass
@@ -85,7 +110,8 @@ def _shapes(
 ) -> list[tuple[int, int, int, int]]:
     """Every (tp, cp, pp, dp) with tp x cp x pp x dp = ``world_size`` that the search may use: tp a power of two
     within a node dividing the heads (and the kv heads, or divided by them), cp a power of two dividing the
-    sequence with >= 512 tokens per rank, pp up to the layer count, and dp dividing ``batch`` (None: any dp)."""
+    sequence with >= ``MIN_CP_TOKENS`` tokens per rank, pp up to the layer count, and dp dividing ``batch`` (None:
+    any dp)."""
     shapes = []
     for tp, cp in _tp_cp(spec, hw, max_cp):
         if world_size % (tp * cp) == 0:
@@ -103,7 +129,7 @@ def _tp_cp(spec: ModelSpec, hw: Hardware, max_cp: int) -> list[tuple[int, int]]:
         for tp in _powers_of_two(hw.devices_per_node)
         if spec.heads % tp == 0 and (spec.kv % tp == 0 or tp % spec.kv == 0)
         for cp in _powers_of_two(max_cp)
-        if spec.seq % cp == 0 and (cp == 1 or spec.seq // cp >= 512)
+        if spec.seq % cp == 0 and (cp == 1 or spec.seq // cp >= MIN_CP_TOKENS)
     ]
 
 
@@ -146,6 +172,7 @@ def plan(
     max_micro_batch: int = 8,
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble"),
     max_cp: int = 16,
+    interleave_depths: tuple[int, ...] = (2, 3, 4, 6, 8),
 ) -> PlanResult:
     """Rank every layout of ``world_size`` devices for ``model`` (see module doc); raises ConfigError when
     nothing fits, naming the smallest memory any layout needs and what would help."""
@@ -167,13 +194,21 @@ def plan(
     shapes = _shapes(spec, hw, world_size, batch, max_cp)
     if not shapes:
         raise _no_shape_error(spec, hw, world_size, batch, max_cp)
+    recomputes = [mode for mode in ("selective", "full") if mode in RECOMPUTE_MODES]
+    intra: dict[tuple[int, int], IntraOpChoice] = {}  # (tp, tokens) -> the intra-op pass's choice
     for tp, cp, pp, dp in shapes:
         per_dp = batch // dp
         stage_psi = (spec.parameters / pp + spec.embedding_parameters) / tp
         for mbs in [b for b in _powers_of_two(min(max_micro_batch, per_dp)) if per_dp % b == 0]:
             m = per_dp // mbs
-            for schedule, v in _schedules(pp, m, spec.layers, schedules):
-                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+            sequence_parallel = (
+                tp > 1 and _intra_op(intra, spec, hw, tp, mbs * spec.seq // cp, precision).sequence_parallel
+            )
+            for schedule, v in _schedules(pp, m, spec.layers, schedules, interleave_depths):
+                # with pp > 1 plait accumulates unsharded gradients under ZeRO-2 (one reduce-scatter per step), so
+                # ZeRO-2 holds and sends what ZeRO-1 does: timing it again would only duplicate ZeRO-1
+                zeros = (0, 1, 2, 3) if pp == 1 else (0, 1, 3)
+                for zero in zeros if dp * cp > 1 else (0,):
                     base = Layout(
                         dp=dp,
                         tp=tp,
@@ -184,7 +219,7 @@ def plan(
                         schedule=schedule,
                         virtual_stages=v,
                         precision=precision,
-                        sequence_parallel=tp > 1,
+                        sequence_parallel=sequence_parallel,
                     )
                     params, grads, states, host = model_state_bytes(stage_psi, base, impl)
                     floor = params + grads + states - (states if zero else 0.0)  # with offload
@@ -192,15 +227,12 @@ def plan(
                     if floor + impl.reserved_bytes > hw.memory_bytes:
                         pruned += 1
                         continue
-                    for option in (
-                        {},
-                        {"recompute": "full"},
-                        {"offload": "cpu"},
-                        {"recompute": "full", "offload": "cpu"},
-                    ):
+                    options: list[dict[str, Any]] = [{}, *({"recompute": r} for r in recomputes)]
+                    options += [{"offload": "cpu"}, *({"recompute": r, "offload": "cpu"} for r in recomputes)]
+                    for option in options:
                         if "offload" in option and not zero:
                             continue
-                        layout = Layout(**{**base.to_dict(), **option})
+                        layout = dataclasses.replace(base, **option)
                         try:
                             prediction = predict(spec, layout, hw, batch, implementation=impl, exact=False)
                         except LayoutError:
@@ -226,10 +258,11 @@ def plan(
         if key not in best_of or rank < (round(best_of[key].step_time, 12), best_of[key].memory.device):
             best_of[key] = candidate
     shortlist = sorted(best_of.values(), key=lambda p: (round(p.step_time, 12), p.memory.device))[: max(3 * top, 8)]
-    exact = [predict(spec, c.layout, hw, batch, implementation=impl, exact=True) for c in shortlist]
+    exact = [with_pipeline_cuts(predict(spec, c.layout, hw, batch, implementation=impl, exact=True)) for c in shortlist]
     exact = [c for c in exact if c.fits] or exact
     exact.sort(key=lambda p: (round(p.step_time, 12), p.memory.device))
     result = PlanResult(spec, hw, world_size, batch, exact[:top], evaluated, pruned, time.perf_counter() - started)
+    result.notes.extend(_pass_notes(intra, spec, hw, result.best, precision))
     logger.info(
         "planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s",
         spec.name,
@@ -242,6 +275,80 @@ def plan(
     return result
 
 
+@dataclass(frozen=True)
+class IntraOpChoice:
+    """The intra-op ILP's sharding of one block at a tp degree: whether it shards the norms along the sequence
+    (Megatron-SP) and whether its linear layers are Megatron's column / row pairs (what plait's runtime runs)."""
+
+    plan: IntraOpPlan
+    sequence_parallel: bool
+    megatron: bool
+
+
+MEGATRON_LINEARS = {"qkv": "column", "out": "row", "up": "column", "down": "row"}
+
+
+def _intra_op(
+    cache: dict[tuple[int, int], IntraOpChoice], spec: ModelSpec, hw: Hardware, tp: int, tokens: int, precision: str
+) -> IntraOpChoice:
+    """Alpa's intra-op pass for one block of ``tokens`` tokens at ``tp`` (module docstring), solved once per tp
+    degree and token count of a search (``cache``)."""
+    if (tp, tokens) not in cache:
+        ops = block_operators(spec, tp, tokens, hw, act_bytes(precision), precision=precision)
+        solved = solve_intra_op(ops, tp, hw)
+        megatron = all(solved.choice[op] == style for op, style in MEGATRON_LINEARS.items())
+        norms_sharded = solved.choice["norm1"] == "sequence" and solved.choice["norm2"] == "sequence"
+        cache[(tp, tokens)] = IntraOpChoice(solved, norms_sharded and megatron, megatron)
+    return cache[(tp, tokens)]
+
+
+def with_pipeline_cuts(prediction: Prediction) -> Prediction:
+    """The prediction with its stage boundaries written into its layout (``Layout.pipeline_cuts``)."""
+    if prediction.layout.pp == 1 or prediction.layout.pipeline_cuts:
+        return prediction
+    cuts = tuple(start for start, _ in prediction.stages[1:])
+    return dataclasses.replace(prediction, layout=dataclasses.replace(prediction.layout, pipeline_cuts=cuts))
+
+
+def _pass_notes(
+    intra: dict[tuple[int, int], IntraOpChoice], spec: ModelSpec, hw: Hardware, best: Prediction, precision: str
+) -> list[str]:
+    """What Alpa's two passes chose for the best layout, and the inter-op cross-check against ``inter_op_plan``."""
+    lay, notes = best.layout, []
+    if lay.tp > 1:
+        choice = _intra_op(intra, spec, hw, lay.tp, best.micro_batch * spec.seq // lay.cp, precision)
+        shown = ", ".join(f"{op} {style}" for op, style in choice.plan.choice.items())
+        notes.append(f"intra-op ILP at tp={lay.tp}: {shown}")
+        if not choice.megatron:
+            notes.append(
+                "the ILP prefers another sharding of the linear layers than Megatron's column/row pairs; plait's "
+                "runtime runs Megatron's, which the prediction times"
+            )
+    if lay.pp > 1:
+        per_rank = [sum(b - a for a, b in best.stages[r :: lay.pp]) for r in range(lay.pp)]
+        notes.append(f"inter-op stages: blocks per rank {per_rank} (cuts {list(lay.pipeline_cuts)})")
+    if lay.pp > 1 and lay.virtual_stages == 1 and best.layer_costs:
+        alpa, chosen = _alpa_cross_check(best)
+        notes.append(
+            f"inter-op cross-check: Alpa's DP latency sum t + (m - 1) max t = {alpa:.4g} s, the chosen cuts "
+            f"{chosen:.4g} s ({chosen / alpa - 1:+.2%})"
+        )
+    return notes
+
+
+def _alpa_latency(costs: list[float], stages: list[tuple[int, int]], m: int) -> float:
+    """Alpa's latency sum_i t_i + (m - 1) max_j t_j of these stages."""
+    times = [sum(costs[a:b]) for a, b in stages]
+    return sum(times) + (m - 1) * max(times)
+
+
+def _alpa_cross_check(best: Prediction) -> tuple[float, float]:
+    """(Alpa's DP optimum, the chosen cuts') latency of the best plan's stages, from its per-block costs."""
+    costs, m = list(best.layer_costs), best.layout.microbatches
+    alpa = inter_op_plan(len(costs), best.layout.pp, (1,), lambda a, b, _n: sum(costs[a:b]), m)
+    return alpa.latency, _alpa_latency(costs, best.stages, m)
+
+
 def _more_devices(least_states: float, memory: float, world_size: int) -> str:
     """Roughly how many devices would hold the model states, scaling the smallest footprint seen by device count."""
     if least_states == float("inf"):
@@ -249,12 +356,17 @@ def _more_devices(least_states: float, memory: float, world_size: int) -> str:
     return f"roughly {max(2, int(least_states / memory * world_size) + 1)}+"
 
 
-def _schedules(pp: int, m: int, layers: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+def _schedules(
+    pp: int, m: int, layers: int, allowed: tuple[str, ...], depths: tuple[int, ...]
+) -> list[tuple[str, int]]:
+    """(schedule, chunks per rank) to try for pp stages and m micro-batches: the allowed one-chunk schedules, and
+    interleaved with each depth v of ``depths`` that leaves every chunk a block (layers >= v x pp) when m is a
+    multiple of pp (Megatron-LM's interleaved schedule needs it)."""
     if pp == 1:
         return [("1f1b", 1)]
     options = [(name, 1) for name in allowed if name in ("1f1b", "zero-bubble", "gpipe")]
-    if "interleaved" in allowed and m % pp == 0 and layers >= 2 * pp:
-        options.append(("interleaved", 2))
+    if "interleaved" in allowed and m % pp == 0:
+        options += [("interleaved", v) for v in depths if v >= 2 and layers >= v * pp]
     return options
 
 
