@@ -40,7 +40,7 @@ class LaunchError(PlaitError):
         self.failures = failures
 
 
-def spawn_context() -> mp.context.BaseContext:
+def spawn_context() -> mp.context.ForkServerContext:
     """A forkserver context whose server has torch and plait imported: each process starts in a fraction of a
     second instead of importing torch again."""
     ctx = mp.get_context("forkserver")

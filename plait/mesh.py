@@ -65,8 +65,11 @@ class RankGrid:
     @classmethod
     def from_layout(cls, layout: Layout) -> RankGrid:
         dims = tp_grid_dims(layout.tp, layout.tp_mode, layout.tp_depth)
-        split = tuple(dims[a] for a in TP_SUB_AXES) if dims else None
-        return cls(tuple(layout.degrees[axis] for axis in AXES), split)  # type: ignore[arg-type]
+        split: tuple[int, int, int] | None = None
+        if dims:
+            depth, rows, cols = (dims[a] for a in TP_SUB_AXES)
+            split = (depth, rows, cols)
+        return cls(tuple(layout.degrees[axis] for axis in AXES), split)
 
     @property
     def world_size(self) -> int:
@@ -174,7 +177,10 @@ class Mesh:
                     key = tuple(members)
                     if key not in created:  # every rank creates every group, in the same order
                         if len(members) == world_size:
-                            created[key] = dist.group.WORLD
+                            # WORLD is typed Optional; it is set once the process group is initialised (checked above).
+                            world = dist.group.WORLD
+                            assert world is not None
+                            created[key] = world
                         else:
                             created[key] = dist.new_group(members, timeout=timeout)
                     if rank in members:

@@ -101,6 +101,13 @@ def test_size_one_axis_is_a_no_op_without_process_group():
     assert comm.stats.counts == {}
 
 
+def test_an_axis_of_several_ranks_without_its_process_group_is_named():
+    """A mesh made by hand with no group for a 2-rank axis: a CommError with the fix, never torch's default group."""
+    mesh = Mesh(Layout(dp=2).resolve(2), 0, {"dp": None})
+    with pytest.raises(CommError, match=r"all_reduce on mesh axis 'dp' of 2 ranks, but .* no process group.*Fix: "):
+        Comm(mesh).all_reduce(torch.ones(2), "dp")
+
+
 def _differentiable_ops():
     mesh = Mesh.build(Layout())
     comm = Comm(mesh)

@@ -382,6 +382,22 @@ def test_a_model_without_a_grid_plan_asks_for_one():
     assert resolved.styles == plan
 
 
+def test_a_layernorm_without_affine_parameters_takes_a_grid_norm():
+    """LayerNorm(elementwise_affine=False) has weight None: the grid_norm check reads its normalized_shape
+    (it read weight.shape, an AttributeError) and GridNorm holds no parameters (pure: no collective)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8, elementwise_affine=False))
+    plan = {"0": "grid_in", "1": "grid_norm"}
+    assert plan_tensor_parallel(model, Layout(tp=4, tp_mode="2d").resolve(4), plan).styles == plan
+    norm = GridNorm.from_norm(model[1], _comm(tp=4, tp_mode="2d"))
+    assert (norm.features, norm.weight, norm.bias, list(norm.parameters())) == (8, None, None, [])
+    with pytest.raises(LayoutError, match=r"1 normalises over \(2, 4\); a grid norm takes one feature dim"):
+        plan_tensor_parallel(
+            nn.Sequential(nn.Linear(4, 8), nn.LayerNorm((2, 4), elementwise_affine=False)),
+            Layout(tp=4, tp_mode="2d").resolve(4),
+            plan,
+        )
+
+
 def test_a_batch_that_does_not_split_over_the_grid():
     embedding = GridEmbedding(nn.Embedding(12, 16), _comm(tp=8, tp_mode="3d"), "tok_embed")
     with pytest.raises(

@@ -16,6 +16,7 @@ runs. With no tracer the cost is one attribute check per launch and per wait.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,14 +64,15 @@ class Pending:
 
     def wait(self) -> Any:
         if not self._done:
-            tracer = self._comm.tracer if self._traced is not None else None
+            traced = self._traced
+            tracer = self._comm.tracer if traced is not None else None
             waited = time.perf_counter_ns() if tracer is not None else 0
             for work in self._works:
-                self._comm._guard(self._axis, self._op, lambda w=work: w.wait(timeout=self._comm.timeout))
+                self._comm._guard(self._axis, self._op, functools.partial(work.wait, timeout=self._comm.timeout))
             self._result = self._finish()
             self._done = True
-            if tracer is not None:
-                sent, received, launched = self._traced  # type: ignore[misc]
+            if tracer is not None and traced is not None:
+                sent, received, launched = traced
                 tracer.collective(
                     self._op, self._axis, self._comm.size(self._axis), sent, received, launched, waited, self.is_async
                 )
@@ -128,6 +130,15 @@ class Comm:
         self, axis: str, op: str, payload: int, start: Callable[[dist.ProcessGroup], Any], finish: Callable[[], Any]
     ) -> Pending:
         group = self.mesh.group(axis)
+        if group is None:  # only size-1 axes have no group, and the collectives return before issuing for those
+            raise CommError(
+                f"rank {self.mesh.rank}: {op} on mesh axis '{axis}' of {self.size(axis)} ranks, but the mesh has no "
+                f"process group for it. Fix: build the mesh with Mesh.build(layout) after "
+                f"torch.distributed.init_process_group, on every rank.",
+                rank=self.mesh.rank,
+                axis=axis,
+                op=op,
+            )
         self.stats.record(axis, op, payload, self.size(axis))
         work = self._guard(axis, op, lambda: start(group))
         return Pending(self, axis, op, [work] if work is not None else [], finish, sent=payload)

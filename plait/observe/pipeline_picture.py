@@ -19,8 +19,8 @@ IDLE = "#e6e6e6"
 
 def _shade(color: str, amount: float) -> tuple[float, float, float]:
     """``color`` mixed with white by ``amount`` (0: unchanged); later model chunks are drawn lighter."""
-    rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
-    return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
+    red, green, blue = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return red + (1 - red) * amount, green + (1 - green) * amount, blue + (1 - blue) * amount
 
 
 def draw_schedule(result: SimResult, path: str | Path, title: str | None = None, unit: str = "cost units") -> Path:

@@ -74,14 +74,18 @@ def apply_context_parallel(
     """Swap the attention cores, install the sequence-sharding hooks (on ``model``, or with pp > 1 on this
     rank's pipeline ``stages`` as (module, is first, is last)); returns the loss the Engine must use."""
     sharding = SequenceSharding(plan.mode, comm.size(AXIS), comm.mesh.index(AXIS))
+    handle: ContextParallelModel
     if plan.hugging_face:
         handle = apply_hf_context_parallel(model, plan, sharding, comm)
     else:
         core_class = RingAttention if plan.mode == "ring" else UlyssesAttention
         kv_groups = dict(zip(plan.attention_paths, plan.kv_groups))  # from the plan: under tp, q/k are parallel
         for path, attention in _attention_layers(model):  # a pipeline rank's local model: the layers it holds
-            attention.core = core_class(comm, sharding, kv_group=kv_groups[path], causal=True, axis=AXIS)
+            core = core_class(comm, sharding, kv_group=kv_groups[path], causal=True, axis=AXIS)
+            # replaces the child module "core" (Attention types it as the ScaledDotProductAttention it starts with)
+            attention.add_module("core", core)
         handle = ContextParallelModel(model, sharding, comm, sequence_parallel=plan.sequence_split, stages=stages)
+    # torch's stubs type Module.__setattr__'s value as Tensor | Module; a plain attribute is fine at runtime
     model._plait_context_parallel = handle  # type: ignore[assignment]
     log.info(
         "context parallel: %s over cp=%d (rank %d of the cp group), %d attention layers",

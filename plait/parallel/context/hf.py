@@ -132,8 +132,13 @@ def apply_hf_context_parallel(
     model: nn.Module, plan: ContextPlan, sharding: SequenceSharding, comm: Comm
 ) -> HuggingFaceContextParallelModel:
     """Register the attention function, attach a kernel to every attention module, switch the model to it."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
 
+    if not isinstance(model, PreTrainedModel):  # plan_hf_context_parallel has refused other classes already
+        raise LayoutError(
+            f"context parallelism of a transformers model needs a PreTrainedModel (set_attn_implementation); "
+            f"{type(model).__name__} is not one. Fix: pass the model itself (e.g. LlamaForCausalLM), or use cp=1."
+        )
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)  # idempotent; the function is stateless
     core_class = RingAttention if plan.mode == "ring" else UlyssesAttention
     kv_groups = dict(zip(plan.attention_paths, plan.kv_groups))

@@ -59,7 +59,7 @@ def ring_forward(
     block = torch.stack((k, v))  # one message per hop
     for step in range(n):  # step 0 is the own block, which every query row sees: lse is finite from then on
         source = (rank - step) % n
-        incoming, pending = _pass_on(comm, axis, block) if step < n - 1 else (None, None)
+        hop = _pass_on(comm, axis, block) if step < n - 1 else None
         keys, values = repeat_kv(block[0], group), repeat_kv(block[1], group)
         for piece in sharding.pieces(source, local_length, causal):
             rows, cols = piece.q_rows, piece.kv_rows
@@ -67,7 +67,8 @@ def ring_forward(
                 q[:, :, rows], keys[:, :, cols], values[:, :, cols], scale, piece.causal
             )
             merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-        if pending is not None:
+        if hop is not None:
+            incoming, pending = hop
             pending.wait()
             block = incoming
     return out, lse
@@ -96,12 +97,11 @@ def ring_backward(
     if n > 1:  # the first visit is block r-1: this hop cannot overlap compute
         block, first = _pass_on(comm, axis, own)
         first.wait()
-    carried: Tensor | None = None
-    carried_pending: Pending | None = None
+    carried: tuple[Tensor, Pending] | None = None  # the contributions collected so far, in flight to this rank
     for step in range(n):
         source = (rank - step - 1) % n
         current = own if step == n - 1 else block
-        next_block, next_pending = _pass_on(comm, axis, block) if step < n - 2 else (None, None)
+        next_hop = _pass_on(comm, axis, block) if step < n - 2 else None
         keys, values = repeat_kv(current[0], group), repeat_kv(current[1], group)
         contribution = torch.zeros(current.shape, dtype=torch.float32, device=q.device)
         for piece in sharding.pieces(source, local_length, causal):
@@ -119,12 +119,14 @@ def ring_backward(
             grad_q[:, :, rows] += grad_q_piece
             contribution[0][:, :, cols] += sum_kv_groups(grad_k_piece, group)
             contribution[1][:, :, cols] += sum_kv_groups(grad_v_piece, group)
-        if carried_pending is not None:  # the other ranks' contributions to this block, collected so far
+        if carried is not None:  # the other ranks' contributions to this block, collected so far
+            collected, carried_pending = carried
             carried_pending.wait()
-            contribution += carried
+            contribution += collected
         if step < n - 1:
-            carried, carried_pending = _pass_on(comm, axis, contribution)
-        if next_pending is not None:
+            carried = _pass_on(comm, axis, contribution)
+        if next_hop is not None:
+            next_block, next_pending = next_hop
             next_pending.wait()
             block = next_block
     return grad_q, contribution[0], contribution[1]

@@ -31,7 +31,7 @@ def theory_wire_bytes(
     local_length = length // cp
     if mode == "ring":
         block = batch * kv_heads * local_length * head_dim
-        forward = (cp - 1) * 2 * block * element_size
+        forward: float = (cp - 1) * 2 * block * element_size
         return {
             "forward": forward,
             "backward": forward + (cp - 1) * 2 * block * FP32_ACCUMULATOR,

@@ -385,8 +385,8 @@ class PipelineRunner:
     ) -> None:
         """Wait for the batch that carries what ``action`` consumes (a received input or output gradient)."""
         key = ("F" if action.kind == "F" else "B", action.stage, action.microbatch)
-        if key in inbox and inbox[key][1] is not None:
-            tensor, pending = inbox[key]
+        tensor, pending = inbox.get(key, (None, None))
+        if tensor is not None and pending is not None:
             pending.wait()
             inbox[key] = (tensor, None)
 

@@ -234,7 +234,7 @@ class Schedule:
                     )
         if self.is_lowered:
             for a, rank in sorted(where.items(), key=lambda item: not item[0].is_comm):  # unmatched halves first
-                for comm in [self.peer(a)] if a.is_comm else self.comms(a):
+                for comm in [self.required_peer(a)] if a.is_comm else self.comms(a):
                     if comm in where:
                         continue
                     what = "has no matching" if a.is_comm else "needs"
@@ -251,6 +251,17 @@ class Schedule:
         if other is None or not 0 <= other[0] < S or self.rank_of(other[0]) == self.rank_of(s):
             return None
         return Action(other[0], other[1], j)
+
+    def required_peer(self, action: Action) -> Action:
+        """``peer(action)`` of a send/recv that must have one (one that ``comms`` gave, or of a validated
+        schedule); a ScheduleError naming the action otherwise."""
+        other = self.peer(action)
+        if other is None:
+            raise ScheduleError(
+                f"{action} has no peer (stage {action.stage} exchanges nothing "
+                f"{'forward' if action.kind in ('SF', 'RB') else 'backward'} with another rank). Fix: remove it."
+            )
+        return other
 
     def comms(self, action: Action) -> list[Action]:
         """The sends/recvs a compute action needs in a lowered schedule: [recv before it, send after it]."""
@@ -304,7 +315,7 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
     pending: list[Action | None] = [None] * p  # the send of the rank's last compute, not yet placed
 
     comms = [[schedule.comms(a) for a in rank_acts] for rank_acts in acts]
-    needs = [[[schedule.peer(c) for c in cs if c.kind in ("RF", "RB")] for cs in rank_cs] for rank_cs in comms]
+    needs = [[[schedule.required_peer(c) for c in cs if c.kind in ("RF", "RB")] for cs in rank_cs] for rank_cs in comms]
 
     def candidate(r: int) -> tuple[float, int, int] | None:
         if pending[r] is not None:
@@ -317,7 +328,7 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
         r = min(keys)[2]
         send = pending[r]
         if send is not None:
-            recv = schedule.peer(send)
+            recv = schedule.required_peer(send)
             out[r].append(send)
             out[schedule.rank_of(recv.stage)].append(recv)
             posted.add(send)

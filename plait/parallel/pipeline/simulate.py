@@ -163,7 +163,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
             raise ScheduleError(f"cost of {a} is {costs.of(a)}; costs must be >= 0.")
     if costs.p2p < 0 or costs.overhead < 0:
         raise ScheduleError(f"p2p={costs.p2p} and overhead={costs.overhead} must be >= 0.")
-    peer = {a: schedule.peer(a) for a in pos if a.is_comm}
+    peer = {a: schedule.required_peer(a) for a in pos if a.is_comm}
     if lowered:
         _check_pairs_in_order(schedule, pos, peer)
         _check_rendezvous(schedule, pos, peer)
@@ -181,6 +181,12 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
             return None
         return ready[d] + (lat if pos[d][0] != rank else 0.0)
 
+    def arrival(d: Action, rank: int) -> float:
+        """``ready_at`` of an action known to be ready: a dependency of one that ran, or one that ran."""
+        at = ready_at(d, rank)
+        assert at is not None  # only called once waits_for() has found every dependency ready
+        return at
+
     def waits_for(r: int) -> Action | None:
         a = acts[r][ptr[r]]
         return next((d for d in deps[a] if ready_at(d, r) is None), None)
@@ -192,21 +198,25 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
             while ptr[r] < len(acts[r]) and waits_for(r) is None:
                 a = acts[r][ptr[r]]
                 before = 0.0 if a.is_comm else costs.overhead
-                start[a] = max([free[r] + before] + [ready_at(d, r) for d in deps[a]])
+                start[a] = max([free[r] + before] + [arrival(d, r) for d in deps[a]])
                 free[r] = ready[a] = start[a] + costs.of(a)
                 ptr[r] += 1
                 progress = True
     stuck = [r for r in range(p) if ptr[r] < len(acts[r])]
     if stuck:
-        lines = [
-            f"  rank {r} is at {acts[r][ptr[r]]}, waiting for {waits_for(r)} on rank "
-            f"{pos[waits_for(r)][0]} (which is at {_at_text(acts, ptr, pos[waits_for(r)][0])})"
-            for r in stuck
-        ]
+        lines = []
+        for r in stuck:
+            blocker = waits_for(r)
+            assert blocker is not None  # the loop above leaves a rank unfinished only while it waits
+            where = pos[blocker][0]
+            lines.append(
+                f"  rank {r} is at {acts[r][ptr[r]]}, waiting for {blocker} on rank {where} "
+                f"(which is at {_at_text(acts, ptr, where)})"
+            )
         raise ScheduleError(_deadlock(schedule, lines))
 
     def span(a: Action) -> Span:
-        return Span(start[a], ready_at(a, pos[a][0]) if a.kind in ("RF", "RB") else ready[a], a)
+        return Span(start[a], arrival(a, pos[a][0]) if a.kind in ("RF", "RB") else ready[a], a)
 
     timelines = [[span(a) for a in rank_acts] for rank_acts in acts]
     makespan = max((s.end for spans in timelines for s in spans), default=0.0)
@@ -265,14 +275,14 @@ def _check_pairs_in_order(schedule: Schedule, pos: dict[Action, tuple[int, int]]
                     sends.setdefault((r, q), []).append(peer[a])
                 else:
                     recvs.setdefault((q, r), []).append(a)
-    for (a, b), expected in sends.items():
-        got = recvs.get((a, b), [])
+    for (sender, receiver), expected in sends.items():
+        got = recvs.get((sender, receiver), [])
         for i, (want, have) in enumerate(zip(expected, got)):
             if want != have:
                 raise ScheduleError(
-                    f"rank {b} receives {have} as message #{i} from rank {a}, but rank {a} sends "
-                    f"{peer[want]} as its message #{i} to rank {b}: messages between two ranks are matched in "
-                    f"the order they are posted. Fix: receive in the order sent (lower() does this)."
+                    f"rank {receiver} receives {have} as message #{i} from rank {sender}, but rank {sender} sends "
+                    f"{peer[want]} as its message #{i} to rank {receiver}: messages between two ranks are matched "
+                    f"in the order they are posted. Fix: receive in the order sent (lower() does this)."
                 )
 
 
@@ -316,11 +326,14 @@ def _check_rendezvous(schedule: Schedule, pos: dict[Action, tuple[int, int]], pe
                 progress = True
     stuck = [r for r in range(p) if ptr[r] < len(items[r])]
     if stuck:
-        lines = [
-            f"  rank {r} is at {at(r)}, waiting for rank {pos[waits_for(r)][0]} to post {waits_for(r)} "
-            f"(rank {pos[waits_for(r)][0]} is at {at(pos[waits_for(r)][0])})"
-            for r in stuck
-        ]
+        lines = []
+        for r in stuck:
+            blocker = waits_for(r)
+            assert blocker is not None  # the loop above leaves a rank unfinished only while it waits
+            where = pos[blocker][0]
+            lines.append(
+                f"  rank {r} is at {at(r)}, waiting for rank {where} to post {blocker} (rank {where} is at {at(where)})"
+            )
         lines.append(
             "  (send/recv order checked as if each blocked until its peer is posted; "
             "lower() builds an order that cannot deadlock)"

@@ -207,6 +207,7 @@ def tie_copy(stage: nn.Module, name: str) -> None:
     owner = stage.get_submodule(path)
     if attr in owner._parameters:
         param = owner._parameters.pop(attr)
+        assert param is not None  # tied names come from named_parameters(), which skips None (absent) entries
         owner.register_buffer(attr, param.detach().clone())
 
 

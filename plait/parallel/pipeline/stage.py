@@ -39,7 +39,7 @@ class _Held:
     output: torch.Tensor | None
     bytes: int = 0
     grad_output: torch.Tensor | None = None
-    deferred: list[tuple[list[GradientEdge], list[torch.Tensor], list[nn.Parameter]]] | None = None
+    deferred: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] | None = None
     """After ``I``: per merge node, (roots, their gradients, the parameters behind them); None: fallback W."""
     captured: dict[Node, tuple[Any, ...]] = field(default_factory=dict)
 
@@ -179,8 +179,8 @@ def _capture(store: dict[Node, tuple[Any, ...]], node: Node) -> Any:
 
 
 def _roots(
-    node: Node, grads: tuple[Any, ...] | None, params: list[nn.Parameter]
-) -> tuple[list[GradientEdge], list[torch.Tensor], list[nn.Parameter]]:
+    node: Node, grads: tuple[Any, ...] | None, params: list[torch.Tensor]
+) -> tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]:
     if grads is None:  # the node got no gradient in I (nothing flows to it): its parameters get none either
         return [], [], params
     pairs = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
@@ -188,8 +188,8 @@ def _roots(
 
 
 def _merge_nodes(
-    output: torch.Tensor, inputs: torch.Tensor, params: list[nn.Parameter]
-) -> dict[Node, list[nn.Parameter]] | None:
+    output: torch.Tensor, inputs: torch.Tensor, params: list[torch.Tensor]
+) -> dict[Node, list[torch.Tensor]] | None:
     """The nodes on the input's gradient path with a branch leading only to parameters, each with the
     parameters behind its branches; None when a parameter lies behind two of them (then W is a full re-run)."""
     root = output.grad_fn
@@ -222,7 +222,7 @@ def _merge_nodes(
         behind[node] = frozenset(found)
     if not reach_input[root]:
         return None
-    merges: dict[Node, list[nn.Parameter]] = {}
+    merges: dict[Node, list[torch.Tensor]] = {}
     owner: dict[int, Node] = {}
     for node in order:
         if not reach_input[node]:

@@ -20,7 +20,8 @@ from plait.comm import Comm
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.models.loss import lm_loss
-from plait.parallel.tensor.grid import HEAD_AXIS
+from plait.parallel.tensor.fields import int_field
+from plait.parallel.tensor.grid import HEAD_AXIS, GridLinear
 from plait.parallel.tensor.grid_plan import apply_grid_plan, default_grid_plan, resolve_grid_plan
 from plait.parallel.tensor.layers import AXIS
 from plait.parallel.tensor.loss import IGNORE_INDEX, GridVocabLoss, VocabParallelLoss
@@ -96,13 +97,15 @@ def apply_tensor_parallel(resolved: ResolvedPlan, roots: Iterable[nn.Module], co
     else:
         apply_plan(resolved, roots, comm, gather_logits=gather_logits)
     for root in roots:
-        root._plait_tensor_parallel = True  # type: ignore[attr-defined]
+        # torch's stubs type Module.__setattr__'s value as Tensor | Module; a plain attribute is fine at runtime
+        root._plait_tensor_parallel = True  # type: ignore[assignment]
     if not vocab_split:
         return loss_fn
     assert ignore_index is not None
     vocab_paths = [p for p, s in resolved.styles.items() if s == head_style]
     if head_style == "grid_vocab":
         head = roots[0].get_submodule(vocab_paths[0])
+        assert isinstance(head, GridLinear)  # apply_grid_plan has just swapped it for a grid linear
         batch_axes = tuple(head.output_placement()[0][1])
         return GridVocabLoss(comm, head.out_features, HEAD_AXIS, batch_axes, ignore_index)
     return VocabParallelLoss(comm, _full_vocab(roots, vocab_paths), AXIS, ignore_index)
@@ -114,7 +117,7 @@ def _full_vocab(roots: list[nn.Module], paths: list[str]) -> int:
         modules = dict(root.named_modules())
         for path in paths:
             if path in modules:
-                return modules[path].out_features
+                return int_field(modules[path], "out_features")
     return -1  # this pipeline rank has no LM head: its loss_fn is never called
 
 

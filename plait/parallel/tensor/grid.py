@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -154,6 +155,7 @@ def shard_parameter(tensor: Tensor, comm: Comm, placement: Placement, what: str)
     as a tp shard (``tp_sharded``) and with ``tp_replicas``: how many tp ranks hold the same block (1, or 2.5D's
     depth for weights replicated over ``tp_dep``), so the gradient norm counts it once."""
     param = nn.Parameter(local_block(tensor, comm, placement, what), requires_grad=tensor.requires_grad)
+    # torch's stubs declare no attributes beyond Tensor's own; a parameter carries plait's tags fine at runtime
     param.tp_grid_placement = [(dim, tuple(axes)) for dim, axes in placement]  # type: ignore[attr-defined]
     param.tp_sharded = True  # type: ignore[attr-defined]
     cut_over = [axis for _, axes in placement for axis in axes]
@@ -216,8 +218,9 @@ class GridLinear(nn.Module, abc.ABC):
         )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, name: str = "linear", **kwargs: object) -> GridLinear:
-        return cls(linear, comm, name, **kwargs)  # type: ignore[arg-type]
+    def from_linear(cls, linear: nn.Linear, comm: Comm, name: str = "linear", **kwargs: Any) -> GridLinear:
+        """``kwargs``: the keyword arguments of the subclass's constructor (3D: ``reduce_axis``, ``out_axis``)."""
+        return cls(linear, comm, name, **kwargs)
 
     @abc.abstractmethod
     def multiply(self, x: Tensor) -> Tensor:

@@ -41,20 +41,23 @@ class GridNorm(nn.Module):
     features split across the grid's feature axes: statistics summed over them, weight / bias gathered to this
     rank's feature block."""
 
-    def __init__(self, norm: nn.Module, comm: Comm, name: str = "norm") -> None:
+    def __init__(self, norm: nn.LayerNorm | RMSNorm, comm: Comm, name: str = "norm") -> None:
         super().__init__()
         check_mode(comm, GRID_MODES, f"GridNorm ({name})")
         self.comm, self.mode = comm, comm.mesh.layout.tp_mode
         self.rms = isinstance(norm, RMSNorm)
         self.eps = norm.eps
-        self.features = norm.weight.shape[0] if norm.weight is not None else norm.normalized_shape[0]
+        if isinstance(norm, nn.LayerNorm):  # its weight is None with elementwise_affine=False
+            self.features = norm.normalized_shape[0]
+        else:
+            self.features = norm.weight.shape[0]
         placement = vector_placement(self.mode)
         self.weight = None if norm.weight is None else shard_parameter(norm.weight, comm, placement, f"{name}.weight")
         bias = getattr(norm, "bias", None)
         self.bias = None if bias is None else shard_parameter(bias, comm, placement, f"{name}.bias")
 
     @classmethod
-    def from_norm(cls, norm: nn.Module, comm: Comm, name: str = "norm") -> GridNorm:
+    def from_norm(cls, norm: nn.LayerNorm | RMSNorm, comm: Comm, name: str = "norm") -> GridNorm:
         return cls(norm, comm, name)
 
     def _feature_block(self, param: Tensor) -> Tensor:

@@ -25,7 +25,9 @@ holds whole heads of its batch block: n_head / q query and n_kv_head / q key/val
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+
+from torch import Tensor, nn
 
 from plait.comm import Comm, all_gather
 from plait.errors import LayoutError
@@ -33,6 +35,7 @@ from plait.layout import Layout, tp_grid_dims
 from plait.logging import get_logger
 from plait.models.gpt import GPT
 from plait.models.layers import RMSNorm
+from plait.parallel.tensor.fields import optional_tensor_field, tensor_field
 from plait.parallel.tensor.grid import (
     HEAD_AXIS,
     TP_COL,
@@ -139,20 +142,25 @@ def _check_grid_module(path: str, module: nn.Module, style: str, mode: str, size
             f"tp plan: {path} is a {type(module).__name__}, but style {style!r} needs a {names}. "
             f"Fix: give {path} a style that fits it, or use tp_mode='1d'."
         )
+    tensors: dict[str, tuple[Placement, Tensor]]
     if style in LINEAR_GRID_STYLES:
         placements = linear_placements(mode, style)
-        tensors = {"weight": (placements["weight"], module.weight)}
-        if module.bias is not None:
-            tensors["bias"] = (placements["bias"], module.bias)
+        tensors = {"weight": (placements["weight"], tensor_field(module, "weight"))}
+        bias = optional_tensor_field(module, "bias")
+        if bias is not None:
+            tensors["bias"] = (placements["bias"], bias)
     elif style == "grid_embedding":
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             raise LayoutError(
                 f"tp plan: {path}: a grid embedding supports neither max_norm, scale_grad_by_freq nor "
                 f"sparse=True. Fix: build the embedding without them, or use tp_mode='1d'."
             )
-        tensors = {"weight": (vector_placement(mode, dim=1), module.weight)}
+        tensors = {"weight": (vector_placement(mode, dim=1), tensor_field(module, "weight"))}
     elif style == "grid_norm":
-        shape = getattr(module, "normalized_shape", (module.weight.shape[0],))
+        # a LayerNorm names its shape (its weight is None with elementwise_affine=False); plait's RMSNorm has a weight
+        shape = (
+            module.normalized_shape if isinstance(module, nn.LayerNorm) else (tensor_field(module, "weight").shape[0],)
+        )
         if len(shape) != 1:
             raise LayoutError(
                 f"tp plan: {path} normalises over {tuple(shape)}; a grid norm takes one feature dim. "
@@ -206,10 +214,8 @@ def apply_grid_plan(resolved: ResolvedPlan, root: nn.Module, comm: Comm, gather_
     for path, style in resolved.styles.items():
         module = modules[path]
         if style == "grid_enter":
-            # grid_in layers take their input gathered over tp_col: the features (2D / 2.5D) or the batch (3D)
-            dim = 0 if mode == "3d" else -1
             module.register_forward_pre_hook(
-                input_hook(lambda x, d=dim: all_gather(x, comm, TP_COL, dim=d), style), with_kwargs=True
+                input_hook(functools.partial(_gather_grid_in, comm, mode), style), with_kwargs=True
             )
             continue
         new = _build_grid(path, module, style, comm, mode, entered_paths, gather_logits)
@@ -220,18 +226,27 @@ def apply_grid_plan(resolved: ResolvedPlan, root: nn.Module, comm: Comm, gather_
     return done
 
 
+def _gather_grid_in(comm: Comm, mode: str, x: Tensor) -> Tensor:
+    """grid_in layers take their input gathered over tp_col: the features (2D / 2.5D) or the batch (3D)."""
+    return all_gather(x, comm, TP_COL, dim=0 if mode == "3d" else -1)
+
+
 def _build_grid(
     path: str, module: nn.Module, style: str, comm: Comm, mode: str, entered_paths: list[str], gather_logits: bool | str
 ) -> nn.Module:
+    # the asserts hold: resolve_grid_plan (_check_grid_module) has checked each planned module's exact type
     if style == "grid_embedding":
-        return GridEmbedding.from_embedding(module, comm, path)  # type: ignore[arg-type]
+        assert isinstance(module, nn.Embedding)
+        return GridEmbedding.from_embedding(module, comm, path)
     if style == "grid_norm":
+        assert isinstance(module, (nn.LayerNorm, RMSNorm))
         return GridNorm.from_norm(module, comm, path)
     entered = style != "grid_out" and any(path.startswith(p + ".") for p in entered_paths)
     kwargs: dict[str, object] = dict(entered=entered, gather_output=gather_logits if style == "grid_vocab" else False)
     if mode == "3d":
         kwargs.update(_cube_axes(style))
-    return LINEAR_CLASSES[mode].from_linear(module, comm, path, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(module, nn.Linear)
+    return LINEAR_CLASSES[mode].from_linear(module, comm, path, **kwargs)
 
 
 __all__ = [

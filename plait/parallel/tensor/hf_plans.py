@@ -69,21 +69,29 @@ def llama_plan(model: nn.Module) -> Plan:
     }
 
 
+# attention_heads() maps each attention class to its functions, so the asserts below hold.
+
+
 def _gpt2_heads(module: nn.Module) -> dict[str, int]:
+    assert isinstance(module, GPT2Attention)
     return {"attention heads (n_head)": module.num_heads}
 
 
 def _gpt2_localize(module: nn.Module, tp: int) -> None:
     """GPT2Attention splits c_attn's output with ``split_size``: make it (and the head count) the local one."""
+    assert isinstance(module, GPT2Attention)
     module.num_heads //= tp
     module.embed_dim //= tp
     module.split_size //= tp
 
 
 def _llama_heads(module: nn.Module) -> dict[str, int]:
+    assert isinstance(module, LlamaAttention)
+    config = module.config
     return {
-        "attention heads (num_attention_heads)": module.config.num_attention_heads,
-        "key/value heads (num_key_value_heads)": module.config.num_key_value_heads,
+        "attention heads (num_attention_heads)": config.num_attention_heads,
+        # typed Optional; LlamaConfig sets None to num_attention_heads (plain multi-head attention)
+        "key/value heads (num_key_value_heads)": config.num_key_value_heads or config.num_attention_heads,
     }
 
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm, all_gather, copy_to, gather_from, reduce_from, reduce_scatter
 from plait.errors import LayoutError
+from plait.parallel.tensor.fields import optional_tensor_field, tensor_field
 from plait.parallel.tensor.grid import whole
 
 AXIS = "tp"
@@ -55,6 +56,7 @@ def scatter_sequence(x: Tensor, comm: Comm, axis: str = AXIS) -> Tensor:
 
 def mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
     """Tag ``param`` as this rank's 1/tp slice along tensor dim ``dim`` (read by norms, gathers, checks)."""
+    # torch's stubs declare no attributes beyond Tensor's own; a parameter carries plait's tags fine at runtime
     param.tp_sharded = True  # type: ignore[attr-defined]
     param.tp_shard_dim = dim  # type: ignore[attr-defined]
     return param
@@ -63,6 +65,17 @@ def mark_sharded(param: nn.Parameter, dim: int) -> nn.Parameter:
 def is_tp_sharded(param: torch.Tensor) -> bool:
     """Whether ``param`` is a tensor-parallel slice (False: replicated over the tp ranks)."""
     return bool(getattr(param, "tp_sharded", False))
+
+
+def tp_shard_dim(param: torch.Tensor) -> int:
+    """The tensor dim along which ``param`` is this rank's 1/tp slice (``mark_sharded``'s tag)."""
+    dim = getattr(param, "tp_shard_dim", None)
+    if not isinstance(dim, int):
+        raise LayoutError(
+            f"a parameter of shape {tuple(param.shape)} has no tp_shard_dim tag, so it is not a 1D tp slice. "
+            f"Fix: tag tp slices with mark_sharded(param, dim)."
+        )
+    return dim
 
 
 def padded_size(size: int, parts: int) -> int:
@@ -161,9 +174,10 @@ class ColumnParallelLinear(nn.Module):
         out_features padded with zero rows to a multiple of tp; their outputs are -inf (no probability under a
         softmax, zero gradient) and the gathered output is cut back to out_features."""
         dim = 1 if transposed else 0
-        weight = _slice(linear.weight, dim, comm, axis, f"{name} (column parallel, out_features)", fused_parts, pad)
-        bias = None if linear.bias is None else _slice(linear.bias, 0, comm, axis, f"{name}.bias", fused_parts, pad)
-        return cls(weight, bias, comm, axis, gather_output, input_mode, transposed, linear.weight.shape[dim])
+        full_weight, full_bias = tensor_field(linear, "weight"), optional_tensor_field(linear, "bias")
+        weight = _slice(full_weight, dim, comm, axis, f"{name} (column parallel, out_features)", fused_parts, pad)
+        bias = None if full_bias is None else _slice(full_bias, 0, comm, axis, f"{name}.bias", fused_parts, pad)
+        return cls(weight, bias, comm, axis, gather_output, input_mode, transposed, full_weight.shape[dim])
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_mode == "copy":
@@ -217,11 +231,12 @@ class RowParallelLinear(nn.Module):
         transposed: bool = False,
     ) -> RowParallelLinear:
         """From an nn.Linear (weight [out, in]) or, with ``transposed``, a Conv1D (weight [in, out])."""
-        weight = _slice(linear.weight, 0 if transposed else 1, comm, axis, f"{name} (row parallel, in_features)")
+        full_weight, full_bias = tensor_field(linear, "weight"), optional_tensor_field(linear, "bias")
+        weight = _slice(full_weight, 0 if transposed else 1, comm, axis, f"{name} (row parallel, in_features)")
         bias = (
             None
-            if linear.bias is None
-            else nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+            if full_bias is None
+            else nn.Parameter(full_bias.detach().clone(), requires_grad=full_bias.requires_grad)
         )
         return cls(weight, bias, comm, axis, sequence_parallel, transposed)
 
@@ -308,7 +323,7 @@ def gather_slice(tensor: Tensor, param: Tensor, comm: Comm, axis: str = AXIS) ->
     block (``param.tp_grid_placement``) is all-gathered over the tp sub-axes instead."""
     if hasattr(param, "tp_grid_placement"):
         return whole(tensor, comm, param.tp_grid_placement)
-    dim = param.tp_shard_dim  # type: ignore[attr-defined]
+    dim = tp_shard_dim(param)
     gathered = comm.all_gather(tensor.detach().contiguous(), axis, dim=dim)
     fused = getattr(param, "tp_fused_parts", 1)
     if fused > 1:
@@ -341,4 +356,5 @@ __all__ = [
     "mark_sharded",
     "padded_size",
     "scatter_sequence",
+    "tp_shard_dim",
 ]

@@ -35,13 +35,14 @@ import fnmatch
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from plait.comm import Comm, copy_to
 from plait.errors import LayoutError
 from plait.logging import get_logger
 from plait.models.gpt import GPT
 from plait.models.layers import Attention
+from plait.parallel.tensor.fields import int_field, tensor_field
 from plait.parallel.tensor.layers import (
     AXIS,
     ColumnParallelLinear,
@@ -49,6 +50,7 @@ from plait.parallel.tensor.layers import (
     VocabParallelEmbedding,
     gather_sequence,
     is_tp_sharded,
+    tp_shard_dim,
 )
 
 log = get_logger(__name__)
@@ -220,7 +222,9 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def linear_sizes(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of an nn.Linear or a Conv1D."""
-    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
+    if is_conv1d(module):
+        return int_field(module, "nx"), int_field(module, "nf")
+    return int_field(module, "in_features"), int_field(module, "out_features")
 
 
 def _check_module(path: str, module: nn.Module, style: str, tp: int, pad_vocab: bool = False) -> None:
@@ -239,7 +243,7 @@ def _check_module(path: str, module: nn.Module, style: str, tp: int, pad_vocab: 
     if style == "rowwise":
         what, size = "in_features", linear_sizes(module)[0]
     elif style == "vocab":
-        what, size = "vocabulary (num_embeddings)", module.num_embeddings
+        what, size = "vocabulary (num_embeddings)", int_field(module, "num_embeddings")
     else:
         what, size = "out_features", linear_sizes(module)[1]
     parts = FUSED_PARTS.get(style, 1)
@@ -302,13 +306,13 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def _enter_hook(comm: Comm, sequence_parallel: bool) -> Callable[..., tuple]:
     """Megatron's f (or the SP all-gather along the sequence) at a module's input (``input_hook``)."""
 
-    def enter(x: object) -> object:
-        return gather_sequence(x, comm, AXIS) if sequence_parallel else copy_to(x, comm, AXIS)  # type: ignore[arg-type]
+    def enter(x: Tensor) -> Tensor:
+        return gather_sequence(x, comm, AXIS) if sequence_parallel else copy_to(x, comm, AXIS)
 
     return input_hook(enter, "enter")
 
 
-def input_hook(enter: Callable[[object], object], style: str) -> Callable[..., tuple]:
+def input_hook(enter: Callable[[Tensor], Tensor], style: str) -> Callable[..., tuple]:
     """Forward pre-hook (with kwargs) applying ``enter`` to the module's first positional input, or else to its
     ``INPUT_KEYWORDS`` keyword input (LayoutError naming ``style`` when there is neither)."""
 
@@ -327,19 +331,19 @@ def input_hook(enter: Callable[[object], object], style: str) -> Callable[..., t
     return hook
 
 
-def _seq_shard_hook(comm: Comm) -> Callable[..., object]:
+def _seq_shard_hook(comm: Comm) -> Callable[..., Tensor]:
     """Forward hook: keep this rank's contiguous chunk of the output along dim -2 (the sequence)."""
 
-    def hook(module: nn.Module, args: tuple, output: object) -> object:
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         parts, index = comm.size(AXIS), comm.mesh.index(AXIS)
-        length = output.shape[-2]  # type: ignore[attr-defined]
+        length = output.shape[-2]
         if length % parts:
             raise LayoutError(
                 f"sequence parallelism: a sequence of {length} does not split over tp={parts}. "
                 f"Fix: use a sequence length that is a multiple of {parts}."
             )
         chunk = length // parts
-        return output.narrow(-2, index * chunk, chunk)  # type: ignore[attr-defined]
+        return output.narrow(-2, index * chunk, chunk)
 
     return hook
 
@@ -358,14 +362,8 @@ def _build(
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, comm, AXIS, sequence_parallel, name=path, transposed=transposed)
     if style == "vocab":
-        return VocabParallelEmbedding.from_embedding(
-            module,
-            comm,
-            AXIS,
-            sequence_parallel,
-            name=path,  # type: ignore[arg-type]
-            pad=pad,
-        )
+        assert isinstance(module, nn.Embedding)  # resolve_plan (_check_module) has checked: exactly an nn.Embedding
+        return VocabParallelEmbedding.from_embedding(module, comm, AXIS, sequence_parallel, name=path, pad=pad)
     mode = "entered" if entered else ("sequence" if sequence_parallel else "copy")
     gather = True if style == "colwise_gather" else (gather_logits if style == "colwise_vocab" else False)
     return ColumnParallelLinear.from_linear(
@@ -386,17 +384,18 @@ def _tie(new: nn.Module, original: nn.Module, tied: dict[int, nn.Module], path: 
     first = tied.setdefault(id(original.weight), new)
     if first is new:
         return
+    first_weight, new_weight = tensor_field(first, "weight"), tensor_field(new, "weight")
     same = (
-        first.weight.shape == new.weight.shape
-        and first.weight.tp_shard_dim == new.weight.tp_shard_dim
-        and getattr(first.weight, "tp_fused_parts", 1) == getattr(new.weight, "tp_fused_parts", 1)
+        first_weight.shape == new_weight.shape
+        and tp_shard_dim(first_weight) == tp_shard_dim(new_weight)
+        and getattr(first_weight, "tp_fused_parts", 1) == getattr(new_weight, "tp_fused_parts", 1)
     )
     if not same:
         raise LayoutError(
             f"tp plan: {path} shares its weight with another planned module, but their styles split it "
             f"differently. Fix: give tied modules matching styles ('vocab' with 'colwise_vocab')."
         )
-    new.weight = first.weight
+    new.weight = first_weight
 
 
 def apply_plan(
@@ -420,12 +419,12 @@ def apply_plan(
             if style == "enter":
                 if not getattr(module, "_plait_tp_enter", False):
                     module.register_forward_pre_hook(_enter_hook(comm, resolved.sequence_parallel), with_kwargs=True)
-                    module._plait_tp_enter = True  # type: ignore[attr-defined]
+                    module._plait_tp_enter = True
                 continue
             if style == "seq_shard":
                 if resolved.sequence_parallel and not getattr(module, "_plait_tp_seq_shard", False):
                     module.register_forward_hook(_seq_shard_hook(comm))
-                    module._plait_tp_seq_shard = True  # type: ignore[attr-defined]
+                    module._plait_tp_seq_shard = True
                 continue
             if any(module is new for new in swapped.values()):
                 continue  # reached again through another root that shares it: already swapped
@@ -458,7 +457,7 @@ def _localize_attention(roots: list[nn.Module], swapped: list[str], tp: int) -> 
                 continue
             if any(p.startswith(path + ".") for p in swapped):
                 spec.localize(module, tp)
-                module._plait_tp_localized = True  # type: ignore[attr-defined]
+                module._plait_tp_localized = True
 
 
 def mark_sequence_partial(model: nn.Module) -> None:
