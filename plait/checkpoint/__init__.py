@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait.checkpoint import canonical, catalog, extras, integrity, storage
 from plait.checkpoint.canonical import MODEL
@@ -119,7 +120,7 @@ def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     state = {}
     for key, stored in metadata.state_dict_metadata.items():
         if key.startswith(MODEL):
-            if not hasattr(stored, "size"):
+            if not isinstance(stored, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint entry {key!r} is not a tensor: refusing to load it.")
             state[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
     storage.read(state, folder, no_dist=True)

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -107,7 +107,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | N
     out = Path(out)
     tmp = _atomic_file(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    cast(Any, model).save_pretrained(str(tmp), safe_serialization=True)  # a transformers PreTrainedModel
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -102,9 +102,9 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = MetadataUnpickler(handle).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata.")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -204,14 +204,17 @@ def write_async(staged: dict[str, Any], writer: FileSystemWriter, group: dist.Pr
     its own: the training's collectives go on meanwhile on theirs), or in this process alone when ``group`` is
     None (no process group, or one rank)."""
     with _quiet():
-        return dcp.async_save(  # a Future here: the stager returns the state itself, not a future
+        result = dcp.async_save(
             staged,
             storage_writer=writer,
             planner=PlaitSavePlanner(staged=True),
             process_group=group,
-            async_stager=_AlreadyStaged(),
+            async_stager=_AlreadyStaged(),  # type: ignore[arg-type]  # DCP checks the protocol at run time only
             no_dist=group is None,
         )
+    if not isinstance(result, Future):  # an AsyncSaveResponse only comes with a stager that returns a future
+        raise CheckpointError(f"dcp.async_save returned {type(result).__name__}, not a Future. Fix: report this.")
+    return result
 
 
 def read_metadata(folder: Path) -> Metadata:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from plait.models.gpt import GPT
 from plait.models.hf import is_hf_model
+from plait.models.layers import Block
 
 
 def next_token(
@@ -83,7 +84,7 @@ def gpt_forward_cached(model: GPT, tokens: Tensor, cache: GPTCache) -> Tensor:
     if length > 1 and start > 0:  # query i (absolute start + i) sees keys 0 .. start + i
         mask = torch.arange(start + length, device=tokens.device)[None, :] <= positions[:, None]
     for key in sorted(model.blocks.keys(), key=int):
-        block = model.blocks[key]
+        block = cast(Block, model.blocks[key])  # the GPT's blocks are Blocks (an nn.ModuleDict types them Module)
         attn = block.attn
         q, k, v = attn.project_qkv(block.norm1(hidden), positions)
         k, v = cache.extend(key, k, v)

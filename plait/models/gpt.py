@@ -42,13 +42,14 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
                 if module.weight is not None:
                     nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
         for module in self.modules():
             if isinstance(module, Attention):
                 nn.init.normal_(module.o.weight, mean=0.0, std=residual_std)

@@ -40,7 +40,7 @@ def return_logits(model: nn.Module) -> nn.Module:
         if "use_cache" in inspect.signature(model.forward).parameters:
             model.register_forward_pre_hook(_no_cache, with_kwargs=True)
         model.register_forward_hook(_logits)
-        model._plait_returns_logits = True  # type: ignore[attr-defined]
+        model._plait_returns_logits = True  # type: ignore[assignment]  # Module.__setattr__'s stub: Tensor | Module
         log.debug("%s: forward returns logits (use_cache=False)", type(model).__name__)
     return model
 

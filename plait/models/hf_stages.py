@@ -56,8 +56,9 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
     )
 
 
-def _gpt2_stage(self: nn.Module, x: torch.Tensor, **_: Any) -> torch.Tensor:
-    """GPT2LMHeadModel.forward (no cache, no padding mask) restricted to the parts this stage kept."""
+def _gpt2_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
+    """GPT2LMHeadModel.forward (no cache, no padding mask) restricted to the parts this stage kept. ``self`` is a
+    transformers model, whose submodules are dynamic attributes (typed Any)."""
     base = self.transformer
     if base.wte is not None:
         hidden = base.drop(base.wte(x) + base.wpe(_positions(x)))
@@ -72,8 +73,9 @@ def _gpt2_stage(self: nn.Module, x: torch.Tensor, **_: Any) -> torch.Tensor:
     return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-def _llama_stage(self: nn.Module, x: torch.Tensor, **_: Any) -> torch.Tensor:
-    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept."""
+def _llama_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
+    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self``: as
+    in ``_gpt2_stage``)."""
     base = self.model
     hidden = base.embed_tokens(x) if base.embed_tokens is not None else x
     positions = _positions(hidden)
@@ -99,7 +101,8 @@ _STAGE_FORWARDS = {"gpt2": _gpt2_stage, "llama": _llama_stage}
 def make_stage_forward(stage: nn.Module) -> nn.Module:
     """Give a pipeline stage copy of a transformers causal LM the forward above (in place; returns it)."""
     check_pipeline_support(stage)
-    stage.forward = types.MethodType(_STAGE_FORWARDS[stage.config.model_type], stage)
+    model_type = str(getattr(stage, "config").model_type)  # noqa: B009 - a transformers config, typed Any
+    stage.forward = types.MethodType(_STAGE_FORWARDS[model_type], stage)
     return stage
 
 

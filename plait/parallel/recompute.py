@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -74,7 +74,7 @@ def apply_recompute(model: nn.Module, recompute: str | tuple[int, ...]) -> list[
     for _path, block in chosen:
         if not getattr(block, "_plait_recompute", False):
             block.forward = functools.partial(_checkpointed, block.forward)
-            block._plait_recompute = True
+            block._plait_recompute = True  # type: ignore[assignment]  # Module.__setattr__'s stub: Tensor | Module
     return [path for path, _ in chosen]
 
 
@@ -160,7 +160,7 @@ def _apply_hf_selective(model: nn.Module) -> list[str]:
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
     for _, module in modules:
         setattr(module, INNER_ATTRIBUTE, inner[id(module)])
-    model.set_attn_implementation(name)
+    cast(Any, model).set_attn_implementation(name)  # a transformers PreTrainedModel's method
     return [path for path, _ in modules]
 
 

@@ -192,10 +192,11 @@ def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, floa
         if s.pending:
             lines.append(f"| {run.source} ({role}) | {run.label} | {value} | pending: {s.pending} | | | |")
             continue
-        loo = "" if s.loo_error is None else f"{s.loo_error:+.1%}"
+        loo_text = "" if s.loo_error is None else f"{s.loo_error:+.1%}"
         memory = f"{s.memory_gib:.0f} / {s.limit_gib:.0f}" + ("" if s.fits else " **does not fit**")
         lines.append(
-            f"| {run.source} ({role}) | {run.label} | {value} | {s.predicted:.3g} | {s.error:+.1%} | {loo} | {memory} |"
+            f"| {run.source} ({role}) | {run.label} | {value} | {s.predicted:.3g} | {s.error:+.1%} | {loo_text} | "
+            f"{memory} |"
         )
     stats = summary(scored)
     lines += [

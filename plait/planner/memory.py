@@ -226,8 +226,9 @@ def estimate_memory(
         psi_model = -1  # a description: counted from the spec below
     shape = dict(activations or {})
     config = getattr(model, "config", model)  # a plait GPT's GPTConfig (or the GPTConfig itself): its dropout
-    if "dropout" not in shape and isinstance(getattr(config, "dropout", None), float):
-        shape["dropout"] = config.dropout
+    dropout = getattr(config, "dropout", None)
+    if "dropout" not in shape and isinstance(dropout, float):
+        shape["dropout"] = dropout
     spec = _spec(model, psi_model, shape) if activations or psi_model < 0 else None
     if psi_model < 0:
         assert spec is not None

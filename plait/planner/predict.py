@@ -277,7 +277,12 @@ def predict(
         )
     hw = get_hardware(hardware)
     impl = IMPLEMENTATIONS[implementation] if isinstance(implementation, str) else implementation
-    layout = layout.resolve(world_size) if (world_size or not layout.is_resolved) else layout
+    if world_size is None and not layout.is_resolved:
+        raise LayoutError(
+            f"{layout.short()} has a -1 degree and no world size was given. Fix: pass world_size (the number of "
+            f"devices), or give every degree."
+        )
+    layout = layout.resolve(world_size) if world_size is not None else layout
     if global_batch is None:
         global_batch = layout.dp * layout.microbatches
     b = check_layout(spec, layout, global_batch)

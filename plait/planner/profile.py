@@ -26,12 +26,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from plait.errors import LayoutError
+from plait.models.gpt import GPT
 from plait.observe.memory import SavedActivations
 
 
@@ -102,9 +103,11 @@ def as_chain(layers: Sequence[nn.Module] | LayerChain) -> LayerChain:
 class _Embedding(nn.Module):
     """Token ids [B, T] -> hidden states: the GPT's token (+ learned position) embedding and dropout."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: GPT) -> None:
         super().__init__()
-        self.tok_embed, self.pos_embed, self.drop = model.tok_embed, model.pos_embed, model.drop
+        assert model.tok_embed is not None, "gpt_layers checked that the model is whole"
+        self.tok_embed: nn.Embedding = model.tok_embed
+        self.pos_embed, self.drop = model.pos_embed, model.drop
 
     def forward(self, tokens: Tensor) -> Tensor:
         hidden = self.tok_embed(tokens)
@@ -127,9 +130,11 @@ class _Block(nn.Module):
 class _Head(nn.Module):
     """Hidden states -> logits: the GPT's final norm and LM head."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: GPT) -> None:
         super().__init__()
-        self.norm_f, self.lm_head = model.norm_f, model.lm_head
+        assert model.norm_f is not None and model.lm_head is not None, "gpt_layers checked that the model is whole"
+        self.norm_f: nn.Module = model.norm_f
+        self.lm_head: nn.Linear = model.lm_head
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm_f(hidden))
@@ -144,8 +149,9 @@ def gpt_layers(model: nn.Module) -> LayerChain:
             f"gpt_layers needs a whole reference GPT, but {', '.join(missing)} is missing. Fix: pass "
             f"the full plait.models.GPT before it is split into stages."
         )
-    keys = sorted(model.blocks.keys(), key=int)
-    modules = (_Embedding(model), *(_Block(model.blocks[k]) for k in keys), _Head(model))
+    gpt = cast(GPT, model)  # has every part of the reference GPT (checked above)
+    keys = sorted(gpt.blocks.keys(), key=int)
+    modules = (_Embedding(gpt), *(_Block(gpt.blocks[k]) for k in keys), _Head(gpt))
     names = ("embedding", *(f"blocks.{k}" for k in keys), "head")
     return LayerChain(modules, names, lead=1, trail=1)
 
