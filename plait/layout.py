@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from plait.errors import LayoutError
@@ -20,17 +21,104 @@ from plait.errors import LayoutError
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """Mesh axes from outermost to innermost: rank = ((pp * DP + dp) * CP + cp) * TP + tp."""
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream")
-PRECISIONS = ("fp32", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "compute")
-"""Gradient reduction dtype: fp32 (the gradients' own), or the compute dtype of ``precision`` (half the bytes)."""
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""Activation recomputation: none; "selective" recomputes only every block's attention core (softmax, dropout and
-the product with the values: Korthikanti et al. 2022); "full" every block (or a tuple of block indices)."""
-CP_MODES = ("ring", "ulysses")
-OFFLOADS = ("none", "cpu", "nvme")
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-"""Tensor-parallel algorithms: Megatron 1D, SUMMA 2D (q x q), Tesseract 2.5D (q x q x depth), 3D (q x q x q)."""
+
+class Choice(str, Enum):
+    """A named choice whose text is its value: equal to, hashed as, printed and serialised (TOML, JSON) as that
+    string, so ``layout.schedule == PipelineSchedule.ONE_F_ONE_B`` and ``PipelineSchedule.ONE_F_ONE_B`` are interchangeable and every text
+    format stays as it was."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:  # messages read schedule='1f1b', as the user wrote it
+        return repr(str(self.value))
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+class PipelineSchedule(Choice):
+    """The pipeline schedules (``plait.parallel.pipeline.generators``)."""
+
+    NAIVE = "naive"
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZERO_BUBBLE = "zero-bubble"
+    PIPEDREAM = "pipedream"
+
+
+class Precision(Choice):
+    """Compute precision (master weights stay fp32)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class ReduceDtype(Choice):
+    """Gradient reduction dtype: fp32 (the gradients' own), or the compute dtype of ``precision`` (half the bytes)."""
+
+    FP32 = "fp32"
+    COMPUTE = "compute"
+
+
+class Recompute(Choice):
+    """Activation recomputation: none; "selective" recomputes only every block's attention core (softmax, dropout
+    and the product with the values: Korthikanti et al. 2022); "full" every block (``Layout.recompute`` may also be
+    a tuple of block indices)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class CpMode(Choice):
+    """Context-parallel algorithms: ring attention (zigzag), DeepSpeed-Ulysses (all-to-all)."""
+
+    RING = "ring"
+    ULYSSES = "ulysses"
+
+
+class Offload(Choice):
+    """Where ZeRO keeps optimizer states and master weights."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class TpMode(Choice):
+    """Tensor-parallel algorithms: Megatron 1D, SUMMA 2D (q x q), Tesseract 2.5D (q x q x depth), 3D (q x q x q)."""
+
+    ONE_D = "1d"
+    TWO_D = "2d"
+    TWO_AND_HALF_D = "2.5d"
+    THREE_D = "3d"
+
+
+SCHEDULES = PipelineSchedule.values()
+PRECISIONS = Precision.values()
+REDUCE_DTYPES = ReduceDtype.values()
+RECOMPUTE_MODES = Recompute.values()
+CP_MODES = CpMode.values()
+OFFLOADS = Offload.values()
+TP_MODES = TpMode.values()
+CHOICES: dict[str, type[Choice]] = {
+    "schedule": PipelineSchedule,
+    "precision": Precision,
+    "cp_mode": CpMode,
+    "offload": Offload,
+    "reduce_dtype": ReduceDtype,
+    "tp_mode": TpMode,
+}
+"""Layout fields that hold one of a fixed set of names (``recompute`` also takes a tuple of block indices)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +179,7 @@ class Layout:
             object.__setattr__(self, "recompute", tuple(self.recompute))
         if isinstance(self.pipeline_cuts, list):
             object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
+        self._coerce_choices()
         self._check_degrees()
         self._check_choices()
 
@@ -121,17 +210,24 @@ class Layout:
         if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
             raise LayoutError(f"bucket_mb={self.bucket_mb!r} must be a positive size in MiB. Fix: e.g. bucket_mb=25.")
 
-    def _check_choices(self) -> None:
-        for name, choices in (
-            ("schedule", SCHEDULES),
-            ("precision", PRECISIONS),
-            ("cp_mode", CP_MODES),
-            ("offload", OFFLOADS),
-            ("reduce_dtype", REDUCE_DTYPES),
-        ):
+    def _coerce_choices(self) -> None:
+        """Each named choice (``CHOICES``, and ``recompute`` when it is a name) as its ``Choice`` member: a
+        LayoutError naming the valid names for anything else."""
+        fields = [(name, kind) for name, kind in CHOICES.items()]
+        if isinstance(self.recompute, str):
+            fields.append(("recompute", Recompute))
+        for name, kind in fields:
             value = getattr(self, name)
-            if value not in choices:
-                raise LayoutError(f"{name}={value!r} is unknown. Fix: use one of {', '.join(map(repr, choices))}.")
+            try:
+                member = kind(value)
+            except ValueError:
+                raise LayoutError(
+                    f"{name}={value!r} is unknown. Fix: use one of {', '.join(map(repr, kind.values()))}"
+                    + (" or a list of block indices." if name == "recompute" else ".")
+                ) from None
+            object.__setattr__(self, name, member)
+
+    def _check_choices(self) -> None:
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE_MODES:
                 raise LayoutError(
@@ -161,23 +257,21 @@ class Layout:
                 f"{self.virtual_stages} needs {self.pp * self.virtual_stages}. Fix: give "
                 f"{self.pp * self.virtual_stages - 1} cut(s), or drop pipeline_cuts for an even split."
             )
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and self.schedule != PipelineSchedule.INTERLEAVED:
             raise LayoutError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "
                 f"Fix: set schedule='interleaved' or virtual_stages=1."
             )
-        if self.tp_mode not in TP_MODES:
-            raise LayoutError(f"tp_mode={self.tp_mode!r} is unknown. Fix: use one of {', '.join(map(repr, TP_MODES))}.")
         if self.tp != -1:
             tp_grid_dims(self.tp, self.tp_mode, self.tp_depth)
         if not isinstance(self.tp_pad_vocab, bool):
             raise LayoutError(f"tp_pad_vocab={self.tp_pad_vocab!r} must be true or false.")
-        if self.tp_pad_vocab and self.tp_mode != "1d":
+        if self.tp_pad_vocab and self.tp_mode != TpMode.ONE_D:
             raise LayoutError(
                 f"tp_pad_vocab=True pads Megatron 1D's vocab-parallel embedding and head; tp_mode={self.tp_mode!r} "
                 f"splits the embedding's features, not its vocabulary. Fix: set tp_pad_vocab=False or tp_mode='1d'."
             )
-        if self.sequence_parallel and self.tp_mode != "1d":
+        if self.sequence_parallel and self.tp_mode != TpMode.ONE_D:
             raise LayoutError(
                 f"sequence_parallel=True is Megatron 1D's; tp_mode={self.tp_mode!r} already splits the activations. "
                 f"Fix: set sequence_parallel=False or tp_mode='1d'."
@@ -257,7 +351,9 @@ class Layout:
         return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision])
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = {
+            key: str(value) if isinstance(value, Choice) else value for key, value in dataclasses.asdict(self).items()
+        }
         if isinstance(self.recompute, tuple):
             data["recompute"] = list(self.recompute)
         data["pipeline_cuts"] = list(self.pipeline_cuts)
@@ -325,4 +421,19 @@ def from_mapping(cls: type, data: dict[str, Any], section: str, error: type[Exce
     return cls(**data)
 
 
-__all__ = ["AXES", "TP_MODES", "Layout", "from_mapping", "tp_grid_dims"]
+__all__ = [
+    "AXES",
+    "CHOICES",
+    "Choice",
+    "CpMode",
+    "Layout",
+    "Offload",
+    "PipelineSchedule",
+    "Precision",
+    "Recompute",
+    "ReduceDtype",
+    "TP_MODES",
+    "TpMode",
+    "from_mapping",
+    "tp_grid_dims",
+]

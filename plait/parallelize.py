@@ -20,7 +20,7 @@ from plait.comm import Comm, CommStats
 from plait.distributed import DEFAULT_TIMEOUT_S, default_device
 from plait.engine import Engine
 from plait.errors import LayoutError
-from plait.layout import Layout
+from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.models.loss import LossFn
@@ -44,7 +44,7 @@ from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 
 AVAILABLE = {
     "offload": (
-        lambda layout: layout.offload == "none" or layout.zero >= 1,
+        lambda layout: layout.offload == Offload.NONE or layout.zero >= 1,
         "offload without ZeRO (offload needs zero=1, 2 or 3)",
     ),
 }
@@ -106,7 +106,7 @@ def make_runner(
     elif layout.sequence_parallel:  # Megatron-SP x pp: later stages' positions
         checks.append(hand_stage_positions([(stage.module, stage.is_first) for stage in stages], layout.tp))
     strategy.attach_pipeline({stage.index: stage.module for stage in stages})  # ZeRO-3: units per stage
-    if layout.schedule == "pipedream":
+    if layout.schedule == PipelineSchedule.PIPEDREAM:
         return PipeDreamRunner(
             stages, pipeline.schedule, comm, precision, loss_fn, pipedream,
             no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
@@ -202,7 +202,9 @@ def parallelize(
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
     stages = []
     if pipeline is not None:
-        if layout.recompute != "selective":  # whole blocks first, on the whole model, so that indices are global
+        if (
+            layout.recompute != Recompute.SELECTIVE
+        ):  # whole blocks first, on the whole model, so that indices are global
             apply_recompute(model, layout.recompute)
         model, stages = place_pipeline(model, pipeline, mesh.index("pp"))
         for stage in stages:
@@ -216,7 +218,7 @@ def parallelize(
     if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
         roles = [(stage.module, stage.is_first, stage.is_last) for stage in stages] or None
         loss_fn = apply_context_parallel(model, context, comm, loss_fn, stages=roles)
-    if pipeline is None or layout.recompute == "selective":  # after cp: it wraps the attention kernel in use
+    if pipeline is None or layout.recompute == Recompute.SELECTIVE:  # after cp: it wraps the attention kernel in use
         apply_recompute(model, layout.recompute)
     broadcast_parameters(model, comm)
     strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir, param_groups)

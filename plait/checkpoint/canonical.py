@@ -23,6 +23,7 @@ from torch import nn
 
 from plait.checkpoint.chunks import Chunked, flat_pieces, global_shape, is_tp_slice, whole_pieces
 from plait.errors import LayoutError
+from plait.layout import TpMode
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -61,7 +62,7 @@ def flats(strategy: Any) -> list[Flat]:
 
 def check_layout(engine: Any) -> None:
     """Refuse what the canonical form cannot describe yet (the same answer on every rank)."""
-    if engine.layout.tp > 1 and engine.layout.tp_mode != "1d":
+    if engine.layout.tp > 1 and engine.layout.tp_mode != TpMode.ONE_D:
         raise LayoutError(
             f"checkpoints of tp_mode={engine.layout.tp_mode!r} (2D/2.5D/3D grid blocks) are not implemented: only "
             f"Megatron 1D slices are mapped to whole tensors. Fix: export whole weights with "

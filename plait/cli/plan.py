@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.layout import Precision
 
 PLANNER_COMMANDS = ("plan", "simulate", "calibrate")
 
@@ -145,7 +146,7 @@ def run_planner(args: argparse.Namespace) -> int:
     from plait.planner.predict import predict
 
     layout = parse_layout(args.layout)
-    if args.precision != "bf16" or layout.precision == "fp32":
+    if args.precision != Precision.BF16 or layout.precision == Precision.FP32:
         layout = replace(layout, precision=args.precision)
     prediction = predict(
         spec, layout, hardware, global_batch=args.global_batch, world_size=args.gpus, implementation=args.implementation

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.layout import PipelineSchedule
 
 
 def add_schedule_command(commands: Any) -> None:
@@ -76,7 +77,7 @@ def _load(args: argparse.Namespace):
     sizes = {"p": args.pp, "m": args.microbatches, "v": args.virtual_stages}
     path = args.text or args.csv
     if path is None:
-        defaults = {"p": 4, "m": 8, "v": 2 if args.schedule == "interleaved" else 1}
+        defaults = {"p": 4, "m": 8, "v": 2 if args.schedule == PipelineSchedule.INTERLEAVED else 1}
         p, m, v = (defaults[key] if sizes[key] is None else sizes[key] for key in ("p", "m", "v"))
         return build_schedule(args.schedule, p, m, v)
     try:

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.layout import Precision, ReduceDtype
+
 if TYPE_CHECKING:
     from plait.layout import Layout
     from plait.parallel.strategy import DataParallelStrategy
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 def gradient_reduce_dtype(layout: Layout) -> torch.dtype | None:
@@ -32,7 +34,7 @@ def gradient_reduce_dtype(layout: Layout) -> torch.dtype | None:
     dtype (relative error 2^-8 / 2^-11 per rounding), and fp16 sums of loss-scaled gradients may overflow, which
     the loss scaler then treats as any other overflow (the step is skipped)."""
     dtype = DTYPES[layout.precision]
-    return dtype if layout.reduce_dtype == "compute" and dtype != torch.float32 else None
+    return dtype if layout.reduce_dtype == ReduceDtype.COMPUTE and dtype != torch.float32 else None
 
 
 def cast_for_reduction(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.layout import Precision
 from plait.models.spec import ModelSpec
 
 ATTENTION_KERNELS = ("flash", "math")
@@ -86,11 +87,11 @@ class Forward:
     @property
     def e(self) -> int:
         """Bytes of a compute-dtype element."""
-        return 4 if self.precision == "fp32" else 2
+        return 4 if self.precision == Precision.FP32 else 2
 
     @property
     def autocast(self) -> bool:
-        return self.precision != "fp32"
+        return self.precision != Precision.FP32
 
     @property
     def n(self) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from plait.layout import AXES, Layout
+from plait.layout import AXES, CpMode, Layout
 from plait.models.spec import ModelSpec, block_flops, logits_flops
 from plait.planner.hardware import Hardware
 
@@ -263,8 +263,10 @@ def block_time(
     tp_one = collective_time(hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency)
     cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
     attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
-    cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_fwd
-    cp_bwd_exposed = max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == "ring" and impl.overlap_cp) else cp_bwd
+    cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_fwd
+    cp_bwd_exposed = (
+        max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_bwd
+    )
     mode = recompute_mode(layout)
     if mode == "selective":  # the attention core again (and its softmax traffic without flash attention)
         scores = 0.0 if impl.flash_attention else 4.5 * spec.heads * s_local * seq * e * micro_batch / t
@@ -296,7 +298,7 @@ def _context_comm(
     s_local = seq // cp
     inter = axis_span(layout, "cp")
     kv_bytes = micro_batch * s_local * 2 * spec.kv * spec.head_dim * e / layout.tp
-    if layout.cp_mode == "ring":
+    if layout.cp_mode == CpMode.RING:
         step = collective_time(hw, "send_recv", kv_bytes, 2, inter, impl.comm_efficiency)
         return (cp - 1) * step, 2 * (cp - 1) * step
     q_bytes = micro_batch * seq * spec.hidden * e / layout.tp  # the full sequence's heads, redistributed

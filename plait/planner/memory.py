@@ -56,8 +56,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.layout import Layout
+from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.models.spec import ModelSpec
+from plait.parallel.pipeline.schedule import Kind
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
 from plait.planner.model_states import FOREACH_TEMPORARIES, STATE_FLOATS, optimizer_kind, zero_paper_bytes
@@ -111,7 +112,7 @@ class MemoryEstimate:
 def _states(psi: float, layout: Layout, kind: str) -> MemoryEstimate:
     n, stage = layout.dp * layout.cp, layout.zero
     states = STATE_FLOATS[kind] * 4 * psi
-    offloaded = layout.offload != "none" and stage >= 1
+    offloaded = layout.offload != Offload.NONE and stage >= 1
     estimate = MemoryEstimate(
         parameters=4 * psi if stage < 3 else 4 * psi / n,
         gradients=4 * psi if stage < 2 else 4 * psi / n,  # ZeRO-1: the full local gradient, until reduced
@@ -180,9 +181,9 @@ def rank_in_flight_peaks(schedule: Any, stage_bytes: Sequence[float]) -> list[fl
     for actions in schedule.actions:
         held = peak = 0.0
         for action in actions:
-            if action.kind == "F":
+            if action.kind == Kind.FORWARD:
                 held += stage_bytes[action.stage]
-            elif action.kind in ("B", "I"):
+            elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
                 held -= stage_bytes[action.stage]
             peak = max(peak, held)
         peaks.append(peak)
@@ -245,7 +246,7 @@ def estimate_memory(
 def _step_phase(states: MemoryEstimate, layout: Layout, kind: str, device: str) -> float:
     base = states.parameters + states.optimizer_states + states.master_weights - states.host
     temporaries = 0.0
-    if device == "cuda" and not (layout.offload != "none" and layout.zero >= 1):
+    if device == "cuda" and not (layout.offload != Offload.NONE and layout.zero >= 1):
         stepped = states.optimizer_states / max(1, 4 * STATE_FLOATS[kind]) if STATE_FLOATS[kind] else 0.0
         temporaries = 4 * stepped * FOREACH_TEMPORARIES.get(kind, 0)
     return base + states.gradients_at_step + temporaries
@@ -273,7 +274,7 @@ def rank_activations(
     stage."""
     stages = layout.pp * layout.virtual_stages
     ranges = _block_ranges(spec.layers, stages, layout.pipeline_cuts)
-    recomputed_any = layout.recompute == "full" or isinstance(layout.recompute, tuple)
+    recomputed_any = layout.recompute == Recompute.FULL or isinstance(layout.recompute, tuple)
     stage_bytes = []
     for s, (start, end) in enumerate(ranges):
         blocks = sum(block_bytes(spec, fwd, _recompute_of(layout, i)) for i in range(start, end))
@@ -349,7 +350,7 @@ def _rank_peak(
     }
     breakdowns = {"loss": parts}
     recomputed = [i for i in blocks if _recompute_of(layout, i) == "full"]
-    if recomputed or layout.recompute == "selective":
+    if recomputed or layout.recompute == Recompute.SELECTIVE:
         one = block_bytes(spec, fwd, "none")
         again = one - block_bytes(spec, fwd, "full" if recomputed else "selective")
         head = 4 * spec.hidden * spec.vocab / layout.tp if last else 0.0  # the head's gradient, by then
@@ -431,7 +432,7 @@ def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple
     params_and_grads = zero_paper_bytes(psi, n, stage, k=0)
     params = 2 * psi / n if stage == 3 else 2 * psi
     states = zero_paper_bytes(psi, n, stage) - params_and_grads
-    host = states if (layout.offload != "none" and stage >= 1) else 0.0
+    host = states if (layout.offload != Offload.NONE and stage >= 1) else 0.0
     return params, params_and_grads - params, states, host
 
 
@@ -547,7 +548,9 @@ def stage_memory(
         activations += none - full  # a recomputed block's activations, for a moment
     elif mode == "selective":
         activations += none - selective
-    ends_held = in_flight if layout.schedule == "gpipe" else 1  # 1F1B-like: the last stage's F is followed by its B
+    ends_held = (
+        in_flight if layout.schedule == PipelineSchedule.GPIPE else 1
+    )  # 1F1B-like: the last stage's F is followed by its B
     activations += ends_held * ((first if first_stage else 0.0) + (last if last_stage else 0.0))
     if last_stage:
         activations += loss
@@ -555,7 +558,7 @@ def stage_memory(
     buffers = 2 * layout.bucket_mb * 2**20 if layout.zero < 3 and layout.dp * layout.cp > 1 else 0.0
     if layout.zero == 3:  # the gathered block being used and the one prefetched
         buffers = 2 * block_params / layout.tp * e
-        if layout.pp > 1 and layout.schedule == "zero-bubble":  # I and W gather the whole stage chunk
+        if layout.pp > 1 and layout.schedule == PipelineSchedule.ZERO_BUBBLE:  # I and W gather the whole stage chunk
             buffers = max(buffers, psi / layout.virtual_stages * e)
     allocated = params + grads + states - host + activations + buffers
     reserved = impl.reserved_bytes + (CUDA_CACHING_OVERHEAD * allocated if impl.reserved_bytes > 0 else 0.0)

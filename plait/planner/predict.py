@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from plait.errors import LayoutError
-from plait.layout import Layout
+from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.parallel.pipeline import build_schedule, simulate
 from plait.parallel.pipeline.simulate import Costs
 from plait.planner.costs import (
@@ -149,7 +149,7 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
             f"pp x virtual_stages = {chunks} chunks, but {spec.name} has {spec.layers} layers. "
             f"Fix: use pp x virtual_stages <= {spec.layers}."
         )
-    if layout.schedule == "interleaved" and layout.pp > 1 and layout.microbatches % layout.pp:
+    if layout.schedule == PipelineSchedule.INTERLEAVED and layout.pp > 1 and layout.microbatches % layout.pp:
         raise LayoutError(
             f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
             f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'."
@@ -395,10 +395,10 @@ def predict(
         dp_time = reduce + gather
     owned = psi_max / n_shard if layout.zero >= 1 else psi_max
     optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0
-    if layout.offload != "none" and layout.zero >= 1:
+    if layout.offload != Offload.NONE and layout.zero >= 1:
         optimizer = owned * ADAM_BYTES_PER_PARAM / hw.host_memory_bandwidth
         offload = owned * (impl.grad_bytes + e) / hw.host_bandwidth
-        if layout.offload == "nvme":
+        if layout.offload == Offload.NVME:
             offload += owned * 2 * 16 / hw.nvme_bandwidth  # read and write the fp32 states
     step = makespan + dp_time + optimizer + offload
     rank_comm = m * sum(
@@ -437,8 +437,8 @@ def predict(
     for r in sorted(fullest):
         blocks, params = stage_params[r]
         held = in_flight if p > 1 else 1
-        if p > 1 and layout.schedule in ("gpipe", "naive"):
-            held = m * v if layout.schedule == "gpipe" else 1
+        if p > 1 and layout.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.NAIVE):
+            held = m * v if layout.schedule == PipelineSchedule.GPIPE else 1
         mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == last, spec.block_parameters)
         if worst is None or mem.device > worst.device:
             worst = mem
@@ -470,7 +470,7 @@ def _layer_costs(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, 
         listed = set(layout.recompute)
         costs = [base + (extra if i in listed else 0.0) for i in range(spec.layers)]
     else:
-        costs = [base + (extra if layout.recompute != "none" else 0.0)] * spec.layers
+        costs = [base + (extra if layout.recompute != Recompute.NONE else 0.0)] * spec.layers
     costs[0] += embed
     costs[-1] += head
     return costs

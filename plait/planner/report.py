@@ -14,6 +14,7 @@ import tomli_w
 from rich.console import Console
 from rich.table import Table
 
+from plait.layout import Offload, Recompute
 from plait.planner.models import ModelSpec
 from plait.planner.predict import Prediction, fmt_bytes, fmt_time
 from plait.planner.search import PlanResult
@@ -36,12 +37,12 @@ def layout_text(p: Prediction) -> str:
             parts.append("cuts " + ",".join(map(str, lay.pipeline_cuts)))
     if lay.sequence_parallel:
         parts.append("sp")
-    if lay.recompute != "none":
+    if lay.recompute != Recompute.NONE:
         mode = lay.recompute
         parts.append(
             "recompute" + ("" if mode == "full" else f"-{mode}" if isinstance(mode, str) else f"-blocks{list(mode)}")
         )
-    if lay.offload != "none":
+    if lay.offload != Offload.NONE:
         parts.append(f"offload-{lay.offload}")
     return " ".join(parts)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.errors import LayoutError
-from plait.layout import Layout
+from plait.layout import CpMode, Layout, PipelineSchedule
 from plait.models.hf import is_hf_model
 
 
@@ -40,7 +40,7 @@ def check_layout_and_model(model: nn.Module, layout: Layout) -> None:
             f"positions 0..T/cp-1 instead of this rank's global ones. Fix: use pp=1 with cp > 1 for this model, or "
             f"cp=1 with pp > 1."
         )
-    if layout.pp > 1 and layout.schedule == "pipedream":
+    if layout.pp > 1 and layout.schedule == PipelineSchedule.PIPEDREAM:
         raise LayoutError(
             f"context parallelism (cp={layout.cp}) with schedule='pipedream' is not implemented: PipeDream's "
             f"asynchronous updates are not parity-tested with a sharded sequence. Fix: use a synchronous schedule "
@@ -71,7 +71,7 @@ def check_dropout(path: str, dropout: float) -> None:
 def check_ulysses_heads(path: str, heads: int, kv_heads: int, layout: Layout) -> None:
     """Under Ulysses, tp first splits the heads and cp splits them again: tp*cp must divide both counts."""
     split = layout.tp * layout.cp
-    if layout.cp_mode == "ulysses" and (heads % split or kv_heads % split):
+    if layout.cp_mode == CpMode.ULYSSES and (heads % split or kv_heads % split):
         raise LayoutError(
             f"Ulysses (cp_mode='ulysses') gives each rank heads/(tp*cp) heads, but {path} has {heads} query "
             f"and {kv_heads} key/value heads, not both divisible by tp*cp = {layout.tp}*{layout.cp} = {split}. "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.errors import LayoutError, ScheduleError
-from plait.layout import Layout
+from plait.layout import Layout, PipelineSchedule
 from plait.parallel.pipeline.schedule import Schedule, build_schedule
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.split import SplitPlan, local_model, plan_split
@@ -62,7 +62,7 @@ def plan_pipeline(
                 f"its rank would have nothing to optimize. Fix: choose pipeline_cuts that give every stage "
                 f"parameters (e.g. move a parameter-free first layer into the next stage), or use fewer stages."
             )
-    if split.tied and (layout.tp > 1 or layout.schedule == "pipedream"):
+    if split.tied and (layout.tp > 1 or layout.schedule == PipelineSchedule.PIPEDREAM):
         what = f"tp={layout.tp}" if layout.tp > 1 else 'schedule="pipedream"'
         raise LayoutError(
             f"{', '.join(first + ' = ' + last for first, last in split.tied)} tie the first and the last pipeline "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.errors import ScheduleError
-from plait.parallel.pipeline.schedule import Action, Schedule
+from plait.parallel.pipeline.schedule import Action, Kind, Schedule
 
 
 def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
@@ -20,9 +20,9 @@ def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
     acts: list[list[Action]] = [[] for _ in range(p)]
     for j in range(m):
         for s in range(p * v):
-            acts[s % p].append(Action(s, "F", j))
+            acts[s % p].append(Action(s, Kind.FORWARD, j))
         for s in reversed(range(p * v)):
-            acts[s % p].append(Action(s, "B", j))
+            acts[s % p].append(Action(s, Kind.BACKWARD, j))
     return Schedule(p, m, acts, v, "naive")
 
 
@@ -31,9 +31,9 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     _check_sizes(p, m, v)
     acts: list[list[Action]] = [[] for _ in range(p)]
     for s in range(p * v):
-        acts[s % p] += [Action(s, "F", j) for j in range(m)]
+        acts[s % p] += [Action(s, Kind.FORWARD, j) for j in range(m)]
     for s in reversed(range(p * v)):
-        acts[s % p] += [Action(s, "B", j) for j in range(m)]
+        acts[s % p] += [Action(s, Kind.BACKWARD, j) for j in range(m)]
     return Schedule(p, m, acts, v, "gpipe")
 
 
@@ -44,7 +44,13 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     if v != 1:
         raise ScheduleError(f"1f1b runs one stage per rank (v=1), got v={v}. Fix: use schedule 'interleaved'.")
     return _warmup_steady_cooldown(
-        p, m, 1, "1f1b", lambda r: min(p - r - 1, m), lambda r, k: Action(r, "F", k), lambda r, k: Action(r, "B", k)
+        p,
+        m,
+        1,
+        "1f1b",
+        lambda r: min(p - r - 1, m),
+        lambda r, k: Action(r, Kind.FORWARD, k),
+        lambda r, k: Action(r, Kind.BACKWARD, k),
     )
 
 
@@ -71,10 +77,10 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
         )
 
     def forward(r: int, k: int) -> Action:
-        return Action(((k // p) % v) * p + r, "F", (k // (p * v)) * p + k % p)
+        return Action(((k // p) % v) * p + r, Kind.FORWARD, (k // (p * v)) * p + k % p)
 
     def backward(r: int, k: int) -> Action:
-        return Action((v - 1 - (k // p) % v) * p + r, "B", (k // (p * v)) * p + k % p)
+        return Action((v - 1 - (k // p) % v) * p + r, Kind.BACKWARD, (k // (p * v)) * p + k % p)
 
     def warmup(r: int) -> int:  # Megatron-LM's count; m == p runs all forwards first
         return m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
@@ -94,16 +100,16 @@ def zero_bubble(p: int, m: int, v: int = 1) -> Schedule:
     for r in range(p):
         warm = min(p - r, m)
         lag = min(r, m - 1)  # rank r keeps r weight passes back, to fill its cool-down bubbles
-        seq = [Action(r, "F", j) for j in range(warm)]
+        seq = [Action(r, Kind.FORWARD, j) for j in range(warm)]
         done_w = 0
         for k in range(m):  # I, then a deferred W (before the next F: at most p micro-batches open), then F
-            seq.append(Action(r, "I", k))
+            seq.append(Action(r, Kind.BACKWARD_INPUT, k))
             if k >= lag:
-                seq.append(Action(r, "W", done_w))
+                seq.append(Action(r, Kind.BACKWARD_WEIGHT, done_w))
                 done_w += 1
             if warm + k < m:
-                seq.append(Action(r, "F", warm + k))
-        seq += [Action(r, "W", j) for j in range(done_w, m)]
+                seq.append(Action(r, Kind.FORWARD, warm + k))
+        seq += [Action(r, Kind.BACKWARD_WEIGHT, j) for j in range(done_w, m)]
         acts.append(seq)
     return Schedule(p, m, acts, 1, "zero-bubble")
 

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.errors import ScheduleError
-from plait.parallel.pipeline.schedule import Action
+from plait.parallel.pipeline.schedule import Action, Kind
 from plait.parallel.pipeline.simulate import Costs, SimResult, Span
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
 
 AXIS = "pp"
-COMPUTE_KINDS = ("F", "B", "I", "W")
+COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
 FIELDS = 5
 """Per span: stage, kind code, micro-batch, start, end (ms)."""
 
@@ -53,7 +53,7 @@ def _peaks(spans: list[Span], release: str) -> int:
     """Most micro-batches held at once: +1 at F, -1 at the kinds in ``release`` (as the simulator counts)."""
     held = peak = 0
     for span in spans:
-        held += 1 if span.action.kind == "F" else -1 if span.action.kind in release else 0
+        held += 1 if span.action.kind == Kind.FORWARD else -1 if span.action.kind in release else 0
         peak = max(peak, held)
     return peak
 

@@ -42,10 +42,10 @@ from torch.func import functional_call
 
 from plait.comm import Comm
 from plait.errors import LayoutError, ScheduleError
-from plait.layout import Layout
+from plait.layout import Layout, PipelineSchedule, Precision
 from plait.logging import get_logger
 from plait.parallel.pipeline.runtime import ParamScope, PipelineRunner
-from plait.parallel.pipeline.schedule import Action, Schedule
+from plait.parallel.pipeline.schedule import Action, Kind, Schedule
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.runner import Micro, NoSync, UpdateFn
@@ -88,7 +88,7 @@ class VersionRecord:
 
 def check_pipedream(layout: Layout, options: PipeDreamOptions | None, max_grad_norm: float | None) -> None:
     """Refuse, before any communication, what the asynchronous pipeline cannot run (LayoutError, with a fix)."""
-    if layout.schedule != "pipedream" or layout.pp == 1:
+    if layout.schedule != PipelineSchedule.PIPEDREAM or layout.pp == 1:
         if options is not None:
             raise LayoutError(
                 f"pipedream options were given, but the layout runs schedule={layout.schedule!r} with "
@@ -119,7 +119,7 @@ def check_pipedream(layout: Layout, options: PipeDreamOptions | None, max_grad_n
             "max_grad_norm=None (plait train: --set train.max_grad_norm=0)",
         ),
         (
-            layout.precision == "fp16",
+            layout.precision == Precision.FP16,
             "precision='fp16': the loss-scaling overflow check is global over the stages, which update independently",
             "precision='bf16' or 'fp32'",
         ),
@@ -249,7 +249,7 @@ class PipeDreamRunner(PipelineRunner):
         if len(stages) != 1:
             raise ScheduleError(f"PipeDream runs one stage per rank, got {len(stages)}. Fix: virtual_stages=1.")
         kinds = {a.kind for actions in schedule.actions for a in actions if not a.is_comm}
-        if not kinds <= {"F", "B"}:
+        if not kinds <= {Kind.FORWARD, Kind.BACKWARD}:
             raise ScheduleError(
                 f"PipeDream runs F and B actions only; the schedule has {sorted(kinds - {'F', 'B'})}. "
                 f"Fix: use the 'pipedream' generator's 1F1B order."
@@ -325,7 +325,7 @@ class PipeDreamRunner(PipelineRunner):
         self, action: Action, micro: Sequence[Micro], inbox: dict, outbox: dict, loss_sum: torch.Tensor
     ) -> None:
         s, j = action.stage, action.microbatch
-        if action.kind == "F":
+        if action.kind == Kind.FORWARD:
             version = self.versions.current
             if self.options.vertical_sync and not self.stage.is_first:
                 version = int(self._take(inbox, ("V", s, j)).item())
@@ -342,7 +342,7 @@ class PipeDreamRunner(PipelineRunner):
             if self.options.vertical_sync and not self.stage.is_last:
                 outbox[("V", s, j)] = torch.tensor([version], dtype=torch.int64, device=self.device)
             return
-        if action.kind != "B":  # pragma: no cover - refused in __init__
+        if action.kind != Kind.BACKWARD:  # pragma: no cover - refused in __init__
             raise ScheduleError(f"PipeDream cannot run {action}")
         version, weights = self._in_flight.pop(j)
         backward_version = version

@@ -31,7 +31,7 @@ from plait.comm.collectives import Pending
 from plait.errors import ScheduleError
 from plait.logging import get_logger
 from plait.models.loss import apply_loss
-from plait.parallel.pipeline.schedule import Action, Schedule, lower
+from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
@@ -208,7 +208,7 @@ class PipelineRunner:
                         self.comm.send_recv(recvs=[(x, self._peer(s - 1))], axis=AXIS)
                     else:
                         x.zero_()
-                with self.precision.autocast(), self.param_scope(s, "F"):
+                with self.precision.autocast(), self.param_scope(s, Kind.FORWARD):
                     out = self.stages[s].module(x)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(
@@ -360,21 +360,21 @@ class PipelineRunner:
         keys: list[tuple[str, int, int]] = []
         for a in run:
             s, j = a.stage, a.microbatch
-            if a.kind == "SF":
-                to_send.append((outbox.pop(("F", s, j)), self._peer(s + 1)))
+            if a.kind == Kind.SEND_FORWARD:
+                to_send.append((outbox.pop((Kind.FORWARD, s, j)), self._peer(s + 1)))
                 if self.tags_activations:
                     to_send.append((outbox.pop(("V", s, j)), self._peer(s + 1)))
-            elif a.kind == "SB":
-                to_send.append((outbox.pop(("B", s, j)), self._peer(s - 1)))
-            elif a.kind == "RF":
+            elif a.kind == Kind.SEND_BACKWARD:
+                to_send.append((outbox.pop((Kind.BACKWARD, s, j)), self._peer(s - 1)))
+            elif a.kind == Kind.RECV_FORWARD:
                 to_recv.append((metas[s - 1].empty(self.device), self._peer(s - 1)))
-                keys.append(("F", s, j))
+                keys.append((Kind.FORWARD, s, j))
                 if self.tags_activations:
                     to_recv.append((torch.empty(1, dtype=torch.int64, device=self.device), self._peer(s - 1)))
                     keys.append(("V", s, j))
             else:  # RB: the gradient of this stage's output
                 to_recv.append((metas[s].empty(self.device), self._peer(s + 1)))
-                keys.append(("B", s, j))
+                keys.append((Kind.BACKWARD, s, j))
         pending = self.comm.send_recv(sends=to_send, recvs=to_recv, axis=AXIS, async_op=True)
         for key, (buffer, _peer) in zip(keys, to_recv):
             inbox[key] = (buffer, pending)
@@ -384,7 +384,7 @@ class PipelineRunner:
         self, action: Action, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]
     ) -> None:
         """Wait for the batch that carries what ``action`` consumes (a received input or output gradient)."""
-        key = ("F" if action.kind == "F" else "B", action.stage, action.microbatch)
+        key = (Kind.FORWARD if action.kind == Kind.FORWARD else Kind.BACKWARD, action.stage, action.microbatch)
         tensor, pending = inbox.get(key, (None, None))
         if tensor is not None and pending is not None:
             pending.wait()
@@ -414,7 +414,7 @@ class PipelineRunner:
     ) -> None:
         """Queue a stage's output ("F") or input gradient ("B") for its neighbour: directly when the neighbour
         is on this rank (p = 1), else for the send action that follows."""
-        neighbour = stage + 1 if kind == "F" else stage - 1
+        neighbour = stage + 1 if kind == Kind.FORWARD else stage - 1
         if neighbour in self.stages:
             inbox[(kind, neighbour, microbatch)] = (tensor, None)
         else:
@@ -430,8 +430,8 @@ class PipelineRunner:
     ) -> None:
         s, j, kind = action.stage, action.microbatch, action.kind
         stage = self.stages[s]
-        if kind == "F":
-            x = micro[j][0] if s == 0 else self._take(inbox, ("F", s, j))
+        if kind == Kind.FORWARD:
+            x = micro[j][0] if s == 0 else self._take(inbox, (Kind.FORWARD, s, j))
             with self.precision.autocast():
                 out = stage.forward(j, x)
                 if stage.is_last:
@@ -440,14 +440,14 @@ class PipelineRunner:
                 stage.set_loss(j, self.precision.scale(loss / self._loss_divisor(len(micro))))
                 loss_sum += loss.detach().float()
             else:
-                self._hand_over("F", s, j, out.detach(), inbox, outbox)
-        elif kind in ("B", "I"):
-            grad = None if stage.is_last else self._take(inbox, ("B", s, j))
-            grad_input = stage.backward(j, grad) if kind == "B" else stage.backward_input(j, grad)
+                self._hand_over(Kind.FORWARD, s, j, out.detach(), inbox, outbox)
+        elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            grad = None if stage.is_last else self._take(inbox, (Kind.BACKWARD, s, j))
+            grad_input = stage.backward(j, grad) if kind == Kind.BACKWARD else stage.backward_input(j, grad)
             if not stage.is_first:
                 if grad_input is None:  # an input without a gradient (e.g. integers): send zeros like it
                     grad_input = self._shapes(micro[0][0])[s - 1].empty(self.device).zero_()
-                self._hand_over("B", s, j, grad_input, inbox, outbox)
+                self._hand_over(Kind.BACKWARD, s, j, grad_input, inbox, outbox)
         else:  # W
             stage.backward_weight(j)
 

@@ -25,9 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ScheduleError
+from plait.layout import Choice
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
-COMM_KINDS = ("SF", "RF", "SB", "RB")
+
+class Kind(Choice):
+    """What an action does; its value is its text in a schedule ("0F1", "1SB0")."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    SEND_FORWARD = "SF"
+    RECV_FORWARD = "RF"
+    SEND_BACKWARD = "SB"
+    RECV_BACKWARD = "RB"
+
+
+COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+COMM_KINDS = (Kind.SEND_FORWARD, Kind.RECV_FORWARD, Kind.SEND_BACKWARD, Kind.RECV_BACKWARD)
 KINDS = COMPUTE_KINDS + COMM_KINDS
 _ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W)(\d+)$")
 _RANK_PREFIX = re.compile(r"^(\d+)\s*:\s*(.*)$")
@@ -45,6 +60,7 @@ class Action:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(f"unknown action kind {self.kind!r}. Fix: use one of {', '.join(KINDS)}.")
+        object.__setattr__(self, "kind", Kind(self.kind))
         for name in ("stage", "microbatch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -220,13 +236,21 @@ class Schedule:
         for s in range(S):
             for j in range(self.m):
                 have = {k for k in COMPUTE_KINDS if Action(s, k, j) in where}
-                if "B" in have and have & {"I", "W"}:
+                if Kind.BACKWARD in have and have & {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}:
                     raise ScheduleError(
                         f"stage {s} micro-batch {j} has both {Action(s, 'B', j)} and I/W. "
                         f"Fix: use B alone, or I followed by W."
                     )
-                split = "B" not in have and bool(have & {"I", "W"})
-                missing = [k for k in (("F", "I", "W") if split else ("F", "B")) if k not in have]
+                split = Kind.BACKWARD not in have and bool(have & {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
+                missing = [
+                    k
+                    for k in (
+                        (Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+                        if split
+                        else (Kind.FORWARD, Kind.BACKWARD)
+                    )
+                    if k not in have
+                ]
                 if missing:
                     raise ScheduleError(
                         f"{Action(s, missing[0], j)} is missing (rank {self.rank_of(s)}): every "
@@ -247,7 +271,12 @@ class Schedule:
     def peer(self, action: Action) -> Action | None:
         """The matching half of a send/recv (SF s <-> RF s+1, SB s <-> RB s-1) when it is on another rank."""
         s, j, S = action.stage, action.microbatch, self.num_stages
-        other = {"SF": (s + 1, "RF"), "RF": (s - 1, "SF"), "SB": (s - 1, "RB"), "RB": (s + 1, "SB")}.get(action.kind)
+        other = {
+            Kind.SEND_FORWARD: (s + 1, Kind.RECV_FORWARD),
+            Kind.RECV_FORWARD: (s - 1, Kind.SEND_FORWARD),
+            Kind.SEND_BACKWARD: (s - 1, Kind.RECV_BACKWARD),
+            Kind.RECV_BACKWARD: (s + 1, Kind.SEND_BACKWARD),
+        }.get(action.kind)
         if other is None or not 0 <= other[0] < S or self.rank_of(other[0]) == self.rank_of(s):
             return None
         return Action(other[0], other[1], j)
@@ -265,7 +294,11 @@ class Schedule:
 
     def comms(self, action: Action) -> list[Action]:
         """The sends/recvs a compute action needs in a lowered schedule: [recv before it, send after it]."""
-        kinds = {"F": ("RF", "SF"), "B": ("RB", "SB"), "I": ("RB", "SB")}.get(action.kind, ())
+        kinds = {
+            Kind.FORWARD: (Kind.RECV_FORWARD, Kind.SEND_FORWARD),
+            Kind.BACKWARD: (Kind.RECV_BACKWARD, Kind.SEND_BACKWARD),
+            Kind.BACKWARD_INPUT: (Kind.RECV_BACKWARD, Kind.SEND_BACKWARD),
+        }.get(action.kind, ())
         found = [Action(action.stage, kind, action.microbatch) for kind in kinds]
         return [c for c in found if self.peer(c) is not None]
 
@@ -315,7 +348,10 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
     pending: list[Action | None] = [None] * p  # the send of the rank's last compute, not yet placed
 
     comms = [[schedule.comms(a) for a in rank_acts] for rank_acts in acts]
-    needs = [[[schedule.required_peer(c) for c in cs if c.kind in ("RF", "RB")] for cs in rank_cs] for rank_cs in comms]
+    needs = [
+        [[schedule.required_peer(c) for c in cs if c.kind in (Kind.RECV_FORWARD, Kind.RECV_BACKWARD)] for cs in rank_cs]
+        for rank_cs in comms
+    ]
 
     def candidate(r: int) -> tuple[float, int, int] | None:
         if pending[r] is not None:
@@ -337,7 +373,9 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
             a = acts[r][nxt[r]]
             out[r].append(a)
             nxt[r] += 1
-            pending[r] = next((c for c in comms[r][nxt[r] - 1] if c.kind in ("SF", "SB")), None)
+            pending[r] = next(
+                (c for c in comms[r][nxt[r] - 1] if c.kind in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD)), None
+            )
     if nxt != [len(a) for a in acts]:  # pragma: no cover - simulate() has rejected such a schedule
         raise ScheduleError(f"cannot lower schedule {schedule.name!r}: no consistent send/recv order exists.")
     return Schedule(p, schedule.m, out, schedule.v, schedule.name)

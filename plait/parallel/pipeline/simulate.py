@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from plait.logging import get_logger
-from plait.parallel.pipeline.schedule import Action, Schedule, ScheduleError
+from plait.parallel.pipeline.schedule import Action, Kind, Schedule, ScheduleError
 
 logger = get_logger(__name__)
 
@@ -53,10 +53,10 @@ class Costs:
         s, kind = action.stage, action.kind
         if action.is_comm:
             return 0.0
-        if kind == "I":
+        if kind == Kind.BACKWARD_INPUT:
             return _at(self.I, s) if self.I is not None else _at(self.B, s) / 2
-        if kind == "W":
-            return _at(self.W, s) if self.W is not None else _at(self.B, s) - self.of(Action(s, "I", 0))
+        if kind == Kind.BACKWARD_WEIGHT:
+            return _at(self.W, s) if self.W is not None else _at(self.B, s) - self.of(Action(s, Kind.BACKWARD_INPUT, 0))
         return _at(getattr(self, kind), s)
 
 
@@ -121,7 +121,12 @@ class SimResult:
     def to_chrome_trace(self, us_per_unit: float = 1000.0) -> dict[str, Any]:
         """A Chrome/Perfetto trace (open in ui.perfetto.dev): one process, one thread per rank, "X" events;
         one cost unit is ``us_per_unit`` microseconds."""
-        names = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
+        names = {
+            Kind.FORWARD: "forward",
+            Kind.BACKWARD: "backward",
+            Kind.BACKWARD_INPUT: "backward-input",
+            Kind.BACKWARD_WEIGHT: "backward-weight",
+        }
         s = self.schedule
         process = f"pipeline {s.name} p={s.p} m={s.m} v={s.v}"
         events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process}}]
@@ -174,7 +179,10 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
     ready: dict[Action, float] = {}  # when an action's output (or a recv's data) is there
 
     def ready_at(d: Action, rank: int) -> float | None:
-        if d.kind in ("RF", "RB"):  # data lands p2p after the send was posted, once the recv is posted too
+        if d.kind in (
+            Kind.RECV_FORWARD,
+            Kind.RECV_BACKWARD,
+        ):  # data lands p2p after the send was posted, once the recv is posted too
             send = peer[d]
             return None if d not in start or send not in start else max(start[d], start[send] + lat)
         if d not in ready:
@@ -216,13 +224,15 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
         raise ScheduleError(_deadlock(schedule, lines))
 
     def span(a: Action) -> Span:
-        return Span(start[a], arrival(a, pos[a][0]) if a.kind in ("RF", "RB") else ready[a], a)
+        return Span(
+            start[a], arrival(a, pos[a][0]) if a.kind in (Kind.RECV_FORWARD, Kind.RECV_BACKWARD) else ready[a], a
+        )
 
     timelines = [[span(a) for a in rank_acts] for rank_acts in acts]
     makespan = max((s.end for spans in timelines for s in spans), default=0.0)
     busy = [sum(costs.of(a) for a in rank_acts) for rank_acts in acts]
-    activations = [_peak(rank_acts, ("B", "I")) for rank_acts in acts]
-    unfinished = [_peak(rank_acts, ("B", "W")) for rank_acts in acts]
+    activations = [_peak(rank_acts, (Kind.BACKWARD, Kind.BACKWARD_INPUT)) for rank_acts in acts]
+    unfinished = [_peak(rank_acts, (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)) for rank_acts in acts]
     result = SimResult(schedule, costs, timelines, makespan, busy, activations, unfinished)
     logger.debug("simulated %s", result.summary())
     return result
@@ -233,19 +243,27 @@ def _needs(schedule: Schedule, a: Action, pos: dict[Action, tuple[int, int]], lo
     s, j, S = a.stage, a.microbatch, schedule.num_stages
 
     def backward(stage: int) -> Action:
-        return Action(stage, "B", j) if Action(stage, "B", j) in pos else Action(stage, "I", j)
+        return (
+            Action(stage, Kind.BACKWARD, j)
+            if Action(stage, Kind.BACKWARD, j) in pos
+            else Action(stage, Kind.BACKWARD_INPUT, j)
+        )
 
-    remote = lowered and a.kind in ("F", "B", "I") and bool([c for c in schedule.comms(a) if c.kind in ("RF", "RB")])
-    if a.kind == "F":
-        return [] if s == 0 else [Action(s, "RF", j)] if remote else [Action(s - 1, "F", j)]
-    if a.kind in ("B", "I"):
-        after = [] if s == S - 1 else [Action(s, "RB", j)] if remote else [backward(s + 1)]
-        return [Action(s, "F", j)] + after
-    if a.kind == "W":
-        return [Action(s, "I", j)]
-    if a.kind == "SF":
-        return [Action(s, "F", j)]
-    if a.kind == "SB":
+    remote = (
+        lowered
+        and a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT)
+        and bool([c for c in schedule.comms(a) if c.kind in (Kind.RECV_FORWARD, Kind.RECV_BACKWARD)])
+    )
+    if a.kind == Kind.FORWARD:
+        return [] if s == 0 else [Action(s, Kind.RECV_FORWARD, j)] if remote else [Action(s - 1, Kind.FORWARD, j)]
+    if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        after = [] if s == S - 1 else [Action(s, Kind.RECV_BACKWARD, j)] if remote else [backward(s + 1)]
+        return [Action(s, Kind.FORWARD, j)] + after
+    if a.kind == Kind.BACKWARD_WEIGHT:
+        return [Action(s, Kind.BACKWARD_INPUT, j)]
+    if a.kind == Kind.SEND_FORWARD:
+        return [Action(s, Kind.FORWARD, j)]
+    if a.kind == Kind.SEND_BACKWARD:
         return [backward(s)]
     return []  # RF, RB: met by their peer send
 
@@ -271,7 +289,7 @@ def _check_pairs_in_order(schedule: Schedule, pos: dict[Action, tuple[int, int]]
         for a in acts:
             if a.is_comm:
                 q = pos[peer[a]][0]
-                if a.kind in ("SF", "SB"):
+                if a.kind in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
                     sends.setdefault((r, q), []).append(peer[a])
                 else:
                     recvs.setdefault((q, r), []).append(a)
@@ -357,7 +375,7 @@ def _peak(actions: list[Action], closing: tuple[str, ...]) -> int:
     """The most micro-batches of a rank opened by F and not yet closed by an action of a ``closing`` kind."""
     held = peak = 0
     for a in actions:
-        held += 1 if a.kind == "F" else -1 if a.kind in closing else 0
+        held += 1 if a.kind == Kind.FORWARD else -1 if a.kind in closing else 0
         peak = max(peak, held)
     return peak
 

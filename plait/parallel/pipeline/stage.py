@@ -29,6 +29,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from plait.errors import ScheduleError
 from plait.observe.memory import SavedActivations
+from plait.parallel.pipeline.schedule import Kind
 
 
 @dataclass
@@ -106,7 +107,7 @@ class PipelineStage:
     # ----------------------------------------------------------------- backward
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """B: input and weight gradients at once; returns dL/d(input) (None on the first stage)."""
-        held = self._take(microbatch, "B")
+        held = self._take(microbatch, Kind.BACKWARD)
         output = held.output
         if output is not None and output.requires_grad:
             torch.autograd.backward(output, None if self.is_last else grad_output)
@@ -114,7 +115,7 @@ class PipelineStage:
 
     def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """I: dL/d(input) only (graph kept for W); None on the first stage, whose W then does everything."""
-        held = self._peek(microbatch, "I")
+        held = self._peek(microbatch, Kind.BACKWARD_INPUT)
         held.grad_output = None if self.is_last else grad_output
         if held.input is None or held.output is None or not held.output.requires_grad:
             return None
@@ -137,7 +138,7 @@ class PipelineStage:
 
     def backward_weight(self, microbatch: int) -> None:
         """W: the weight gradients of a micro-batch whose I has run; frees it."""
-        held = self._take(microbatch, "W")
+        held = self._take(microbatch, Kind.BACKWARD_WEIGHT)
         output = held.output
         if held.deferred is not None:
             for roots, grads, params in held.deferred:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.errors import LayoutError
-from plait.layout import Layout
+from plait.layout import Layout, TpMode
 from plait.models.loss import lm_loss
 from plait.parallel.tensor.fields import int_field
 from plait.parallel.tensor.grid import HEAD_AXIS, GridLinear
@@ -38,7 +38,7 @@ def plan_tensor_parallel(model: nn.Module, layout: Layout, plan: Plan | None = N
         if plan is not None:
             raise LayoutError("tp_plan was given, but the layout has tp=1. Fix: set tp > 1, or leave tp_plan out.")
         return None
-    if layout.zero == 3 and layout.tp_mode != "1d":
+    if layout.zero == 3 and layout.tp_mode != TpMode.ONE_D:
         raise LayoutError(
             f"zero=3 with tp={layout.tp} is not supported in tp_mode={layout.tp_mode!r}: ZeRO-3 is proven with Megatron "
             f"1D tensor parallelism only (grid layers keep weights replicated over some of their axes). Fix: use "
@@ -46,7 +46,7 @@ def plan_tensor_parallel(model: nn.Module, layout: Layout, plan: Plan | None = N
         )
     if getattr(model, "_plait_tensor_parallel", False):
         raise LayoutError("this model already has tensor parallelism applied. Fix: pass a fresh model to parallelize.")
-    if layout.tp_mode != "1d":
+    if layout.tp_mode != TpMode.ONE_D:
         _check_grid_layout(layout)
         return resolve_grid_plan(model, plan if plan is not None else default_grid_plan(model, layout.tp_mode), layout)
     check_sequence_parallel(layout)
@@ -88,7 +88,7 @@ def apply_tensor_parallel(resolved: ResolvedPlan, roots: Iterable[nn.Module], co
     """Swap the planned layers under ``roots`` (the local model first) and return the loss to train with."""
     roots = list(roots)
     ignore_index = cross_entropy_ignore_index(loss_fn)
-    head_style = "colwise_vocab" if comm.mesh.layout.tp_mode == "1d" else "grid_vocab"
+    head_style = "colwise_vocab" if comm.mesh.layout.tp_mode == TpMode.ONE_D else "grid_vocab"
     vocab_split = ignore_index is not None and head_style in resolved.styles.values()
     # vocab-parallel loss: logits stay split in training and are gathered in evaluation (for metrics)
     gather_logits = "eval" if vocab_split else True

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.errors import LayoutError
-from plait.layout import Layout
+from plait.layout import Layout, PipelineSchedule
 from plait.observe.memory import saved_activation_bytes  # re-exported: measured SP activation memory
 
 AXIS = "tp"
@@ -48,7 +48,7 @@ def check_sequence_parallel(layout: Layout) -> None:
         return
     if layout.tp == 1:
         raise LayoutError("sequence_parallel=True splits the sequence inside the tp group, but tp=1. Fix: set tp >= 2.")
-    if layout.pp > 1 and layout.schedule == "pipedream":
+    if layout.pp > 1 and layout.schedule == PipelineSchedule.PIPEDREAM:
         raise LayoutError(
             "sequence_parallel=True with schedule='pipedream' is not implemented: PipeDream's asynchronous updates "
             "are not parity-tested with sequence-split activations. Fix: use a synchronous schedule (e.g. "

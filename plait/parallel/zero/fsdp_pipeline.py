@@ -36,9 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.parallel.pipeline.schedule import Kind
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 
-PER_UNIT_KINDS = ("F", "B")
+PER_UNIT_KINDS = (Kind.FORWARD, Kind.BACKWARD)
 """Actions whose units are gathered one at a time by hooks; in I and W the whole stage is gathered."""
 
 
@@ -83,7 +84,7 @@ class StageScopes:
     def scope(self, stage: int, kind: str) -> Iterator[None]:
         """Gather what ``stage``'s action needs up front; afterwards keep new gradients unsharded, free all."""
         units = self.by_stage.get(stage, [])
-        if kind == "I" and stage == 0:
+        if kind == Kind.BACKWARD_INPUT and stage == 0:
             upfront = []  # the first stage's I computes nothing (its W does the whole backward)
         elif kind in PER_UNIT_KINDS:
             upfront = [u for u in units if u is self.root]
@@ -131,10 +132,10 @@ class StageScopes:
             return
         if not self._per_unit(unit):
             return
-        unit.gather(self.kind or "F", grad_enabled=True)
+        unit.gather(self.kind or Kind.FORWARD, grad_enabled=True)
         following = _neighbour(self.blocks[self.stage], unit, +1)  # type: ignore[index]
         if following is not None:
-            following.prefetch("F")
+            following.prefetch(Kind.FORWARD)
         self._count()
 
     def post_forward(self, unit: FlatUnit, output: Any) -> None:
@@ -149,17 +150,17 @@ class StageScopes:
         if unit.backward_started or self.stage is None:
             return
         unit.backward_started = True
-        unit.gather(self.kind or "B", grad_enabled=True)  # idempotent in I (the whole stage is gathered)
+        unit.gather(self.kind or Kind.BACKWARD, grad_enabled=True)  # idempotent in I (the whole stage is gathered)
         if self._per_unit(unit):
             previous = _neighbour(self.blocks[self.stage], unit, -1)
             if previous is not None and not previous.backward_started:
-                previous.prefetch("B")
+                previous.prefetch(Kind.BACKWARD)
             self._count()
 
     def grad_ready(self, unit: FlatUnit) -> None:
         """A parameter's gradient was accumulated: in B, a block whose gradients are all there is done."""
         unit.ready += 1
-        if unit.ready == len(unit.params) and self._per_unit(unit) and self.kind == "B":
+        if unit.ready == len(unit.params) and self._per_unit(unit) and self.kind == Kind.BACKWARD:
             self._keep_grads(unit)
             unit.reshard()
 
