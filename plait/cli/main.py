@@ -2,7 +2,8 @@
 
 ``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
-(``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait plan``,
+(``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait data``
+prepares and inspects token folders (``data.py``); ``plait plan``,
 ``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
 ``plait: error: ...`` with exit code 2.
 """
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from plait.cli.convert import add_convert_command, run_convert
+from plait.cli.data import add_data_command, run_data
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
 from plait.cli.schedule import add_schedule_command, run_schedule
@@ -28,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     add_schedule_command(commands)
     add_ps_command(commands)
     add_convert_command(commands)
+    add_data_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -44,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_ps(args)
         if args.command == "convert":
             return run_convert(args)
+        if args.command == "data":
+            return run_data(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:
