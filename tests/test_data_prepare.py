@@ -151,6 +151,9 @@ def test_a_big_text_file_is_cut_into_documents_at_line_ends(tmp_path, monkeypatc
     pieces = list(sources.iter_documents(sources.resolve_inputs([tmp_path / "big.txt"])[0]))
     assert "".join(pieces) == text and len(pieces) > 5
     assert all(piece.endswith("\n") and len(piece.encode()) < 100 + 120 for piece in pieces)
+    (tmp_path / "one_line.txt").write_text("✓" * 1000)  # no line end at all; 3 bytes a character, cut mid-way
+    pieces = list(sources.iter_documents(sources.resolve_inputs([tmp_path / "one_line.txt"])[0]))
+    assert "".join(pieces) == "✓" * 1000 and len(pieces) == 30  # cut every 100 bytes, no character broken
 
 
 # ------------------------------------------------------------------------------------------------ bad input

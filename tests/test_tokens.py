@@ -78,14 +78,19 @@ def test_the_token_stream_resumes_exactly_at_any_step(folder):
             assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
 
 
-def test_evaluation_reads_the_held_out_documents_in_order(folder):
-    dataset = TokenDataset(folder, seq_len=8)
+def test_evaluation_reads_a_fixed_sample_of_the_held_out_documents(folder):
+    dataset = TokenDataset(folder, seq_len=8, seed=7)
     validation = dataset.validation_split()
     assert validation is not None and validation.split == "val"
     val_stream = np.asarray(validation.data).astype(np.int64)
     batches, held_out = evaluation_batches(dataset, global_batch=4, count=1000, dp_rank=0, dp_size=1)
     assert held_out and len(batches) == validation.num_windows // 4  # capped at what the split holds
-    assert torch.equal(batches[0][0][0], torch.from_numpy(val_stream[:8]))  # in order, from the start
+    first = int(validation.windows([0])[0])
+    assert torch.equal(batches[0][0][0], torch.from_numpy(val_stream[8 * first : 8 * first + 8]))
+    used = validation.windows(range(len(batches) * 4)).tolist()
+    assert len(set(used)) == len(used) and max(used) > validation.num_windows // 2  # spread over the split
+    other_seed = TokenDataset(folder, seq_len=8, seed=8).validation_split()
+    assert other_seed is not None and other_seed.windows(range(8)).tolist() == validation.windows(range(8)).tolist()
     train_text = dataset.decode(np.asarray(dataset.data).tolist())
     for document in dataset.decode(val_stream.tolist()).split("\ufffd")[:-1]:  # eos (256) decodes as U+FFFD
         assert document not in train_text  # whole documents: none of them leaks into training

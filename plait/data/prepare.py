@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -51,6 +49,9 @@ from plait.data.tokenizer import (
 )
 from plait.errors import DataError
 from plait.logging import get_logger
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 log = get_logger(__name__)
 
@@ -207,6 +208,8 @@ def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
 def _worker_context() -> Any:
     """Worker processes start from a fork server that has imported the tokenizer module once (a plain fork of this
     process could inherit the threads of a BPE trainer; a spawn imports torch again in every worker)."""
+    import multiprocessing
+
     if "forkserver" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not on Linux/macOS
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
@@ -223,6 +226,8 @@ def _encoded_batches(
         for batch in batches:
             yield concatenate(tokenizer.encode_batch(batch))
         return
+    from concurrent.futures import ProcessPoolExecutor
+
     context = _worker_context()
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=init_worker, initargs=(str(folder), record)

@@ -6,7 +6,7 @@ A *document* is the unit the validation split and the end-of-document token work
 * a ``.parquet`` file: one document per row of the string column ``field`` (a null is an empty document);
 * any other file: its UTF-8 text (undecodable bytes replaced) is one document, or, above ``TEXT_DOCUMENT_BYTES``,
   pieces of about that size cut at line ends (so a single big file streams, tokenizes in parallel and still has
-  documents to hold out).
+  documents to hold out; a single line longer than that is cut too).
 
 Folders are searched recursively for ``SUFFIXES``, in sorted order; named files are taken whatever their suffix.
 Nothing reads a whole file into memory: every reader streams lines or parquet record batches. ``scan`` reads every
@@ -102,7 +102,8 @@ def _text_documents(path: Path) -> Iterator[str]:
     pieces: list[str] = []
     size = 0
     with open(path, "rb") as stream:
-        for line in stream:
+        # a line longer than a document (minified text) is read in pieces too: memory stays bounded
+        for line in iter(lambda: stream.readline(TEXT_DOCUMENT_BYTES), b""):
             pieces.append(decoder.decode(line))
             size += len(line)
             if size >= TEXT_DOCUMENT_BYTES:

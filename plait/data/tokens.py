@@ -8,8 +8,9 @@ the eos between them, as in GPT-2/3 pre-training and nanoGPT (no padding, every 
 Sample i of the training split reads window ``perm_e[i mod W]`` of epoch ``e = i // W``, where ``perm_e`` is the
 argsort of plait's counter-based hash of (seed, window) in stream e + 1: a permutation that is a pure function of
 (seed, epoch). So ``ShardedBatches`` over this dataset is deterministic in (seed, step, dp rank), resumes exactly at
-any step, and over one epoch serves every window once across all dp ranks. The validation split is read in order
-(sample i -> window i mod W), so evaluation sees the same windows every time.
+any step, and over one epoch serves every window once across all dp ranks. The validation split is read the same
+way with seed 0 whatever the run's seed: its first n samples are a uniform sample of n held-out windows from all
+over the split (not just its first documents), and every run evaluates on the same windows.
 
 The files are opened with ``np.memmap``: nothing is read until a batch touches it, and every rank of a node shares
 the page cache. Opening checks the files against ``meta.json``: sizes always, sha256 when asked (``verify``) or
@@ -190,7 +191,7 @@ class TokenDataset:
         return self.tokenizer.decode(tokens)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The order of the windows in ``epoch`` (training split): argsort of hash(seed, window) in stream epoch+1."""
+        """The order of the windows in ``epoch``: argsort of hash(seed, window) in stream epoch + 1."""
         if epoch not in self._permutations:
             if len(self._permutations) >= 2:
                 self._permutations.pop(min(self._permutations))
@@ -202,8 +203,6 @@ class TokenDataset:
         """The window number of each sample index."""
         indices = np.asarray(indices, dtype=np.int64)
         positions = indices % self.num_windows
-        if self.split != "train":
-            return positions
         epochs = indices // self.num_windows
         result = np.empty_like(positions)
         for epoch in np.unique(epochs).tolist():
@@ -219,10 +218,11 @@ class TokenDataset:
         return windows[:, :-1].clone(), windows[:, 1:].clone()
 
     def validation_split(self) -> TokenDataset | None:
-        """The held-out documents as a dataset of the same windows (in order), or None when nothing is held out."""
+        """The held-out documents as a dataset of windows of the same length, shuffled with seed 0 (the same
+        evaluation windows for every run), or None when nothing is held out."""
         if self.split != "train" or int(self.folder.splits["val"]["tokens"]) == 0:
             return None
-        return TokenDataset(self.folder.path, self._seq_len, self.seed, split="val", folder=self.folder)
+        return TokenDataset(self.folder.path, self._seq_len, seed=0, split="val", folder=self.folder)
 
     def accuracy_counts(self, logits: Tensor, targets: Tensor) -> tuple[int, int]:
         """(correctly predicted next tokens, scored tokens): per-token argmax accuracy."""

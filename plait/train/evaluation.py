@@ -28,7 +28,7 @@ def evaluation_batches(
     """This dp rank's share of the evaluation batches, and whether they are held-out data.
 
     A dataset with a validation split (``validation_split()``, e.g. a prepared token folder) is evaluated on its
-    first ``count`` global batches, capped at the windows it holds (at least one batch: a split smaller than one
+    first ``count`` global batches (a token folder's: a fixed uniform sample of its held-out windows), capped at the windows it holds (at least one batch: a split smaller than one
     batch repeats windows, with a warning). Otherwise the samples from ``EVAL_OFFSET`` on: fresh samples of a
     synthetic task, but training windows (in-sample) for a token folder prepared without a validation split."""
     split = dataset.validation_split() if callable(getattr(dataset, "validation_split", None)) else None
