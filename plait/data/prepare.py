@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,6 @@ from plait.data.tokenizer import (
     concatenate,
     describe,
     encode_documents,
-    init_worker,
     load_tokenizer,
     parse_bpe_vocab,
     train_bpe,
@@ -205,40 +205,37 @@ def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def _worker_context() -> Any:
-    """Worker processes start from a fork server that has imported the tokenizer module once (a plain fork of this
-    process could inherit the threads of a BPE trainer; a spawn imports torch again in every worker)."""
+def worker_pool(workers: int) -> Any:
+    """``workers`` tokenizer processes, started now (``prepare`` starts them first, before its progress bar's thread
+    and a BPE trainer's threads exist). On Linux they are forked, as torch's DataLoader forks its workers: nothing
+    to import, so they start at once; the tokenizer is loaded by each worker on its first batch. Elsewhere they
+    come from a fork server (macOS) or are spawned."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not on Linux/macOS
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["plait.data.tokenizer"])
-    return context
+    methods = multiprocessing.get_all_start_methods()
+    method = "fork" if sys.platform.startswith("linux") else "forkserver" if "forkserver" in methods else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+    pool.submit(os.getpid).result()  # the first task starts every worker process
+    return pool
 
 
 def _encoded_batches(
-    batches: Iterator[list[str]], tokenizer: AnyTokenizer, workers: int, folder: Path, record: dict[str, Any]
+    batches: Iterator[list[str]], tokenizer: AnyTokenizer, pool: Any, workers: int, folder: Path, record: dict[str, Any]
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, lengths) of each batch, in order: in this process, or in ``workers`` spawned processes with at most
-    two batches per worker in flight (so the reader never runs ahead of the tokenizers by more than that)."""
-    if workers == 1:
+    """(ids, lengths) of each batch, in order: in this process (no ``pool``), or in the pool's ``workers`` processes
+    with at most two batches per worker in flight (so the reader never runs ahead of the tokenizers by more)."""
+    if pool is None:
         for batch in batches:
             yield concatenate(tokenizer.encode_batch(batch))
         return
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = _worker_context()
-    with ProcessPoolExecutor(
-        workers, mp_context=context, initializer=init_worker, initargs=(str(folder), record)
-    ) as pool:
-        pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
-        for batch in batches:
-            pending.append(pool.submit(encode_documents, batch))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
+    pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
+    for batch in batches:
+        pending.append(pool.submit(encode_documents, str(folder), record, batch))
+        if len(pending) >= 2 * workers:
             yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _check_arguments(out: Path, val_fraction: float, workers: int, overwrite: bool) -> None:
@@ -280,30 +277,25 @@ def prepare(
     bpe_vocab = parse_bpe_vocab(tokenizer)
     sources = resolve_inputs(inputs)
     chosen = None if bpe_vocab else load_tokenizer(tokenizer, eos)
-    with _Progress(progress, console) as bars:
-        scanning = bars.add("scan", len(sources))
-        stats = scan(sources, field, on_file=lambda s: bars.update(scanning, advance=1, info=s.path[-40:]))
-        documents = sum(s.documents for s in stats)
-        if val_fraction > 0 and documents < 2:
-            raise DataError(
-                f"the inputs hold {documents} document; a validation split by whole documents needs at least 2. "
-                f"Fix: more documents (jsonl lines, files), or --val-fraction 0 (no validation split)."
-            )
-        always_val = _first_by_hash(documents) if val_fraction > 0 else -1
-
-        def is_val(indices: np.ndarray) -> np.ndarray:
-            return validation_mask(indices, val_fraction) | (indices == always_val)
-
-        if bpe_vocab:
-            training = bars.add(f"train BPE {bpe_vocab}", None)
-            chosen = train_bpe(_training_documents(sources, field, is_val), bpe_vocab)
-            bars.update(training, total=1, completed=1)
-        assert chosen is not None
-        out.mkdir(parents=True, exist_ok=True)
-        (out / META_FILE).unlink(missing_ok=True)  # --overwrite: the folder is incomplete until the end
-        tokenizer_file = chosen.save(out)
-        record = describe(chosen, tokenizer, tokenizer_file)
-        meta = _tokenize(sources, stats, chosen, record, out, workers, field, is_val, bars)
+    pool = worker_pool(workers) if workers > 1 else None
+    try:
+        with _Progress(progress, console) as bars:
+            scanning = bars.add("scan", len(sources))
+            stats = scan(sources, field, on_file=lambda s: bars.update(scanning, advance=1, info=s.path[-40:]))
+            is_val = _split_rule(sum(s.documents for s in stats), val_fraction)
+            if bpe_vocab:
+                training = bars.add(f"train BPE {bpe_vocab}", None)
+                chosen = train_bpe(_training_documents(sources, field, is_val), bpe_vocab)
+                bars.update(training, total=1, completed=1)
+            assert chosen is not None
+            out.mkdir(parents=True, exist_ok=True)
+            (out / META_FILE).unlink(missing_ok=True)  # --overwrite: the folder is incomplete until the end
+            tokenizer_file = chosen.save(out)
+            record = describe(chosen, tokenizer, tokenizer_file)
+            meta = _tokenize(sources, stats, chosen, record, out, (pool, workers), field, is_val, bars)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     meta.update(extra_meta or {})
     meta["val_fraction"] = val_fraction
     with open(out / INPUTS_FILE, "w") as stream:  # one line per input: meta.json stays small for many inputs
@@ -329,6 +321,21 @@ def prepare(
     return meta
 
 
+def _split_rule(documents: int, val_fraction: float) -> Any:
+    """``is_val(indices) -> bool array``: the validation split's rule for a corpus of ``documents`` documents."""
+    if val_fraction > 0 and documents < 2:
+        raise DataError(
+            f"the inputs hold {documents} document; a validation split by whole documents needs at least 2. "
+            f"Fix: more documents (jsonl lines, files), or --val-fraction 0 (no validation split)."
+        )
+    always_val = _first_by_hash(documents) if val_fraction > 0 else -1
+
+    def is_val(indices: np.ndarray) -> np.ndarray:
+        return validation_mask(indices, val_fraction) | (indices == always_val)
+
+    return is_val
+
+
 def _training_documents(sources: Sequence[Any], field: str, is_val: Any) -> Iterator[str]:
     """The documents that the validation split does not hold, streamed (what the BPE is trained on)."""
     first = 0
@@ -344,11 +351,12 @@ def _tokenize(
     chosen: AnyTokenizer,
     record: dict[str, Any],
     out: Path,
-    workers: int,
+    pool: tuple[Any, int],
     field: str,
     is_val: Any,
     bars: _Progress,
 ) -> dict[str, Any]:
+    """Tokenize every document (in ``pool`` = (process pool or None, workers)) and write both splits."""
     documents = sum(s.documents for s in stats)
     dtype = token_dtype(chosen.vocab_size)
     writers = {name: _SplitWriter(out, name, dtype, chosen.eos_id) for name in SPLITS}
@@ -357,7 +365,7 @@ def _tokenize(
     first, done = 0, False
     try:
         batches = _batches(iter_all_documents(sources, field))
-        for tokens, lengths in _encoded_batches(batches, chosen, workers, out, record):
+        for tokens, lengths in _encoded_batches(batches, chosen, *pool, out, record):
             if len(tokens) and int(tokens.max()) >= chosen.vocab_size:
                 raise DataError(
                     f"the tokenizer produced id {int(tokens.max())} >= its vocabulary size {chosen.vocab_size}. "

@@ -239,21 +239,20 @@ def describe(tokenizer: AnyTokenizer, spec: str, file: str | None) -> dict[str, 
 
 
 # ----------------------------------------------------------------------------------------- worker processes
-_WORKER_TOKENIZER: AnyTokenizer | None = None
+_WORKER_TOKENIZER: tuple[str, AnyTokenizer] | None = None
 
 
-def init_worker(folder: str, record: dict[str, Any]) -> None:
-    """Process-pool initializer: one single-threaded tokenizer per worker process."""
+def encode_documents(folder: str, record: dict[str, Any], texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """In a worker process: (token ids of ``texts`` concatenated, uint32; per-document lengths, int64), no eos.
+
+    The worker loads the tokenizer ``record`` of ``folder`` on its first batch and keeps it (one per process,
+    single-threaded: the parallelism comes from the processes)."""
     global _WORKER_TOKENIZER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallelism comes from the processes
-    _WORKER_TOKENIZER = load_saved(Path(folder), record)
-
-
-def encode_documents(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids of ``texts`` concatenated, uint32; per-document lengths, int64) in a worker process; no eos."""
-    if _WORKER_TOKENIZER is None:  # pragma: no cover - set by init_worker
-        raise RuntimeError("encode_documents runs in a process set up by init_worker")
-    return concatenate(_WORKER_TOKENIZER.encode_batch(texts))
+    key = f"{folder}\0{sorted(record.items())}"
+    if _WORKER_TOKENIZER is None or _WORKER_TOKENIZER[0] != key:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        _WORKER_TOKENIZER = (key, load_saved(Path(folder), record))
+    return concatenate(_WORKER_TOKENIZER[1].encode_batch(texts))
 
 
 def concatenate(pieces: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
