@@ -68,7 +68,8 @@ def time_hf_datasets(jsonl: Path, tokenizer_json: Path, eos_id: int, out: Path, 
     from tokenizers import Tokenizer
 
     datasets.disable_progress_bars()
-    cache = out / f"hf-cache-{workers}"
+    out.mkdir(parents=True, exist_ok=True)
+    cache = out / f"hf-cache-{workers}"  # a fresh cache per run: datasets would otherwise reuse the last map
     start = time.perf_counter()
     dataset = datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(cache))
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-mb", type=float, default=0.0, help="MB of the stdlib corpus (0: all of it)")
     parser.add_argument("--vocab", type=int, default=8000, help="BPE vocabulary (default 8000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts (default 1 2)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each measurement (median and range)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of each measurement (median and range)")
     parser.add_argument("--loader-steps", type=int, default=500, help="global batches the loader builds")
     parser.add_argument("--train-steps", type=int, default=30, help="training steps of the stdlib-lm preset")
     parser.add_argument("--train-nproc", type=int, default=2, help="processes plait train uses (default 2)")
@@ -142,20 +143,22 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare([jsonl], work / "bpe", tokenizer=f"bpe:{args.vocab}", workers=max(args.workers), console=console)
         results["bpe_prepare_s"] = time.perf_counter() - start
         tokenizer_json, eos_id = work / "bpe" / "tokenizer.json", int(meta["eos_id"])
-        rows = []
-        for workers in args.workers:
-            for contender in (
-                ("plait data prepare", "HF datasets.map") if not args.no_baseline else ("plait data prepare",)
-            ):
-                runs = []
-                for _ in range(args.repeat):
+        contenders = ("plait data prepare",) if args.no_baseline else ("plait data prepare", "HF datasets.map")
+        runs: dict[tuple[str, int], list[float]] = {(c, w): [] for w in args.workers for c in contenders}
+        counts: dict[tuple[str, int], int] = {}
+        for round_ in range(args.repeat):  # rounds alternate the contenders: machine noise hits both alike
+            for workers in args.workers:
+                for contender in contenders if round_ % 2 == 0 else contenders[::-1]:
                     if contender.startswith("plait"):
                         seconds, tokens = time_plait(jsonl, str(tokenizer_json), work / f"p{workers}", workers)
                     else:
-                        seconds, tokens = time_hf_datasets(jsonl, tokenizer_json, eos_id, work, workers)
-                    runs.append(tokens / seconds / workers)
-                rows.append({"contender": contender, "workers": workers, "tokens": tokens,
-                             "tokens_per_s_per_worker": _median_range(runs)})  # fmt: skip
+                        seconds, tokens = time_hf_datasets(jsonl, tokenizer_json, eos_id, work / f"r{round_}", workers)
+                    runs[contender, workers].append(tokens / seconds / workers)
+                    counts[contender, workers] = tokens
+        rows = [
+            {"contender": c, "workers": w, "tokens": counts[c, w], "tokens_per_s_per_worker": _median_range(r)}
+            for (c, w), r in runs.items()
+        ]
         results["prepare"] = rows
         from plait.train.presets import PRESETS
 
