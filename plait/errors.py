@@ -15,6 +15,11 @@ class ConfigError(PlaitError, ValueError):
     """A run configuration (TOML file or ``--set`` override) that cannot be used."""
 
 
+class DataError(PlaitError, ValueError):
+    """Input data that cannot be used: a missing or empty input, a malformed record, a corrupt or truncated token
+    file. Names the file (and line) and the fix."""
+
+
 class ScheduleError(PlaitError, ValueError):
     """A pipeline schedule that cannot run: malformed, wrongly ordered, or deadlocking. Names the action."""
 

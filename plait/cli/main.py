@@ -4,7 +4,8 @@
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
 (``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait
 checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait
-generate`` prints a trained model's continuation of a prompt (``generate.py``); ``plait plan``,
+generate`` prints a trained model's continuation of a prompt (``generate.py``); ``plait data`` prepares and
+inspects token folders (``data.py``); ``plait plan``,
 ``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
 ``plait: error: ...`` with exit code 2.
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 from plait.cli.checkpoint import add_checkpoint_command, run_checkpoint
 from plait.cli.convert import add_convert_command, run_convert
+from plait.cli.data import add_data_command, run_data
 from plait.cli.generate import add_generate_command, run_generate
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
@@ -34,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     add_convert_command(commands)
     add_checkpoint_command(commands)
     add_generate_command(commands)
+    add_data_command(commands)
     add_planner_commands(commands)
     return parser
 
@@ -54,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_checkpoint(args)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "data":
+            return run_data(args)
         if args.command in PLANNER_COMMANDS:
             return run_planner(args)
     except PlaitError as error:

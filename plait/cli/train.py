@@ -28,6 +28,12 @@ def add_train_command(commands: Any) -> None:
     )
     train.add_argument("--config", help="a TOML run configuration ([layout], [model], [data], [train])")
     train.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="start from a named run configuration (stdlib-lm: a small GPT on the Python standard library's "
+        "source); --config and --set apply on top",
+    )
+    train.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -68,6 +74,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     forwarded = ["train", "--out", out]  # inside torchrun, plait train is the worker whatever --nproc says
+    if args.preset:
+        forwarded += ["--preset", args.preset]
     if args.config:
         forwarded += ["--config", args.config]
     for item in args.overrides:
@@ -103,10 +111,10 @@ def _launch(args: argparse.Namespace) -> int:
 def _check_before_launch(args: argparse.Namespace) -> None:
     """Raise the error a worker would raise for bad input, before any process is started."""
     from plait.data import make_dataset
-    from plait.train.config import load_config
+    from plait.train.config import check_model_fits_data, load_config
     from plait.train.fault import RankGuard
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, args.preset)
     config.layout.resolve(args.nproc).check_batch(config.train.global_batch)
     fault = RankGuard.from_env(0).fault  # PLAIT_WATCHDOG_S and PLAIT_FAULT_INJECT read as every worker will
     if fault is not None and fault.rank >= args.nproc:
@@ -121,9 +129,12 @@ def _check_before_launch(args: argparse.Namespace) -> None:
             f"--set train.save_every=100 (checkpoints go to <run>/ckpt), or drop --max-restarts."
         )
     try:
-        dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
+        dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())  # prepares the stdlib corpus once
+    except PlaitError:
+        raise
     except ValueError as error:
         raise ConfigError(f"[data] section: {error}") from error
+    check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
     from plait.models.build import check_model_section
 
     check_model_section(config.model, dataset.vocab_size, dataset.seq_len)
@@ -140,7 +151,7 @@ def _train(args: argparse.Namespace) -> int:
     from plait.train.loop import run
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, args.preset)
     try:
         run(config, trace=args.trace, trace_steps=args.trace_steps)
     except BaseException:

@@ -3,7 +3,7 @@
     [layout]   the parallel Layout (plait.layout.Layout)
     [model]    the reference GPT's GPTConfig fields, optionally on a ``preset`` (vocab_size and seq_len come
                from the data unless given), or a Hugging Face model: ``hf`` / ``hf_config`` (plait.models.build)
-    [data]     which dataset (synthetic "addition" or "bytes" over a text file) and its options
+    [data]     which dataset ("addition", "bytes" of a text file, "tokens" of a prepared folder, "stdlib") and options
     [train]    steps, batch, optimizer, evaluation, output folder
 
 Any field can be overridden on the command line with ``--set section.key=value``; the value is read as a
@@ -32,13 +32,24 @@ else:  # pragma: no cover - Python 3.10
 
 @dataclass
 class DataConfig:
-    """The dataset: ``name`` is "addition" (synthetic, ships with plait) or "bytes" (any text file at ``path``)."""
+    """The dataset (docs/data.md):
+
+    * ``name = "addition"``: synthetic addition (ships with plait; ``digits``);
+    * ``name = "bytes"``: next-byte prediction on the text file at ``path``;
+    * ``name = "tokens"``: packed windows of ``seq_len`` tokens from the folder ``path`` written by
+      ``plait data prepare`` (``verify``: check every file's sha256, not only sizes; cheap folders always are);
+    * ``name = "stdlib"``: the Python standard library's source, tokenized with a byte-level BPE of ``vocab``
+      tokens, prepared on first use and cached (``corpus_mb`` > 0: only the first files holding that many MB).
+    """
 
     name: str = "addition"
     digits: int = 2
     path: str = ""
     seq_len: int = 64
     seed: int = 0
+    vocab: int = 4096
+    corpus_mb: float = 0.0
+    verify: bool = False
 
     def dataset_kwargs(self) -> dict[str, Any]:
         if self.name == "addition":
@@ -47,7 +58,22 @@ class DataConfig:
             if not self.path:
                 raise ConfigError("data.name='bytes' needs a text file. Fix: --set data.path=some.txt")
             return {"path": self.path, "seq_len": self.seq_len, "seed": self.seed}
-        raise ConfigError(f"data.name={self.name!r} is unknown. Fix: use 'addition' or 'bytes'.")
+        if self.name == "tokens":
+            if not self.path:
+                raise ConfigError(
+                    "data.name='tokens' needs a folder written by plait data prepare. Fix: plait data prepare "
+                    "INPUT... --out DIR, then --set data.path=DIR"
+                )
+            return {"path": self.path, "seq_len": self.seq_len, "seed": self.seed, "verify": self.verify}
+        if self.name == "stdlib":
+            return {
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "vocab": self.vocab,
+                "corpus_mb": self.corpus_mb,
+                "verify": self.verify,
+            }
+        raise ConfigError(f"data.name={self.name!r} is unknown. Fix: use 'addition', 'bytes', 'tokens' or 'stdlib'.")
 
 
 @dataclass
@@ -193,18 +219,53 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return result
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then the ``--set`` overrides."""
+def merge_sections(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top``'s keys over ``base``'s, section by section (a copy)."""
+    result = {section: dict(values) for section, values in base.items()}
+    for section, values in top.items():
+        if isinstance(values, dict) and isinstance(result.get(section), dict):
+            result[section].update(values)
+        else:
+            result[section] = values
+    return result
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, preset: str | None = None
+) -> RunConfig:
+    """Defaults, then the run preset ``preset`` (plait.train.presets), then the TOML file at ``path`` (if any), then
+    the ``--set`` overrides."""
     data: dict[str, Any] = {}
+    if preset:
+        from plait.train.presets import preset as preset_sections
+
+        data = preset_sections(preset)
     if path:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist. Fix: give the path of a TOML file.")
         try:
-            data = tomllib.loads(path.read_text())
+            data = merge_sections(data, tomllib.loads(path.read_text()))
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{path} is not valid TOML: {error}") from error
     try:
         return RunConfig.from_dict(apply_overrides(data, overrides or []))
     except LayoutError:
         raise
+
+
+def check_model_fits_data(model: dict[str, Any], vocab_size: int, seq_len: int, data: str = "the data") -> None:
+    """Refuse a ``[model]`` section whose explicit ``vocab_size`` or ``seq_len`` is below the data's (before any
+    weight is built), naming the fix."""
+    given_vocab, given_seq = model.get("vocab_size"), model.get("seq_len")
+    if isinstance(given_vocab, int) and given_vocab < vocab_size:
+        raise ConfigError(
+            f"the tokenizer of {data} has {vocab_size} tokens, but model.vocab_size={given_vocab}: ids >= "
+            f"{given_vocab} would have no embedding. Fix: drop model.vocab_size (it is taken from the data), set it "
+            f">= {vocab_size}, or prepare the data with a smaller tokenizer (e.g. --tokenizer bpe:{given_vocab})."
+        )
+    if isinstance(given_seq, int) and given_seq < seq_len:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is above the model's context model.seq_len={given_seq}. Fix: --set "
+            f"data.seq_len={given_seq} (or less), or drop model.seq_len (it is taken from the data)."
+        )

@@ -30,17 +30,16 @@ from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
 from plait.parallelize import parallelize
-from plait.train.config import RunConfig
+from plait.train.config import RunConfig, check_model_fits_data
+from plait.train.evaluation import EVAL_OFFSET, eval_text, evaluation_batches, evaluation_record
 from plait.train.fault import RankGuard, resume_metrics
-from plait.train.metrics import MetricsWriter, StepMeter, eval_record, plot_metrics, step_record
+from plait.train.metrics import MetricsWriter, StepMeter, plot_metrics, step_record
 from plait.train.optim import decay_groups, lr_scheduler_factory, optimizer_factory
 from plait.train.samples import write_samples
 from plait.train.tensorboard import open_tensorboard
 from plait.train.weights import load_weights, read_weights
 
 log = get_logger(__name__)
-EVAL_OFFSET = 10**9
-"""Evaluation reads samples from index 1e9 on: disjoint from the training stream."""
 
 
 @dataclass
@@ -103,6 +102,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
             f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it."
         )
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
+    check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
     model_config = model.config  # what the run's FLOP count reads
@@ -126,11 +126,13 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
 
 def _samples(engine: Engine, dataset: Any, train: Any, step: int, run_dir: Path | None) -> None:
     """Append ``train.samples`` continuations of evaluation prompts to samples.jsonl (a collective; rank 0
-    writes)."""
+    writes): prompts from the validation split when the data has one, else fresh samples from ``EVAL_OFFSET`` on."""
     if not train.samples:
         return
+    held_out = dataset.validation_split() if callable(getattr(dataset, "validation_split", None)) else None
+    source, offset = (held_out, 0) if held_out is not None else (dataset, EVAL_OFFSET)  # prompts never trained on
     records = write_samples(
-        engine, dataset, step, train.samples, train.sample_tokens, train.sample_temperature, train.seed, EVAL_OFFSET
+        engine, source, step, train.samples, train.sample_tokens, train.sample_temperature, train.seed, offset
     )
     if run_dir is not None:
         with open(run_dir / "samples.jsonl", "a") as handle:
@@ -226,8 +228,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
         )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
     loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
-    eval_loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
-    eval_batches = [eval_loader.batch_at(i) for i in range(train.eval_batches)]
+    eval_batches, held_out = evaluation_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
     meter = StepMeter(engine, model_config, dataset.seq_len)
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
@@ -253,9 +254,9 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
                 guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
-                last_eval = f"  eval acc {100 * result.accuracy:.1f}% (step {stats.step})"
+                last_eval = f"  {eval_text(result, held_out)} (step {stats.step})"
                 if writer:
-                    writer.write(eval_record(stats.step, result))
+                    writer.write(evaluation_record(stats.step, result, held_out))
                 _samples(engine, dataset, train, stats.step, run_dir if lead else None)
             if train.save_every and stats.step % train.save_every == 0:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
@@ -296,19 +297,18 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
         layout=engine.layout.short(),
     )
     if writer:
-        writer.write(eval_record(engine.step, result))
+        writer.write(evaluation_record(engine.step, result, held_out))
         writer.close()
         (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
         plot_metrics(
             writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks"
         )
         log.info(
-            "done: %d steps in %.1f s, final loss %.4f, eval accuracy %.1f%% (%d samples), %s tok/s -> %s",
+            "done: %d steps in %.1f s, final loss %.4f, %s, %s tok/s -> %s",
             engine.step,
             seconds,
             summary.final_loss,
-            100 * result.accuracy,
-            result.total,
+            eval_text(result, held_out, final=True),
             f"{summary.tokens_per_s:,.0f}",
             run_dir,
         )

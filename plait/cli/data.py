@@ -1,0 +1,104 @@
+"""``plait data prepare`` and ``plait data info``: token folders for ``data.name = "tokens"`` (docs/data.md).
+
+    plait data prepare notes/ books.jsonl --out data/mine --tokenizer bpe:8000 --workers 2
+    plait data prepare corpus.parquet --field content --out data/hf --tokenizer path/to/hf-tokenizer-folder
+    plait data info data/mine --verify
+    plait train --set data.name=tokens --set data.path=data/mine
+
+Bad input is a ``DataError``: ``plait`` prints it (file, line and fix) and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def add_data_command(commands: Any) -> None:
+    """Register ``plait data`` (``prepare``, ``info``) on the ``plait`` parser's subcommands."""
+    data = commands.add_parser(
+        "data",
+        help="prepare token folders (plait data prepare) and inspect them (plait data info)",
+        description="Tokenize text, JSON Lines and parquet into memory-mapped token files for plait train.",
+    )
+    actions = data.add_subparsers(dest="data_command", required=True)
+    prepare = actions.add_parser(
+        "prepare",
+        help="tokenize inputs into a folder of token files",
+        description="Read text files, .jsonl (one document per line) and .parquet (one per row), and folders of "
+        "them; tokenize in parallel; write train/val token files, document offsets, the tokenizer and meta.json.",
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders (searched recursively)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="the folder to write (created)")
+    prepare.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="SPEC",
+        help="'bytes' (256 byte values + eos, the default), 'bpe:VOCAB' (train a byte-level BPE on the inputs), "
+        "a tokenizer.json, or a local Hugging Face tokenizer folder (never downloaded)",
+    )
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="share of whole documents held out for validation (default 0.01; 0: none)",
+    )
+    prepare.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1; e.g. the core count)"
+    )
+    prepare.add_argument("--field", default="text", metavar="NAME", help="the jsonl field / parquet column of the text")
+    prepare.add_argument(
+        "--eos",
+        metavar="TOKEN",
+        help="the token that ends documents (a tokenizer.json's default: <|endoftext|>, </s>, ... whichever it has)",
+    )
+    prepare.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
+    info = actions.add_parser("info", help="describe a prepared folder and check its files against meta.json")
+    info.add_argument("folder", metavar="DIR")
+    info.add_argument("--verify", action="store_true", help="check every file's sha256 (sizes are always checked)")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    if args.data_command == "prepare":
+        from plait.data.prepare import prepare
+
+        meta = prepare(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            val_fraction=args.val_fraction,
+            workers=args.workers,
+            field=args.field,
+            eos=args.eos,
+            overwrite=args.overwrite,
+        )
+        _print_summary(args.out, meta)
+        return 0
+    from plait.data.tokens import TokenFolder
+
+    folder = TokenFolder(args.folder, verify=args.verify)
+    _print_summary(args.folder, folder.meta)
+    return 0
+
+
+def _print_summary(folder: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    tokenizer = meta["tokenizer"]
+    lines = [
+        f"{folder}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']})",
+        f"  train {train['documents']:,} documents, {train['tokens']:,} tokens; "
+        f"val {val['documents']:,} documents, {val['tokens']:,} tokens",
+        f"  tokenizer {tokenizer['spec']} ({tokenizer['kind']}): vocabulary {meta['vocab_size']:,}, "
+        f"eos {tokenizer['eos_token']!r} = {meta['eos_id']}",
+        f"  unigram entropy of train: {meta['unigram_entropy_nats']:.3f} nats/token "
+        f"(a model beats unigram statistics below this loss)",
+        f"  train with: plait train --set data.name=tokens --set data.path={json.dumps(str(folder))}",
+    ]
+    print("\n".join(lines), file=sys.stdout)  # noqa: T201 - CLI output
+
+
+__all__ = ["add_data_command", "run_data"]

@@ -1,0 +1,417 @@
+"""``prepare``: text, JSON Lines and parquet in; a folder of memory-mappable token files out (``plait data prepare``).
+
+The folder (docs/data.md explains the choices against nanoGPT's ``train.bin`` and Megatron-LM's ``.bin``/``.idx``):
+
+    train.bin  val.bin    every document's token ids followed by the end-of-document id, back to back, as raw
+                          little-endian uint16 (vocabulary <= 65,536) or uint32: ``np.memmap`` reads it in place
+    train.idx  val.idx    int64 little-endian token offsets of the documents: n_documents + 1 entries, 0 first,
+                          the split's token count last (document d is tokens [idx[d], idx[d+1]), its eos last)
+    tokenizer.json        the tokenizer (not for ``bytes``), so that later programs decode what was trained on
+    inputs.jsonl          one record per input file: path, kind, bytes, sha256, documents, characters
+    meta.json             tokenizer, vocabulary, eos id, dtype, counts, the sha256 of the inputs (all of them in one:
+                          sha256 of their sha256 lines) and of every file written
+
+The validation split holds whole documents: document i (numbered over all inputs in order) is held out when
+``hash(i) < val_fraction * 2^64`` (plait's SplitMix64 index hash: deterministic, independent of worker count and
+of the other documents), and at least one document is held out whenever ``val_fraction > 0``.
+
+Work happens in passes that never hold the corpus in memory: ``scan`` (every input read once: sha256, counts,
+every record checked, so bad input fails before any token is written), BPE training for ``bpe:V`` (on the training
+documents only, streamed), then tokenization in ``workers`` processes fed batches of about 1 MiB of text (at most
+two batches per worker in flight) and written in document order. The files are written under ``.partial`` names
+and renamed when complete; ``meta.json`` comes last, so a folder with a ``meta.json`` is a complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from plait.data.loader import index_hash
+from plait.data.sources import InputStats, iter_all_documents, resolve_inputs, scan, sha256_of
+from plait.data.tokenizer import (
+    AnyTokenizer,
+    concatenate,
+    describe,
+    encode_documents,
+    load_tokenizer,
+    parse_bpe_vocab,
+    train_bpe,
+)
+from plait.errors import DataError
+from plait.logging import get_logger
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+log = get_logger(__name__)
+
+META_FILE = "meta.json"
+INPUTS_FILE = "inputs.jsonl"
+FORMAT = "plait-tokens"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+SPLIT_STREAM = 0x5B17
+"""The index-hash stream of the validation split (seed 0): fixed, so a folder's split never depends on a flag."""
+BATCH_CHARACTERS = 1 << 20
+BATCH_DOCUMENTS = 4096
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocabulary <= 65,536), else uint32: half the bytes for most vocabularies."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def validation_mask(indices: np.ndarray, val_fraction: float) -> np.ndarray:
+    """True for the documents ``indices`` that ``val_fraction`` holds out (hash below the fraction of 2^64)."""
+    threshold = np.uint64(min(int(val_fraction * 2.0**64), 2**64 - 1))
+    return index_hash(0, indices, SPLIT_STREAM) < threshold
+
+
+def _first_by_hash(documents: int) -> int:
+    """The document with the smallest split hash: held out when the fraction alone holds out none."""
+    best, best_hash = 0, None
+    for start in range(0, documents, 1 << 20):
+        hashes = index_hash(0, np.arange(start, min(documents, start + (1 << 20))), SPLIT_STREAM)
+        where = int(hashes.argmin())
+        if best_hash is None or hashes[where] < best_hash:
+            best, best_hash = start + where, hashes[where]
+    return best
+
+
+@dataclass
+class _SplitWriter:
+    """Appends documents (ids + eos) of one split to ``<name>.bin.partial`` and their offsets to ``.idx.partial``."""
+
+    folder: Path
+    name: str
+    dtype: np.dtype
+    eos_id: int
+    documents: int = 0
+    tokens: int = 0
+    hashes: dict[str, Any] = field(default_factory=dict)
+    streams: dict[str, BinaryIO] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for suffix in ("bin", "idx"):
+            self.streams[suffix] = open(self.folder / f"{self.name}.{suffix}.partial", "wb")
+            self.hashes[suffix] = hashlib.sha256()
+        self._write("idx", np.zeros(1, dtype="<i8").tobytes())
+
+    def _write(self, suffix: str, data: bytes) -> None:
+        self.streams[suffix].write(data)
+        self.hashes[suffix].update(data)
+
+    def append(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Write documents given as concatenated ids and lengths; returns what was written (ids with eos)."""
+        if len(lengths) == 0:
+            return np.zeros(0, dtype=self.dtype)
+        with_eos = np.empty(len(tokens) + len(lengths), dtype=self.dtype)
+        ends = np.cumsum(lengths + 1)
+        eos_at = ends - 1
+        keep = np.ones(len(with_eos), dtype=bool)
+        keep[eos_at] = False
+        with_eos[keep] = tokens
+        with_eos[eos_at] = self.eos_id
+        self._write("bin", with_eos.tobytes())
+        self._write("idx", (self.tokens + ends).astype("<i8").tobytes())
+        self.documents += len(lengths)
+        self.tokens += len(with_eos)
+        return with_eos
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Rename the partial files into place; their records for ``meta.json``."""
+        self.close()
+        files = {}
+        for suffix in ("bin", "idx"):
+            final = self.folder / f"{self.name}.{suffix}"
+            os.replace(self.folder / f"{self.name}.{suffix}.partial", final)
+            files[final.name] = {"bytes": final.stat().st_size, "sha256": self.hashes[suffix].hexdigest()}
+        return files
+
+    def discard(self) -> None:
+        self.close()
+        for suffix in ("bin", "idx"):
+            (self.folder / f"{self.name}.{suffix}.partial").unlink(missing_ok=True)
+
+
+class _Progress:
+    """rich progress bars (scan, BPE training, tokenization) on ``console``; nothing when disabled."""
+
+    def __init__(self, enabled: bool, console: Any) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        if console is None:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+        self.bar = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not enabled,
+        )
+
+    def __enter__(self) -> _Progress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def add(self, description: str, total: float | None) -> Any:
+        return self.bar.add_task(description, total=total, info="")
+
+    def update(self, task: Any, **kwargs: Any) -> None:
+        self.bar.update(task, **kwargs)
+
+
+def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for text in documents:
+        batch.append(text)
+        size += len(text)
+        if size >= BATCH_CHARACTERS or len(batch) >= BATCH_DOCUMENTS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def worker_pool(workers: int) -> Any:
+    """``workers`` tokenizer processes, started now (``prepare`` starts them first, before its progress bar's thread
+    and a BPE trainer's threads exist). On Linux they are forked, as torch's DataLoader forks its workers: nothing
+    to import, so they start at once; the tokenizer is loaded by each worker on its first batch. Elsewhere they
+    come from a fork server (macOS) or are spawned."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    methods = multiprocessing.get_all_start_methods()
+    method = "fork" if sys.platform.startswith("linux") else "forkserver" if "forkserver" in methods else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+    pool.submit(os.getpid).result()  # the first task starts every worker process
+    return pool
+
+
+def _encoded_batches(
+    batches: Iterator[list[str]], tokenizer: AnyTokenizer, pool: Any, workers: int, folder: Path, record: dict[str, Any]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, lengths) of each batch, in order: in this process (no ``pool``), or in the pool's ``workers`` processes
+    with at most two batches per worker in flight (so the reader never runs ahead of the tokenizers by more)."""
+    if pool is None:
+        for batch in batches:
+            yield concatenate(tokenizer.encode_batch(batch))
+        return
+    pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
+    for batch in batches:
+        pending.append(pool.submit(encode_documents, str(folder), record, batch))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _check_arguments(out: Path, val_fraction: float, workers: int, overwrite: bool) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction {val_fraction} must be in [0, 1). Fix: e.g. --val-fraction 0.01.")
+    if workers < 1:
+        raise DataError(f"--workers {workers} must be at least 1. Fix: e.g. --workers {os.cpu_count() or 1}.")
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file. Fix: name a folder (it is created).")
+    if (out / META_FILE).exists() and not overwrite:
+        raise DataError(f"{out} already holds prepared data. Fix: --overwrite to replace it, or another --out.")
+
+
+def _entropy(counts: np.ndarray) -> float:
+    """Unigram entropy H = -sum p log p (nats) of token counts: the loss of the best context-free model."""
+    total = counts.sum()
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum()) if total else float("nan")
+
+
+def prepare(
+    inputs: Sequence[str | Path],
+    out: str | Path,
+    tokenizer: str = "bytes",
+    val_fraction: float = 0.01,
+    workers: int = 1,
+    field: str = "text",
+    eos: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    console: Any = None,
+    extra_meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Tokenize ``inputs`` into the folder ``out`` (see the module doc); returns its ``meta.json`` as a dict.
+
+    Raises ``DataError`` naming the file (and line) and the fix for bad input, before anything is written."""
+    out = Path(out).expanduser()
+    _check_arguments(out, val_fraction, workers, overwrite)
+    bpe_vocab = parse_bpe_vocab(tokenizer)
+    sources = resolve_inputs(inputs)
+    chosen = None if bpe_vocab else load_tokenizer(tokenizer, eos)
+    pool = worker_pool(workers) if workers > 1 else None
+    try:
+        with _Progress(progress, console) as bars:
+            scanning = bars.add("scan", len(sources))
+            stats = scan(sources, field, on_file=lambda s: bars.update(scanning, advance=1, info=s.path[-40:]))
+            is_val = _split_rule(sum(s.documents for s in stats), val_fraction)
+            if bpe_vocab:
+                training = bars.add(f"train BPE {bpe_vocab}", None)
+                chosen = train_bpe(_training_documents(sources, field, is_val), bpe_vocab)
+                bars.update(training, total=1, completed=1)
+            assert chosen is not None
+            out.mkdir(parents=True, exist_ok=True)
+            (out / META_FILE).unlink(missing_ok=True)  # --overwrite: the folder is incomplete until the end
+            tokenizer_file = chosen.save(out)
+            record = describe(chosen, tokenizer, tokenizer_file)
+            meta = _tokenize(sources, stats, chosen, record, out, (pool, workers), field, is_val, bars)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    meta.update(extra_meta or {})
+    meta["val_fraction"] = val_fraction
+    with open(out / INPUTS_FILE, "w") as stream:  # one line per input: meta.json stays small for many inputs
+        stream.writelines(json.dumps(s.record()) + "\n" for s in stats)
+    for name in (tokenizer_file, INPUTS_FILE):
+        if name:
+            path = out / name
+            meta["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    partial = out / f"{META_FILE}.partial"
+    partial.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(partial, out / META_FILE)
+    val = meta["splits"]["val"]
+    log.info(
+        "%s: %d documents, %s tokens (validation: %d documents, %s tokens), vocabulary %d, %s",
+        out,
+        meta["documents"],
+        f"{meta['tokens']:,}",
+        val["documents"],
+        f"{val['tokens']:,}",
+        meta["vocab_size"],
+        meta["dtype"],
+    )
+    return meta
+
+
+def _split_rule(documents: int, val_fraction: float) -> Any:
+    """``is_val(indices) -> bool array``: the validation split's rule for a corpus of ``documents`` documents."""
+    if val_fraction > 0 and documents < 2:
+        raise DataError(
+            f"the inputs hold {documents} document; a validation split by whole documents needs at least 2. "
+            f"Fix: more documents (jsonl lines, files), or --val-fraction 0 (no validation split)."
+        )
+    always_val = _first_by_hash(documents) if val_fraction > 0 else -1
+
+    def is_val(indices: np.ndarray) -> np.ndarray:
+        return validation_mask(indices, val_fraction) | (indices == always_val)
+
+    return is_val
+
+
+def _training_documents(sources: Sequence[Any], field: str, is_val: Any) -> Iterator[str]:
+    """The documents that the validation split does not hold, streamed (what the BPE is trained on)."""
+    first = 0
+    for batch in _batches(iter_all_documents(sources, field)):
+        held = is_val(np.arange(first, first + len(batch)))
+        yield from (text for text, out in zip(batch, held.tolist()) if not out)
+        first += len(batch)
+
+
+def _tokenize(
+    sources: Sequence[Any],
+    stats: list[InputStats],
+    chosen: AnyTokenizer,
+    record: dict[str, Any],
+    out: Path,
+    pool: tuple[Any, int],
+    field: str,
+    is_val: Any,
+    bars: _Progress,
+) -> dict[str, Any]:
+    """Tokenize every document (in ``pool`` = (process pool or None, workers)) and write both splits."""
+    documents = sum(s.documents for s in stats)
+    dtype = token_dtype(chosen.vocab_size)
+    writers = {name: _SplitWriter(out, name, dtype, chosen.eos_id) for name in SPLITS}
+    counts = np.zeros(chosen.vocab_size, dtype=np.int64)
+    task = bars.add("tokenize", documents)
+    first, done = 0, False
+    try:
+        batches = _batches(iter_all_documents(sources, field))
+        for tokens, lengths in _encoded_batches(batches, chosen, *pool, out, record):
+            if len(tokens) and int(tokens.max()) >= chosen.vocab_size:
+                raise DataError(
+                    f"the tokenizer produced id {int(tokens.max())} >= its vocabulary size {chosen.vocab_size}. "
+                    f"Fix: use a tokenizer whose ids are below its vocabulary size."
+                )
+            held = is_val(np.arange(first, first + len(lengths)))
+            per_token = np.repeat(held, lengths)
+            writers["val"].append(tokens[per_token], lengths[held])
+            written = writers["train"].append(tokens[~per_token], lengths[~held])
+            counts += np.bincount(written, minlength=chosen.vocab_size)[: chosen.vocab_size]
+            first += len(lengths)
+            total = writers["train"].tokens + writers["val"].tokens
+            bars.update(task, completed=first, info=f"{total:,} tokens")
+        files: dict[str, Any] = {}
+        for writer in writers.values():
+            files.update(writer.finish())
+        done = True
+    finally:
+        if not done:
+            for writer in writers.values():
+                writer.discard()
+    splits = {
+        name: {"documents": w.documents, "tokens": w.tokens, "bin": f"{name}.bin", "idx": f"{name}.idx"}
+        for name, w in writers.items()
+    }
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": record,
+        "vocab_size": chosen.vocab_size,
+        "eos_id": chosen.eos_id,
+        "dtype": dtype.name,
+        "field": field,
+        "documents": documents,
+        "tokens": sum(w.tokens for w in writers.values()),
+        "splits": splits,
+        "unigram_entropy_nats": _entropy(counts),
+        "inputs": {
+            "files": len(stats),
+            "bytes": sum(s.bytes for s in stats),
+            "sha256": hashlib.sha256("".join(f"{s.sha256}\n" for s in stats).encode()).hexdigest(),
+            "list": INPUTS_FILE,
+        },
+        "files": files,
+        "split_rule": f"document i is held out when index_hash(0, i, stream={SPLIT_STREAM}) < val_fraction * 2^64",
+    }
+
+
+__all__ = ["META_FILE", "prepare", "token_dtype", "validation_mask"]
