@@ -72,12 +72,14 @@ def _train_gpt(layout: Layout) -> dict:
     engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     strategy = engine.strategy
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         if isinstance(strategy, FullyShardedStrategy) and step == STEPS - 1:
             strategy.trace = []
-        losses.append(engine.train_step(loader.batch_at(step)).loss)
-    result: dict = {"losses": losses, "grads": grads[0]}
+        stats = engine.train_step(loader.batch_at(step))
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
+    result: dict = {"losses": losses, "grad_norms": norms, "grads": grads[0]}
     if isinstance(strategy, FullyShardedStrategy):
         trace = strategy.trace or []
         strategy.trace = None
