@@ -8,7 +8,7 @@ from plait.param_server.launch import JobConfig, JobResult, LocalCluster, run_lo
 from plait.param_server.server import OptimizerSpec, ServerSettings, ShardServer
 from plait.param_server.service import Service
 from plait.param_server.sharding import ParamSpec, assign_shards, model_spec
-from plait.param_server.task import AdditionGPT
+from plait.param_server.task import AdditionGPT, ModelTask, SectionModel
 from plait.param_server.worker import PSWorker
 
 __all__ = [
@@ -18,11 +18,13 @@ __all__ = [
     "JobConfig",
     "JobResult",
     "LocalCluster",
+    "ModelTask",
     "OptimizerSpec",
     "PSWorker",
     "ParamSpec",
     "ServerSettings",
     "Service",
+    "SectionModel",
     "ShardServer",
     "StalenessStats",
     "assign_shards",
