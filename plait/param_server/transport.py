@@ -39,7 +39,7 @@ ERRORS: dict[str, type[Exception]] = {
 def parse_address(text: str) -> tuple[str, int]:
     """ "host:port" -> (host, port)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"server address {text!r} is not HOST:PORT (e.g. 10.0.0.5:29600).")
     return host.strip("[]"), int(port)
 
