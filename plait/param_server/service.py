@@ -48,8 +48,8 @@ log = get_logger(__name__)
 
 REQUEST_TIMEOUT_S = 60.0
 """How long a blocked pull (SSP) or push (BSP) may wait for other workers before its caller gets a TimeoutError."""
-WAIT_LOG_S = 2.0
-ROUND_WAIT_S = 3.0
+WAIT_LOG_S = 1.5
+ROUND_WAIT_S = 2.0
 MAX_CONNECTIONS = 512
 MAX_TEXT = 128
 COMPRESSED = ("float16", "bfloat16")

@@ -237,7 +237,8 @@ class PSWorker:
     ) -> list[Future[bool]]:
         """Forward and backward; each shard of ``shards`` is handed to its I/O thread once its gradients are all
         there: during backward with ``overlap`` (after the first step, which counts how many times backward
-        accumulates into each parameter: twice for a tied one), else after it."""
+        accumulates into each parameter: once, tied ones included, unless e.g. reentrant recomputation runs inner
+        backward passes), else after it."""
         futures: dict[int, Future[bool]] = {}
         fired: dict[str, int] = {}
         remaining = {index: set(self.shard_names[index]) for index in shards}
