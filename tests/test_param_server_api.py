@@ -209,3 +209,14 @@ def test_train_any_model_writes_a_checkpoint_plait_convert_reads(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "model.safetensors")["hidden.weight"], result.model.hidden.weight)
+
+
+@pytest.mark.timeout(30)
+def test_servers_given_in_the_wrong_order_are_named():
+    services = [_serve(TASK.build_model(), ServerSettings(index, 2)) for index in range(2)]
+    try:
+        with pytest.raises(ConfigError, match="is server 1 of 2, but this worker was given it as server 0.*--connect"):
+            PSWorker([services[1].address, services[0].address], TASK.build_model(), "w", key=KEY, timeout_s=10)
+    finally:
+        for service in services:
+            service.stopped.set()

@@ -81,8 +81,15 @@ class PSWorker:
         self._last_loss = torch.zeros(())
         self._pending_install: list[tuple[int, Any, dict[str, Tensor] | None]] = []
         self._stop = threading.Event()
-        self._io = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-io")
-        self._each(self._join, list(range(len(self.addresses))))
+        self._io = ThreadPoolExecutor(max_workers=max(1, len(self.addresses)), thread_name_prefix="ps-io")
+        try:
+            self._each(self._join, list(range(len(self.addresses))))
+        except BaseException:  # refused (settings, model, key) or unreachable: leave nothing open behind
+            for channel in self.channels:
+                if channel is not None:
+                    channel.close()
+            self._io.shutdown(wait=False)
+            raise
         self._shard_of = {name: index for index, names in enumerate(self.shard_names) for name in names}
         self._heartbeat = threading.Thread(target=self._beat, name="ps-heartbeat", daemon=True)
         self._heartbeat.start()
