@@ -396,9 +396,9 @@ class LocalCluster:
             history: dict[int, dict[str, Tensor]] = {}
             for name, tensor in tensors.items():
                 if name.startswith("h/"):
-                    _, step, param = name.split("/", 2)
-                    history.setdefault(int(step), {})[param] = tensor
-            report["history"] = [history[step] for step in sorted(history)]
+                    _, version, param = name.split("/", 2)
+                    history.setdefault(int(version), {})[param] = tensor
+            report["history"] = [history[version] for version in sorted(history)]
             reports.append(report)
         for process in self.servers:
             process.join(timeout=10)

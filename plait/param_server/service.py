@@ -269,7 +269,8 @@ class Service:
         if op == "join":
             return server.join(args["wid"], args["name"], args["spec"], args["settings"]), None
         if op == "beat":
-            return server.beat(args["wid"]), None
+            server.beat(args["wid"])
+            return None, None
         if op == "pull":
             reply = server.pull(args["wid"], REQUEST_TIMEOUT_S, args["have"], lambda p: channel.stage(p.items()))
             staged = reply.pop("params")
@@ -288,7 +289,8 @@ class Service:
             staged = reply["pulled"].pop("params") if "pulled" in reply else None
             return reply, staged
         if op == "leave":
-            return server.leave(args["wid"]), None
+            server.leave(args["wid"])
+            return None, None
         if op == "shm":
             return self._attach(args, channel, peer), None
         return server.report(), None

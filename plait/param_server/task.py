@@ -35,7 +35,8 @@ HELD_OUT = 10**9
 class Task(Protocol):
     """What the launcher needs of a job's workload."""
 
-    batch: int
+    @property
+    def batch(self) -> int: ...
 
     def build_model(self) -> nn.Module: ...
 
