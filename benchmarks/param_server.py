@@ -41,8 +41,18 @@ def _task(size: str) -> Any:
     return AdditionGPT(**SIZES[size])
 
 
-def one_process_steps_per_s(size: str, steps: int) -> float:
-    """Forward + backward + AdamW steps per second of the same model and batch in this one process."""
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_process_steps_per_s(size: str, steps: int, cpu: list[float] | None = None) -> float:
+    """Forward + backward + AdamW steps per second of the same model and batch in this one process (and, into
+    ``cpu``, the CPU seconds one step took)."""
     import torch
 
     from plait.param_server import OptimizerSpec
@@ -56,11 +66,13 @@ def one_process_steps_per_s(size: str, steps: int) -> float:
         task.loss(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(steps):
         task.loss(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
+    if cpu is not None:
+        cpu.append((time.process_time() - cpu_started) / steps)
     return steps / (time.perf_counter() - started)
 
 
@@ -71,7 +83,8 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
     from plait.param_server import Consistency, JobConfig, LocalCluster, OptimizerSpec
 
     ceiling_steps = 60 if size == "tiny" else 12
-    single_before = one_process_steps_per_s(size, ceiling_steps)
+    step_cpu: list[float] = []
+    single_before = one_process_steps_per_s(size, ceiling_steps, step_cpu)
     config = JobConfig(
         servers=SERVERS,
         workers=workers,
@@ -86,11 +99,25 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
     if "worker_log_every_s" in names:
         config = dataclasses.replace(config, worker_log_every_s=0.0)
     samples: list[tuple[float, int, int]] = []  # (time, pushes applied by server 0, server 0's version)
+    cpu_start: dict[int, float] = {}  # every job process's CPU seconds when the first push was applied
+    cpu_last: dict[int, float] = {}
 
     def record(reports: list[dict[str, Any]]) -> None:
         first = next((r for r in reports if r["index"] == 0), None)
-        if first is not None:
-            samples.append((time.monotonic(), first["pushes_applied"], first["version"]))
+        if first is None:
+            return
+        samples.append((time.monotonic(), first["pushes_applied"], first["version"]))
+        processes = [p for p in [*cluster.servers, *cluster.workers.values()] if p is not None]
+        for process in processes:
+            value = cpu_seconds(process.pid)
+            if value is not None:
+                cpu_last[process.pid] = value
+                if first["pushes_applied"] > 0 and not cpu_start_done:
+                    cpu_start[process.pid] = value
+        if first["pushes_applied"] > 0:
+            cpu_start_done.append(True)
+
+    cpu_start_done: list[bool] = []
 
     with LocalCluster(config) as cluster:
         cluster.start_servers()
@@ -101,8 +128,11 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
     started = next(sample for sample in samples if sample[1] > 0)
     ended = samples[-1]
     seconds = max(1e-9, ended[0] - started[0])
-    single_after = one_process_steps_per_s(size, ceiling_steps)
+    single_after = one_process_steps_per_s(size, ceiling_steps, step_cpu)
+    job_cpu = sum(cpu_last[pid] - start for pid, start in cpu_start.items())
+    pushes = ended[1] - started[1]
     return {
+        "cpu_efficiency": (sum(step_cpu) / len(step_cpu)) * pushes / job_cpu if job_cpu > 0 else float("nan"),
         "pushes_per_s": (ended[1] - started[1]) / seconds,
         "updates_per_s": (ended[2] - started[2]) / seconds,
         "pushes": ended[1],
@@ -135,15 +165,16 @@ def markdown(rows: list[dict[str, Any]], single: dict[str, float], command: str,
         f"`{command}`",
         "",
         "| model | code | mode | servers | workers | push dtype | pushes/s | server updates/s | ideal pushes/s "
-        "(ceiling drift) | x ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(ceiling drift) | x ideal | CPU efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ideal = min(row["workers"], cores) * row["single_steps_per_s"]
         lines.append(
             f"| {row['size']} | {row['code']} | {row['mode']} | {SERVERS} | {row['workers']} | "
             f"{row['extra'].get('push_dtype', 'float32')} | {row['pushes_per_s']:.1f} | {row['updates_per_s']:.1f} | "
-            f"{ideal:.1f} ({100 * row['single_spread']:.0f}%) | {row['pushes_per_s'] / ideal:.2f} |"
+            f"{ideal:.1f} ({100 * row['single_spread']:.0f}%) | {row['pushes_per_s'] / ideal:.2f} | "
+            f"{row['cpu_efficiency']:.2f} |"
         )
     lines += [
         "",
@@ -151,7 +182,10 @@ def markdown(rows: list[dict[str, Any]], single: dict[str, float], command: str,
         f"x d_model 32 (26 k parameters; one process alone at the start: {single['tiny']:.1f} steps/s), large = 3 "
         f"layers x d_model 256 (2.4 M parameters, ~90x; one process alone at the start: {single['large']:.1f} "
         "steps/s). Each row's ideal is min(workers, cores) x the one-process rate measured in the job's own "
-        "process just before and just after the job (their mean; the drift between the two in brackets). "
+        "process just before and just after the job (their mean; the drift between the two in brackets). CPU "
+        "efficiency: one process's CPU seconds per step x pushes / the CPU seconds all the job's processes (servers "
+        "and workers, from /proc) used over the same window; 1 = the parameter server costs no CPU beyond the "
+        "training itself. It is far less sensitive to other load than the wall-clock ratio. "
         f"plait {info['plait']}. Machine: {info['nproc']} cores, {info['cpu']}, torch {info['torch']}; "
         f"{info['conditions']}.",
     ]
@@ -163,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps per worker, tiny model (default 40)")
     parser.add_argument("--large-steps", type=int, default=20, help="steps per worker, large model (default 20)")
     parser.add_argument("--before", type=Path, help="another plait checkout to measure in the same run")
+    parser.add_argument("--sizes", default="tiny,large", help="comma-separated model sizes (default tiny,large)")
     parser.add_argument("--out", type=Path, help="write the table into this file's <!-- bench:ps --> block")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -175,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     info = machine()
     info["conditions"] = conditions(info)
+    sizes = args.sizes.split(",")
+    unknown = sorted(set(sizes) - set(SIZES))
+    if unknown:
+        parser.error(f"unknown sizes {unknown}: use {sorted(SIZES)}")
     single = {size: one_process_steps_per_s(size, 60 if size == "tiny" else 12) for size in SIZES}
     here = Path(__file__).resolve().parent.parent
     trees = [("before", args.before.resolve())] if args.before else []
     trees.append(("after", here))
     rows = []
-    for size in SIZES:
+    for size in args.sizes.split(","):
         steps = args.steps if size == "tiny" else args.large_steps
         plans = [(code, tree, mode, workers, {}) for code, tree in trees for mode, workers in JOBS]
         plans.append(("after", here, "asp", 2, {"push_dtype": "bfloat16"}))

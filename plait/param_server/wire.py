@@ -284,6 +284,7 @@ class Channel:
         prefix = PREFIX.pack(MAGIC, len(head), len(payload))
         mac = self._mac(self.out_dir, self.sent, prefix, head, payload)
         self.sent += 1
+        self.sock.settimeout(BODY_TIMEOUT_S)  # a whole frame must leave within this (not a receive's leftover)
         if len(payload) <= SMALL_FRAME:
             self.sock.sendall(b"".join((prefix, head, payload, mac)))
         else:
