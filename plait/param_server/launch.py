@@ -31,7 +31,7 @@ from plait.param_server.service import Service
 from plait.param_server.sharding import assign_shards, model_spec
 from plait.param_server.task import AdditionGPT, Task
 from plait.param_server.transport import call, connect, request
-from plait.param_server.wire import DTYPES, shard_bytes
+from plait.param_server.wire import DTYPES, Channel, ProtocolError, shard_bytes
 from plait.param_server.worker import PUSH_DTYPES, PSWorker
 
 log = get_logger(__name__)
@@ -252,11 +252,18 @@ class LocalCluster:
         """Server processes by index (a restarted server replaces its predecessor)."""
         self.workers: dict[int, Any] = {}
         self.addresses: list[tuple[str, int]] = []
+        self._report_channels: dict[int, Channel] = {}
+
+    def _close_reports(self) -> None:
+        for channel in self._report_channels.values():
+            channel.close()
+        self._report_channels.clear()
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._close_reports()
         for process in [*self.servers, *self.workers.values()]:
             if process is None:
                 continue
@@ -322,11 +329,22 @@ class LocalCluster:
     def report(self, server: int = 0, timeout_s: float | None = None) -> dict[str, Any]:
         """Server `server`'s counters (`ShardServer.report`), waiting up to `timeout_s` (default the job's)."""
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        cached = self._report_channels.pop(server, None)
+        if cached is not None:  # one connection per server for all polls (a handshake per poll costs the server)
+            try:
+                report = _fix_report(request(cached, "report", timeout_s))
+                self._report_channels[server] = cached
+                return report
+            except (OSError, EOFError, TimeoutError, ProtocolError):
+                cached.close()  # e.g. the server restarted: connect again
         channel = connect(self.addresses[server], self.key, timeout_s, 0)
         try:
-            return _fix_report(request(channel, "report", timeout_s))
-        finally:
+            report = _fix_report(request(channel, "report", timeout_s))
+        except BaseException:
             channel.close()
+            raise
+        self._report_channels[server] = channel
+        return report
 
     def reports(self) -> list[dict[str, Any] | str]:
         """Every server's report, or a sentence saying why it gave none (down, restarting)."""
@@ -379,6 +397,7 @@ class LocalCluster:
 
     def stop(self) -> list[dict[str, Any]]:
         """Ask every server for its final report (shard included) and end it."""
+        self._close_reports()
         reports = []
         versions = self.config.steps * (self.config.workers + 8) + 1 if self.config.record_history else 0
         expected = {f"p/{name}": (p.shape, (p.dtype,)) for name, p in self.spec.items()}
