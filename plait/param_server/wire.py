@@ -224,6 +224,8 @@ class Staged:
     metas: list[list[Any]]
     size: int
     in_shm: bool
+    source: Tensor
+    """The staged bytes (a view of the buffer they were copied into)."""
 
 
 @dataclass
@@ -269,7 +271,20 @@ class Channel:
             if size:
                 target[offset : offset + size].view(dtype).view(tensor.shape).copy_(tensor)
             metas.append([name, dtype_name(dtype), list(tensor.shape), offset, size])
-        return Staged(metas, total, in_shm)
+        return Staged(metas, total, in_shm, target[:total])
+
+    def restage(self, staged: Staged) -> Staged:
+        """The same bytes staged on this channel (a re-send after reconnecting: the old buffers may be gone)."""
+        in_shm = self.shm_out is not None and 0 < staged.size <= self.shm_out.size
+        if in_shm:
+            assert self.shm_out is not None
+            target = self.shm_out.bytes
+        else:
+            if self._send.numel() < staged.size:
+                self._send = torch.empty(staged.size, dtype=torch.uint8)
+            target = self._send
+        target[: staged.size].copy_(staged.source[: staged.size])
+        return Staged(staged.metas, staged.size, in_shm, target[: staged.size])
 
     def send(self, header: Mapping[str, Any], staged: Staged | None = None) -> None:
         body = dict(header)

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -36,10 +36,12 @@ from plait.logging import get_logger
 from plait.param_server.agreement import JobSettings
 from plait.param_server.sharding import model_spec
 from plait.param_server.transport import ServerUnreachable, as_mapping, call, connect, request
-from plait.param_server.wire import Channel, ProtocolError, SharedBuffer, dtype_name, shard_bytes
+from plait.param_server.wire import Channel, ProtocolError, SharedBuffer, Staged, dtype_name, shard_bytes
 
 log = get_logger(__name__)
 PUSH_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Pushed = tuple[bool, Any, "dict[str, Tensor] | None"]
+"""A push's outcome: applied, the reply's "pulled" (version), the parameters it brought (views to install)."""
 
 
 class PSWorker:
@@ -79,7 +81,6 @@ class PSWorker:
         self._uses: dict[str, int] | None = None
         """How many times backward accumulates into each parameter (counted in the first step, for overlap)."""
         self._last_loss = torch.zeros(())
-        self._pending_install: list[tuple[int, Any, dict[str, Tensor] | None]] = []
         self._stop = threading.Event()
         self._io = ThreadPoolExecutor(max_workers=max(1, len(self.addresses)), thread_name_prefix="ps-io")
         try:
@@ -137,13 +138,16 @@ class PSWorker:
         else:
             log.debug("%s: server %d declined shared memory (%s)", self.name, index, reply.get("reason"))
 
-    def _call(self, index: int, op: str, **args: Any) -> tuple[Any, Any]:
-        """One request to server `index`, reconnecting and re-sending (same arguments, same seq) on failure."""
+    def _call(self, index: int, op: str, staged: Staged | None = None, **args: Any) -> tuple[Any, Any]:
+        """One request to server `index`, reconnecting and re-sending (same arguments, same seq, same staged
+        tensor bytes) on failure."""
+        staged_on = self.channels[index]
         for attempt in range(self.retries + 1):
             channel = self.channels[index]
             try:
                 assert channel is not None
-                staged = self._stage_grads(index, channel) if op == "push" else None
+                if staged is not None and channel is not staged_on:
+                    staged, staged_on = channel.restage(staged), channel
                 value, reply = call(channel, op, self.timeout_s, staged, wid=self.wid, **args)
                 return as_mapping(value, op), self._read_params(index, channel, value, reply)
             except (EOFError, OSError, TimeoutError, PermissionError) as error:
@@ -153,7 +157,12 @@ class PSWorker:
                 self._join(index)
         raise AssertionError("unreachable")
 
-    def _stage_grads(self, index: int, channel: Channel) -> Any:
+    def _stage_grads(self, index: int) -> Staged:
+        """Copy shard ``index``'s gradients into its channel's send buffer, in the calling (main) thread: the
+        gradients may be recomputed (a refused shard) while this shard's exchange is still under way."""
+        channel = self.channels[index]
+        assert channel is not None
+
         def grad(name: str) -> Tensor:
             param = self.params[name]
             return param.grad if param.grad is not None else torch.zeros_like(param)
@@ -198,38 +207,53 @@ class PSWorker:
         self._each(one, shards)
         return list(self.versions)
 
-    def _push_one(self, index: int, seq: int) -> bool:
-        value, tensors = self._call(index, "push", seq=seq, version=self.versions[index], pull=True)
+    def _push_one(self, index: int, seq: int, staged: Staged) -> Pushed:
+        """Push shard ``index``'s staged gradients; (applied, the reply's version, the parameters it brought)."""
+        value, tensors = self._call(index, "push", staged, seq=seq, version=self.versions[index], pull=True)
         pulled = value.get("pulled")
         if not isinstance(pulled, dict):
             raise ProtocolError(f"server {index} answered a push without parameters")
         if isinstance(value.get("tau"), int):
             self.last_tau.append(value["tau"])
-        self._pending_install.append((index, pulled, tensors))
-        return value.get("applied") is True
+        return value.get("applied") is True, pulled, tensors
 
     def step(self, seq: int, loss_of: Callable[[nn.Module], Tensor]) -> tuple[float, bool]:
         """loss -> backward -> push (each shard as soon as its gradients are ready, with ``overlap``) -> the
-        parameters of the next step; returns (loss, applied by every server). Pulls first if it has nothing."""
+        parameters of the next step; returns (loss, applied by every server). Pulls first if it has nothing.
+
+        A shard whose server refuses the push is recomputed and pushed again as soon as that refusal arrives,
+        without waiting for the other shards' replies: under BSP those may wait in rounds that need this
+        worker's other gradients (after a server restart, one shard's rounds can lag the other's), so waiting for
+        every reply first would deadlock."""
         missing = [index for index, version in enumerate(self.versions) if version < 0]
         if missing:
             self.pull(missing)
         shards = list(range(len(self.addresses)))
         first_loss = None
+        pending: dict[int, Future[Pushed]] = {}
+        replies: dict[int, Pushed] = {}
         for attempt in range(self.retries + 1):
             self.model.zero_grad(set_to_none=True)
-            self._pending_install = []
-            futures = self._backward_and_push(seq, shards, loss_of)
+            pending.update(self._backward_and_push(seq, shards, loss_of))
             first_loss = float(self._last_loss) if first_loss is None else first_loss
             started = time.perf_counter()
-            applied = [future.result() for future in futures]
+            refused: list[int] = []
+            while pending and not refused:
+                done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED)
+                for index in [index for index, future in pending.items() if future in done]:
+                    applied, pulled, tensors = pending.pop(index).result()
+                    if applied:
+                        replies[index] = (applied, pulled, tensors)
+                    else:  # recompute on this shard's current parameters (the refusal brought them)
+                        self._install(index, pulled, tensors)
+                        refused.append(index)
             self.exchange_s += time.perf_counter() - started
-            for index, pulled, tensors in self._pending_install:
-                self._install(index, pulled, tensors)
-            shards = [index for index, ok in zip(shards, applied) if not ok]
-            if not shards:
+            if not refused:
+                for index, (_, pulled, tensors) in replies.items():
+                    self._install(index, pulled, tensors)
                 self.acked += 1
                 return first_loss, True
+            shards = refused
             log.warning(
                 "%s: step %d was not applied by servers %s (attempt %d); computing it again on their parameters",
                 self.name,
@@ -237,16 +261,18 @@ class PSWorker:
                 shards,
                 attempt + 1,
             )
+        for future in pending.values():  # let the other shards' exchanges finish before giving up
+            future.result()
         return first_loss if first_loss is not None else float("nan"), False
 
     def _backward_and_push(
         self, seq: int, shards: list[int], loss_of: Callable[[nn.Module], Tensor]
-    ) -> list[Future[bool]]:
+    ) -> dict[int, Future[Pushed]]:
         """Forward and backward; each shard of ``shards`` is handed to its I/O thread once its gradients are all
         there: during backward with ``overlap`` (after the first step, which counts how many times backward
         accumulates into each parameter: once, tied ones included, unless e.g. reentrant recomputation runs inner
         backward passes), else after it."""
-        futures: dict[int, Future[bool]] = {}
+        futures: dict[int, Future[Pushed]] = {}
         fired: dict[str, int] = {}
         remaining = {index: set(self.shard_names[index]) for index in shards}
         lock = threading.Lock()
@@ -266,7 +292,7 @@ class PSWorker:
                     names.discard(name)
                     if not names:
                         del remaining[index]
-                        futures[index] = self._io.submit(self._push_one, index, seq)
+                        futures[index] = self._io.submit(self._push_one, index, seq, self._stage_grads(index))
 
             return hook
 
@@ -297,18 +323,18 @@ class PSWorker:
             self.overlap = False
         for index in shards:
             if index not in futures:
-                futures[index] = self._io.submit(self._push_one, index, seq)
-        return [futures[index] for index in shards]
+                futures[index] = self._io.submit(self._push_one, index, seq, self._stage_grads(index))
+        return futures
 
     def push(self, seq: int, shards: list[int] | None = None) -> list[int]:
         """Push the local gradients of `shards` (default: all) tagged with the pulled versions, taking the shards'
         new parameters back; returns the servers that did not apply it."""
         shards = list(range(len(self.addresses))) if shards is None else shards
-        self._pending_install = []
-        applied = self._each(lambda index: self._push_one(index, seq), shards)
-        for index, pulled, tensors in self._pending_install:
+        staged = {index: self._stage_grads(index) for index in shards}
+        replies = self._each(lambda index: self._push_one(index, seq, staged[index]), shards)
+        for index, (_, pulled, tensors) in zip(shards, replies):
             self._install(index, pulled, tensors)
-        return [index for index, ok in zip(shards, applied) if not ok]
+        return [index for index, (applied, _, _) in zip(shards, replies) if not applied]
 
     def _beat(self) -> None:
         beats: list[Channel | None] = [None] * len(self.addresses)
