@@ -107,7 +107,7 @@ def test_a_retried_push_is_applied_once():
     first = server.push("w", 0, 0, _push_grads(server, 1.0), 5)
     after_first = {n: p.detach().clone() for n, p in server.params.items()}
     retry = server.push("w", 0, 0, _push_grads(server, 1.0), 5)
-    assert first == {"applied": True, "duplicate": False, "version": 1}
+    assert first == {"applied": True, "duplicate": False, "version": 1, "tau": 0}
     assert retry["applied"] and retry["duplicate"] and server.version == 1 and server.pushes_applied == 1
     assert all(torch.equal(after_first[n], p) for n, p in server.params.items())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from plait.errors import ConfigError
 from plait.logging import get_logger
+from plait.param_server.agreement import JobSettings, mismatch_message
 from plait.param_server.consistency import Consistency, StalenessStats
 from plait.param_server.sharding import ParamSpec, assign_shards, model_spec, spec_mismatch
 
@@ -67,6 +69,23 @@ class ServerSettings:
     min_workers: int = 1
     """BSP's start barrier: no round closes before this many workers have joined. Without it, a worker that joins
     server 0 first could close round 0 there alone, while server 1's round 0 waits for everyone: a deadlock."""
+    steps: int = 0
+    """Steps per worker of the job (compared with joining workers'; 0: not checked)."""
+
+    @property
+    def job(self) -> JobSettings:
+        """What a joining worker must agree with (agreement.py)."""
+        return JobSettings(
+            self.consistency.mode, self.consistency.staleness, self.steps, self.min_workers, self.num_servers
+        )
+
+
+Snapshot = Callable[[dict[str, nn.Parameter]], Any]
+"""Called under the server's lock with the live parameters: copies them somewhere (a send buffer, clones)."""
+
+
+def clone_params(params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    return {name: param.detach().clone() for name, param in params.items()}
 
 
 class ShardServer:
@@ -89,19 +108,30 @@ class ShardServer:
         self.history: list[dict[str, Tensor]] = []
         self.resumed_from: int | None = None
         self.started = time.monotonic()
+        self.round_opened: float | None = None
+        """When the open BSP round received its first gradient (for the 'waits for' log line)."""
         self.cond = threading.Condition()
         self._resume()
 
     # ---- membership -------------------------------------------------------------------------------------------
-    def join(self, wid: str, name: str, spec: tuple[ParamSpec, ...]) -> dict[str, Any]:
-        """Admit a worker (its model must match the servers'); a new one starts at the slowest live clock (a live
-        one, e.g. restored from a checkpoint, keeps its record)."""
+    def join(
+        self, wid: str, name: str, spec: tuple[ParamSpec, ...], settings: JobSettings | None = None
+    ) -> dict[str, Any]:
+        """Admit a worker (its settings and model must match the servers'); a new one starts at the slowest live
+        clock (a live one, e.g. restored from a checkpoint, keeps its record)."""
+        differences = [] if settings is None else self.settings.job.differences(settings)
+        if differences:
+            message = mismatch_message(name, differences)
+            log.error("server %d: refused worker %s: %s", self.settings.index, name, message)
+            raise ConfigError(message)
         problem = spec_mismatch(self.spec, tuple(spec))
         if problem:
-            raise ConfigError(
+            message = (
                 f"worker {name!r} has a different model from the servers': {problem}. Fix: build the "
                 f"workers' model with the same configuration as the servers'."
             )
+            log.error("server %d: refused worker %s: %s", self.settings.index, name, message)
+            raise ConfigError(message)
         with self.cond:
             record = self.workers.get(wid)
             if record is None or not record.alive:
@@ -112,7 +142,21 @@ class ShardServer:
             else:
                 record.last_seen = time.monotonic()
             self.cond.notify_all()
-            return {"names": list(self.params), "version": self.version, "clock": self.workers[wid].clock}
+            log.info(
+                "server %d: worker %s joined (%d of %d expected have joined, %d live)",
+                self.settings.index,
+                name,
+                self.joined,
+                self.settings.min_workers,
+                self.live_count(),
+            )
+            return {
+                "names": list(self.params),
+                "version": self.version,
+                "clock": self.workers[wid].clock,
+                "index": self.settings.index,
+                "servers": self.settings.num_servers,
+            }
 
     def beat(self, wid: str) -> None:
         with self.cond:
@@ -162,8 +206,9 @@ class ShardServer:
         return min((r.clock for r in self.workers.values() if r.alive), default=0)
 
     # ---- pull / push ------------------------------------------------------------------------------------------
-    def pull(self, wid: str, timeout_s: float) -> dict[str, Any]:
-        """The shard and its version; under SSP waits until this worker is within s clocks of the slowest."""
+    def pull(self, wid: str, timeout_s: float, have: int = -1, snapshot: Snapshot = clone_params) -> dict[str, Any]:
+        """The shard (``snapshot`` of it, taken under the lock) and its version; nothing but the version when the
+        worker already has it (``have``). Under SSP waits until this worker is within s clocks of the slowest."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             record = self._member(wid)
@@ -174,10 +219,29 @@ class ShardServer:
                 ):
                     raise TimeoutError(f"pull by {record.name} waited {timeout_s:g} s for the slowest worker")
                 record = self._member(wid)
-            return {"version": self.version, "params": {n: p.detach().clone() for n, p in self.params.items()}}
+            if have == self.version:
+                return {"version": self.version, "unchanged": True, "params": None}
+            return {"version": self.version, "unchanged": False, "params": snapshot(self.params)}
 
-    def push(self, wid: str, seq: int, version: int, grads: dict[str, Tensor], timeout_s: float) -> dict[str, Any]:
-        """Apply (ASP/SSP) or enqueue for the round (BSP) one gradient computed on `version`; exactly once per seq."""
+    def push(
+        self,
+        wid: str,
+        seq: int,
+        version: int,
+        grads: dict[str, Tensor],
+        timeout_s: float,
+        then_pull: bool = False,
+        snapshot: Snapshot = clone_params,
+    ) -> dict[str, Any]:
+        """Apply (ASP/SSP) or enqueue for the round (BSP) one gradient computed on `version`; exactly once per seq.
+        With ``then_pull`` the reply also carries what a pull right after it returns ("pulled"): one round trip
+        per step instead of two. The gradients may be views of a receive buffer: they are used before returning."""
+        reply = self._push(wid, seq, version, grads, timeout_s)
+        if then_pull:
+            reply["pulled"] = self.pull(wid, timeout_s, snapshot=snapshot)
+        return reply
+
+    def _push(self, wid: str, seq: int, version: int, grads: dict[str, Tensor], timeout_s: float) -> dict[str, Any]:
         if set(grads) != set(self.params):
             raise ConfigError(f"push names {sorted(set(grads) ^ set(self.params))[:3]} do not match this shard.")
         with self.cond:
@@ -187,12 +251,15 @@ class ShardServer:
                 if seq <= record.last_seq:
                     return {"applied": True, "duplicate": True, "version": self.version}
             elif self.settings.consistency.mode != "bsp":
+                tau = self.version - version
                 self._apply([(record, seq, version, grads)])
-                return {"applied": True, "duplicate": False, "version": self.version}
+                return {"applied": True, "duplicate": False, "version": self.version, "tau": tau}
             elif version != self.version:
                 self.dropped += 1
                 return {"applied": False, "reason": f"stale: computed on version {version}, round is {self.version}"}
             else:
+                if not self.pending:
+                    self.round_opened = time.monotonic()
                 self.pending[wid] = (seq, grads)
                 self._close_round_if_complete()
             deadline = time.monotonic() + timeout_s
@@ -201,8 +268,10 @@ class ShardServer:
                     return {"applied": False, "reason": "the worker was declared dead before the round closed"}
                 self.cond.wait(timeout=0.1)
                 if time.monotonic() >= deadline:
+                    if self.pending.get(wid, (None,))[0] == seq:
+                        del self.pending[wid]  # its gradients are views of a buffer the caller reuses
                     raise TimeoutError(f"BSP round {self.version} waited {timeout_s:g} s for the other workers")
-            return {"applied": True, "duplicate": False, "version": self.version}
+            return {"applied": True, "duplicate": False, "version": self.version, "tau": 0}
 
     def _member(self, wid: str) -> WorkerRecord:
         record = self.workers.get(wid)
@@ -225,7 +294,7 @@ class ShardServer:
             param.grad = (
                 torch.stack([grads[name].to(param.dtype) for *_, grads in entries]).mean(dim=0)
                 if len(entries) > 1
-                else entries[0][3][name].to(param.dtype).clone()
+                else entries[0][3][name].to(param.dtype)  # a view of the receive buffer: used before the reply
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -234,6 +303,7 @@ class ShardServer:
             record.last_seq, record.clock, record.applied = seq, record.clock + 1, record.applied + 1
         self.pushes_applied += len(entries)
         self.version += 1
+        self.round_opened = None
         if self.settings.record_history:
             self.history.append({n: p.detach().clone() for n, p in self.params.items()})
         every = self.settings.checkpoint_every
@@ -282,6 +352,27 @@ class ShardServer:
             "server %d resumed from %s at version %d", self.settings.index, self.checkpoint_path(), self.version
         )
 
+    def waiting(self, after_s: float) -> str | None:
+        """What BSP waits for, when it has waited: workers not yet joined (start barrier), or the live workers
+        whose gradient the round open for ``after_s`` seconds lacks; None when nothing waits."""
+        with self.cond:
+            if self.settings.consistency.mode != "bsp":
+                return None
+            if self.joined < self.settings.min_workers:
+                return (
+                    f"waiting for workers: {self.joined} of {self.settings.min_workers} have joined (BSP starts "
+                    f"when all {self.settings.min_workers} have; start the others, or run with --workers "
+                    f"{max(1, self.joined)})"
+                )
+            opened = self.round_opened
+            if opened is None or time.monotonic() - opened < after_s:
+                return None
+            missing = sorted(r.name for wid, r in self.workers.items() if r.alive and wid not in self.pending)
+            return (
+                f"round {self.version} has waited {time.monotonic() - opened:.0f} s for workers {missing} "
+                f"({len(self.pending)} of {self.live_count()} live workers have pushed)"
+            )
+
     def report(self, with_params: bool = False) -> dict[str, Any]:
         """Counters for progress and tests; with the shard (and history) when asked."""
         with self.cond:
@@ -294,6 +385,8 @@ class ShardServer:
                 "duplicates": self.duplicates,
                 "dropped": self.dropped,
                 "live_workers": self.live_count(),
+                "joined": self.joined,
+                "expected_workers": self.settings.min_workers,
                 "staleness": self.staleness.as_dict(),
                 "resumed_from": self.resumed_from,
                 "applied_by_worker": {r.name: r.applied for r in self.workers.values()},

@@ -1,74 +1,115 @@
-"""Messages between workers and servers: pickled tuples over authenticated TCP (`multiprocessing.connection`).
+"""Client side of the wire: connect (with retries and the key handshake) and one request/reply.
 
 Why not torch.distributed.rpc: with dynamic membership (init_rpc without a world size) a joining process calls
 every registered member during init_rpc, and a member killed with SIGKILL stays registered, so after the first
 worker death no worker can join again (checked on torch 2.13: the join times out on the group-membership token).
-Plain connections give what faults need: a killed peer's socket closes at once (EOF), a restarted server is just
-a new listener to reconnect to, and every wait has our own timeout. The HMAC challenge of `multiprocessing.connection`
-authenticates peers (set PLAIT_PS_AUTHKEY); do not expose the port to untrusted networks, since messages are pickles.
+Plain TCP connections give what faults need: a killed peer's socket closes at once (EOF), a restarted server is
+just a new listener to reconnect to, and every wait has our own timeout. The frames and their authentication are
+``wire.py``'s (JSON header + raw tensor bytes + HMAC; nothing received is executed).
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import socket
 import time
-from multiprocessing.connection import Client, Connection
+from collections.abc import Mapping
 from typing import Any
+
+from plait.errors import ConfigError
+from plait.param_server.wire import AuthenticationError, Channel, Message, ProtocolError, Staged, client_handshake
 
 
 class ServerUnreachable(ConnectionError):
     """A server could not be reached, or its connection broke, within the time allowed."""
 
 
-def authkey() -> bytes:
-    """The shared secret of one parameter-server job (PLAIT_PS_AUTHKEY, default "plait-ps")."""
-    return os.environ.get("PLAIT_PS_AUTHKEY", "plait-ps").encode()
+class RemoteError(RuntimeError):
+    """A server-side failure the server reported by name (not one of the known exception classes)."""
+
+
+ERRORS: dict[str, type[Exception]] = {
+    "ConfigError": ConfigError,
+    "TimeoutError": TimeoutError,
+    "PermissionError": PermissionError,
+    "KeyError": KeyError,
+    "ProtocolError": ProtocolError,
+}
 
 
 def parse_address(text: str) -> tuple[str, int]:
     """ "host:port" -> (host, port)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"server address {text!r} is not HOST:PORT (e.g. 10.0.0.5:29600).")
-    return host, int(port)
+    return host.strip("[]"), int(port)
 
 
-def send(conn: Connection, message: Any) -> None:
-    """Pickle (plain pickle: tensors travel by value, never as shared-memory handles) and send one message."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+def open_socket(sock: socket.socket) -> socket.socket:
+    """Disable Nagle's algorithm (a frame is header + payload; Nagle + delayed ACK adds ~40 ms per message)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
-def receive(conn: Connection, timeout_s: float, what: str) -> Any:
-    """The next message, or TimeoutError naming `what` after `timeout_s`; EOFError when the peer closed."""
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"no reply to {what} within {timeout_s:g} s")
-    return pickle.loads(conn.recv_bytes())
-
-
-def no_delay(conn: Connection) -> Connection:
-    """Disable Nagle's algorithm: `Connection` writes a large message as header + payload, and Nagle would hold the
-    payload until the peer's delayed ACK of the header (~40 ms per message on Linux)."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
-
-
-def connect(address: tuple[str, int], timeout_s: float) -> Connection:
-    """Connect to a server, retrying while it is not (yet or again) listening, for up to `timeout_s`."""
+def connect(address: tuple[str, int], key: bytes | None, timeout_s: float, max_payload: int) -> Channel:
+    """Connect and authenticate to a server, retrying while it is not (yet or again) listening."""
     deadline = time.monotonic() + timeout_s
     while True:
+        sock = None
         try:
-            return no_delay(Client(address, authkey=authkey()))
-        except (ConnectionRefusedError, ConnectionResetError, FileNotFoundError, OSError) as error:
+            sock = open_socket(socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic())))
+            session = client_handshake(sock, key)
+            return Channel(sock, session, "client", max_payload, f"{address[0]}:{address[1]}")
+        except AuthenticationError as error:
+            if sock is not None:
+                sock.close()
+            raise ConfigError(
+                f"server {address[0]}:{address[1]}: {error} Fix: use the same PLAIT_PS_AUTHKEY / --key-file "
+                f"on every server and worker."
+            ) from None
+        except (OSError, EOFError, TimeoutError, ProtocolError) as error:
+            if sock is not None:
+                sock.close()
             if time.monotonic() >= deadline:
                 raise ServerUnreachable(
                     f"cannot reach the parameter server at {address[0]}:{address[1]} within "
-                    f"{timeout_s:g} s ({error}). Fix: start the servers first, check the "
-                    f"address, the firewall and PLAIT_PS_AUTHKEY."
+                    f"{timeout_s:g} s ({error}). Fix: start the servers first, check the address and the firewall."
                 ) from error
             time.sleep(0.05)
 
 
-__all__ = ["ServerUnreachable", "authkey", "connect", "no_delay", "parse_address", "receive", "send"]
+def call(channel: Channel, op: str, timeout_s: float, staged: Staged | None = None, **args: Any) -> tuple[Any, Message]:
+    """Send one request and return (its value, the reply message, whose tensors the caller reads and checks);
+    a server-side error is raised as the same exception class."""
+    channel.send({"op": op, "args": args}, staged)
+    reply = channel.receive(timeout_s)
+    header = reply.header
+    if header.get("ok") is True:
+        return header.get("value"), reply
+    kind, message = header.get("error"), header.get("message")
+    if not isinstance(kind, str) or not isinstance(message, str):
+        raise ProtocolError(f"malformed reply to {op}: {str(header)[:200]}")
+    raise ERRORS.get(kind, RemoteError)(message[:4000])
+
+
+def request(channel: Channel, op: str, timeout_s: float, **args: Any) -> Any:
+    """``call`` for requests without tensors: the reply's value."""
+    return call(channel, op, timeout_s, **args)[0]
+
+
+def as_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"reply to {what} is not an object")
+    return value
+
+
+__all__ = [
+    "ERRORS",
+    "RemoteError",
+    "ServerUnreachable",
+    "as_mapping",
+    "call",
+    "connect",
+    "open_socket",
+    "parse_address",
+    "request",
+]

@@ -1,0 +1,112 @@
+"""The job's shared secret and the bind policy: who may talk to a parameter server.
+
+- A server bound to a loopback address (127.0.0.0/8, ::1, localhost: the default) is reachable from this host
+  only. It may run without a key; it then says so in its log (any local user could connect, none could run code,
+  since nothing received is ever executed).
+- A server bound to any other address refuses to start without a key the user set: ``PLAIT_PS_AUTHKEY`` (at least
+  16 characters) or a key file (``plait ps keygen FILE``: 32 random bytes, hex, mode 0600) named by
+  ``--key-file`` / ``PLAIT_PS_KEY_FILE``. There is no built-in default key.
+- A key file that others may read (group/other permission bits) or that another user owns is refused.
+- ``LocalCluster`` (``plait ps`` on one machine) draws a fresh random key for each job and hands it to its own
+  processes, so a local job is authenticated with no setup.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+import stat
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+KEY_ENV = "PLAIT_PS_AUTHKEY"
+KEY_FILE_ENV = "PLAIT_PS_KEY_FILE"
+MIN_KEY_CHARS = 16
+KEY_FIX = (
+    f"Fix: run `plait ps keygen ps.key` once, copy the file (mode 0600) to every host and pass --key-file ps.key, "
+    f"or export {KEY_ENV}=<a secret of at least {MIN_KEY_CHARS} characters> on every host."
+)
+
+
+def generate_key_file(path: str | Path) -> Path:
+    """Write 32 random bytes (hex) to a new file at ``path`` with mode 0600; refuses to overwrite a file."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; keygen never overwrites a key. Fix: choose another path.") from None
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def read_key_file(path: str | Path) -> bytes:
+    """The key in ``path``: it must be a regular file of this user with no group/other permission bits."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as error:
+        raise ConfigError(f"cannot read the key file {path}: {error}. {KEY_FIX}") from error
+    with os.fdopen(fd) as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ConfigError(f"key file {path} is not a regular file owned by this user. {KEY_FIX}")
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                f"key file {path} has mode {stat.S_IMODE(info.st_mode):o}: others may read it. Fix: chmod 600 {path}."
+            )
+        key = handle.read(4096).strip().encode()
+    if len(key) < MIN_KEY_CHARS:
+        raise ConfigError(f"key file {path} holds {len(key)} characters, fewer than {MIN_KEY_CHARS}. {KEY_FIX}")
+    return key
+
+
+def resolve_key(key_file: str | None = None) -> bytes | None:
+    """The key the user set: ``key_file`` (or ``PLAIT_PS_KEY_FILE``), else ``PLAIT_PS_AUTHKEY``, else None."""
+    key_file = key_file or os.environ.get(KEY_FILE_ENV) or None
+    if key_file:
+        return read_key_file(key_file)
+    text = os.environ.get(KEY_ENV)
+    if text is None or text == "":
+        return None
+    if len(text) < MIN_KEY_CHARS:
+        raise ConfigError(f"{KEY_ENV} has {len(text)} characters, fewer than {MIN_KEY_CHARS}. {KEY_FIX}")
+    return text.encode()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface only (a name must resolve to loopback only)."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def check_bind(host: str, key: bytes | None) -> None:
+    """Refuse a non-loopback bind without a key (before the socket is opened)."""
+    if key is None and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on {host} without a key: anyone who can reach the port could read the "
+            f"parameters and push gradients. {KEY_FIX} (Or bind 127.0.0.1 for a job on this host only.)"
+        )
+
+
+__all__ = [
+    "KEY_ENV",
+    "KEY_FILE_ENV",
+    "check_bind",
+    "generate_key_file",
+    "is_loopback",
+    "read_key_file",
+    "resolve_key",
+]
