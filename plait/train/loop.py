@@ -22,11 +22,12 @@ import torch
 from plait.checkpoint import LATEST
 from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
-from plait.engine import Engine
+from plait.engine import Engine, StepStats
 from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
+from plait.parallel.kernels import fast_optimizer_kwargs
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig
 from plait.train.fault import RankGuard, resume_metrics
@@ -87,7 +88,12 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     engine = parallelize(
         model,
         layout,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay),
+        optimizer=lambda params: torch.optim.AdamW(
+            params,
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            **fast_optimizer_kwargs(torch.optim.AdamW, world.device),
+        ),
         loss_fn=lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(train.warmup_steps, train.steps)),
@@ -143,6 +149,32 @@ class _Progress:
             self.bar.stop()
 
 
+class _Records:
+    """Rank 0's step records, written in batches: a step's loss and gradient norm stay on the device until its
+    record is written (``StepStats.loss``), so that the host never waits for the device between steps; the
+    loop flushes every ``log_every`` steps and before an evaluation, a checkpoint or the end."""
+
+    def __init__(self, writer: MetricsWriter | None) -> None:
+        self.writer = writer
+        self.pending: list[tuple[StepStats, float, dict[str, Any]]] = []
+        self.info = ""
+        """The progress line of the last flushed step."""
+
+    def add(self, stats: StepStats, lr: float, observed: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.pending.append((stats, lr, observed))
+
+    def flush(self) -> None:
+        for stats, lr, observed in self.pending:
+            assert self.writer is not None
+            self.writer.write({**step_record(stats, lr), **observed})
+        if self.pending:
+            stats, _, observed = self.pending[-1]
+            mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
+            self.info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
+        self.pending = []
+
+
 def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
     """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder).
 
@@ -173,9 +205,10 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
         log.info(
-            "%s | model %.2fM parameters | %s",
+            "%s | model %.2fM parameters on this rank%s | %s",
             engine.mesh,
-            sum(p.numel() for p in engine.model.parameters()) / 1e6,
+            engine.strategy.parameter_count() / 1e6,
+            f" | compiled ({engine.layout.compile})" if engine.layout.compile is not False else "",
             run_dir,
         )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
@@ -186,6 +219,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     meter = StepMeter(engine, model_config, dataset.seq_len)
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, tokens, stats, last_eval = time.perf_counter(), 0, None, ""
+    records = _Records(writer)
     try:
         for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
@@ -199,20 +233,22 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             tokens += stats.tokens
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats)  # a collective: every rank
-            mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
-            info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
-            if writer:
-                writer.write({**step_record(stats, lr), **observed})
-            if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
+            records.add(stats, lr, observed)
+            evaluate = train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps
+            save = train.save_every and stats.step % train.save_every == 0
+            if evaluate or save or stats.step % train.log_every == 0 or stats.step >= train.steps:
+                records.flush()  # reads the losses: a host sync once per log interval, not per step
+            if evaluate:
                 guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
                 last_eval = f"  eval acc {100 * result.accuracy:.1f}% (step {stats.step})"
                 if writer:
                     writer.write(eval_record(stats.step, result))
-            if train.save_every and stats.step % train.save_every == 0:
+            if save:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 engine.save(ckpt)
-            progress.update(stats.step, info + last_eval)
+            progress.update(stats.step, records.info + last_eval)
+        records.flush()
     finally:
         progress.close()
     seconds = time.perf_counter() - started
