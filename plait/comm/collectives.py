@@ -11,6 +11,14 @@ reported once, when its ``Pending`` is waited for, with its op, axis, payload an
 ``perf_counter_ns`` times: launch, wait start, wait end. A blocking call's span is launch -> wait end; an
 ``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
 runs. With no tracer the cost is one attribute check per launch and per wait.
+
+Under ``torch.compile`` every collective (and ``Pending.wait``) runs eagerly (``eager``): compiled code breaks
+its graph around it.
+
+gloo with CUDA tensors (several ranks on one GPU, for tests): its collectives take device tensors, its
+point-to-point does not, so ``send_recv`` stages them through host memory (``needs_host_staging``). Staging
+rather than refusing lets pipeline stages and ring attention run on one GPU under gloo, at the price of two
+copies per message, which only such test set-ups pay (NCCL, the GPU backend, sends device memory directly).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,25 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on both sides of the rename.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(method: F) -> F:
+    """Run ``method`` eagerly even when called from code that ``torch.compile`` traces (``Layout(compile=...)``):
+    dynamo neither traces the byte accounting, timeouts and backend calls nor the collectives, which it would
+    otherwise split into many graph breaks and recompilations (ring attention's p2p), but breaks the graph once
+    around the call. Outside compiled code this costs about a microsecond per call."""
+    return cast(F, torch.compiler.disable(method))
+
+
+def needs_host_staging(backend: str | None, device_type: str) -> bool:
+    """Whether point-to-point messages of a ``device_type`` tensor must be copied through host memory: gloo sends
+    and receives host memory only (a CUDA tensor fails inside gloo with "writev ... Bad address", which surfaces
+    as a dead peer). Its collectives accept CUDA tensors, so only ``send_recv`` stages (a device -> host copy
+    before sending, host -> device after receiving). Pure."""
+    return backend == "gloo" and device_type not in ("cpu", "meta")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -61,6 +88,7 @@ class Pending:
         self._result: Any = None
         self._traced = (sent, received, time.perf_counter_ns()) if comm.tracer is not None else None
 
+    @eager
     def wait(self) -> Any:
         if not self._done:
             tracer = self._comm.tracer if self._traced is not None else None
@@ -100,6 +128,9 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.tracer: Any = None
         """A ``plait.observe.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
+        self.stage_p2p: bool | None = None
+        """``send_recv`` through host memory: None decides per call (``needs_host_staging``); True/False force it."""
+        self._backends: dict[str, str | None] = {}
 
     # ----------------------------------------------------------------- helpers
     def size(self, axis: str) -> int:
@@ -140,6 +171,7 @@ class Comm:
         return pending.wait()
 
     # ----------------------------------------------------------------- collectives
+    @eager
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place over ``axis`` (``op``: sum, avg, max, min); returns the tensor."""
         if op not in REDUCE_OPS:
@@ -160,6 +192,7 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    @eager
     def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, async_op: bool = False) -> Any:
         """Concatenate every rank's ``tensor`` along ``dim``, in axis order."""
         n = self.size(axis)
@@ -176,6 +209,7 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    @eager
     def reduce_scatter(
         self, tensor: torch.Tensor, axis: str, dim: int = 0, op: str = "sum", async_op: bool = False
     ) -> Any:
@@ -203,6 +237,7 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    @eager
     def all_to_all(
         self, tensor: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int, async_op: bool = False
     ) -> Any:
@@ -227,6 +262,7 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    @eager
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False) -> Any:
         """Copy the ``tensor`` of the rank at index ``src`` of this axis group to every member, in place."""
         n = self.size(axis)
@@ -242,6 +278,7 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    @eager
     def send_recv(
         self,
         sends: Sequence[tuple[torch.Tensor, int]] = (),
@@ -249,28 +286,44 @@ class Comm:
         axis: str = "pp",
         async_op: bool = False,
     ) -> Any:
-        """Batched point-to-point: send each ``(tensor, global_rank)`` and receive into each ``(buffer, global_rank)``."""
+        """Batched point-to-point: send each ``(tensor, global_rank)`` and receive into each ``(buffer, global_rank)``.
+        Device tensors over a gloo group travel through host copies (``stages_p2p_through_host``); the received
+        values are in the buffers once the call (or its ``Pending.wait()``) returns."""
         if not sends and not recvs:
             return Done(None) if async_op else None
         group = self.mesh.group(axis)
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
         for tensor, _peer in sends:
             self.stats.record(axis, "send", _nbytes(tensor), 2)
         for tensor, _peer in recvs:
             self.stats.record(axis, "recv", _nbytes(tensor), 2)
+        sent, received = sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs)
+        targets: list[tuple[torch.Tensor, int]] = []  # staged: the receivers' own buffers
+        if self.stages_p2p_through_host(axis, [t for t, _ in (*sends, *recvs)]):
+            targets = list(recvs)
+            sends = [(tensor.detach().to("cpu", copy=True), peer) for tensor, peer in sends]
+            recvs = [(torch.empty(t.shape, dtype=t.dtype), peer) for t, peer in targets]
+
+        def finish() -> None:
+            for (target, _), (staged, _) in zip(targets, recvs):
+                target.copy_(staged)
+
+        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
         works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
-        pending = Pending(
-            self,
-            axis,
-            "send_recv",
-            works,
-            lambda: None,
-            sent=sum(_nbytes(t) for t, _ in sends),
-            received=sum(_nbytes(t) for t, _ in recvs),
-        )
+        pending = Pending(self, axis, "send_recv", works, finish, sent=sent, received=received)
         return self._result(pending, async_op)
 
+    def stages_p2p_through_host(self, axis: str, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``send_recv`` over ``axis`` copies ``tensors`` through host memory: ``stage_p2p`` when set
+        (tests force it on CPU), else ``needs_host_staging`` for the axis group's backend."""
+        if self.stage_p2p is not None:
+            return self.stage_p2p
+        if axis not in self._backends:
+            group = self.mesh.group(axis)
+            self._backends[axis] = dist.get_backend(group) if dist.is_initialized() else None
+        return any(needs_host_staging(self._backends[axis], t.device.type) for t in tensors)
+
+    @eager
     def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:
         """Every rank's ``data`` (any length), in axis order: the lengths, then the bytes padded to the longest,
         as uint8 tensors (two all-gathers). For small control data (traces, reports), not for tensors."""
@@ -284,6 +337,7 @@ class Comm:
         rows = self.all_gather(padded.to(self.device), axis).cpu().view(len(lengths), -1)
         return [rows[i, :n].numpy().tobytes() for i, n in enumerate(lengths)]
 
+    @eager
     def barrier(self, axis: str = "world") -> None:
         """Wait until every rank of the axis group arrives (a small all-reduce, so it honours the timeout)."""
         self.all_reduce(torch.zeros(1, device=self.device), axis)
