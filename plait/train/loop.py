@@ -205,10 +205,9 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
         log.info(
-            "%s | model %.2fM parameters on this rank%s | %s",
+            "%s | model %.2fM parameters on this rank | %s",
             engine.mesh,
-            engine.strategy.parameter_count() / 1e6,
-            f" | compiled ({engine.layout.compile})" if engine.layout.compile is not False else "",
+            engine.strategy.parameter_count() / 1e6,  # whole, also under ZeRO-3 (its module tensors are empty)
             run_dir,
         )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
