@@ -12,8 +12,8 @@ reported once, when its ``Pending`` is waited for, with its op, axis, payload an
 ``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
 runs. With no tracer the cost is one attribute check per launch and per wait.
 
-Under ``torch.compile`` every collective (and ``Pending.wait``) runs eagerly (``eager``): compiled code breaks
-its graph around it.
+Under ``torch.compile`` every collective (and ``Pending.wait``) runs eagerly once ``run_eagerly_under_compile``
+has been called (``Layout(compile=...)`` does): compiled code breaks its graph around it.
 
 gloo with CUDA tensors (several ranks on one GPU, for tests): its collectives take device tensors, its
 point-to-point does not, so ``send_recv`` stages them through host memory (``needs_host_staging``). Staging
@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,6 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on both sides of the rename.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def eager(method: F) -> F:
-    """Run ``method`` eagerly even when called from code that ``torch.compile`` traces (``Layout(compile=...)``):
-    dynamo neither traces the byte accounting, timeouts and backend calls nor the collectives, which it would
-    otherwise split into many graph breaks and recompilations (ring attention's p2p), but breaks the graph once
-    around the call. Outside compiled code this costs about a microsecond per call."""
-    return cast(F, torch.compiler.disable(method))
 
 
 def needs_host_staging(backend: str | None, device_type: str) -> bool:
@@ -88,7 +77,6 @@ class Pending:
         self._result: Any = None
         self._traced = (sent, received, time.perf_counter_ns()) if comm.tracer is not None else None
 
-    @eager
     def wait(self) -> Any:
         if not self._done:
             tracer = self._comm.tracer if self._traced is not None else None
@@ -171,7 +159,6 @@ class Comm:
         return pending.wait()
 
     # ----------------------------------------------------------------- collectives
-    @eager
     def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce ``tensor`` in place over ``axis`` (``op``: sum, avg, max, min); returns the tensor."""
         if op not in REDUCE_OPS:
@@ -192,7 +179,6 @@ class Comm:
         )
         return self._result(pending, async_op)
 
-    @eager
     def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, async_op: bool = False) -> Any:
         """Concatenate every rank's ``tensor`` along ``dim``, in axis order."""
         n = self.size(axis)
@@ -209,7 +195,6 @@ class Comm:
         )
         return self._result(pending, async_op)
 
-    @eager
     def reduce_scatter(
         self, tensor: torch.Tensor, axis: str, dim: int = 0, op: str = "sum", async_op: bool = False
     ) -> Any:
@@ -237,7 +222,6 @@ class Comm:
         )
         return self._result(pending, async_op)
 
-    @eager
     def all_to_all(
         self, tensor: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int, async_op: bool = False
     ) -> Any:
@@ -262,7 +246,6 @@ class Comm:
         )
         return self._result(pending, async_op)
 
-    @eager
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False) -> Any:
         """Copy the ``tensor`` of the rank at index ``src`` of this axis group to every member, in place."""
         n = self.size(axis)
@@ -278,7 +261,6 @@ class Comm:
         )
         return self._result(pending, async_op)
 
-    @eager
     def send_recv(
         self,
         sends: Sequence[tuple[torch.Tensor, int]] = (),
@@ -323,7 +305,6 @@ class Comm:
             self._backends[axis] = dist.get_backend(group) if dist.is_initialized() else None
         return any(needs_host_staging(self._backends[axis], t.device.type) for t in tensors)
 
-    @eager
     def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:
         """Every rank's ``data`` (any length), in axis order: the lengths, then the bytes padded to the longest,
         as uint8 tensors (two all-gathers). For small control data (traces, reports), not for tensors."""
@@ -337,7 +318,25 @@ class Comm:
         rows = self.all_gather(padded.to(self.device), axis).cpu().view(len(lengths), -1)
         return [rows[i, :n].numpy().tobytes() for i, n in enumerate(lengths)]
 
-    @eager
     def barrier(self, axis: str = "world") -> None:
         """Wait until every rank of the axis group arrives (a small all-reduce, so it honours the timeout)."""
         self.all_reduce(torch.zeros(1, device=self.device), axis)
+
+
+EAGER_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "barrier")
+"""The Comm methods that ``run_eagerly_under_compile`` keeps out of dynamo's traces."""
+
+
+def run_eagerly_under_compile() -> None:
+    """Make every collective and ``Pending.wait`` run eagerly when compiled code calls them
+    (``torch.compiler.disable``): dynamo then neither traces the byte accounting, timeouts and backend calls nor
+    splits them into many graph breaks and recompilations (ring attention's p2p loop did), but breaks its graph
+    once around each call. Process-wide and idempotent; called by ``plait.parallel.compile`` when a layout
+    compiles, so that importing plait does not import torch._dynamo. Outside compiled code a call costs about a
+    microsecond more."""
+    if getattr(Comm, "_eager_under_compile", False):
+        return
+    for name in EAGER_METHODS:
+        setattr(Comm, name, torch.compiler.disable(getattr(Comm, name)))
+    Pending.wait = torch.compiler.disable(Pending.wait)  # type: ignore[method-assign]
+    Comm._eager_under_compile = True  # type: ignore[attr-defined]

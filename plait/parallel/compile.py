@@ -22,12 +22,14 @@ traces at the first call, so the layers that tensor/context parallelism swapped 
 that holds a ``Comm`` (tensor-parallel linears, ring / Ulysses attention cores) calls collectives, which dynamo
 cannot put in a graph, and so do the forward hooks the tensor-parallel plan puts on a block's sub-modules: such
 layers and every sub-module hook run eagerly (``torch.compiler.disable``), one graph break on each side, and the
-code between them is compiled. (Traced, ring attention's loop of p2p exchanges split into dozens of graph breaks
-and recompiled per ring step, and tensor parallelism's input hook recompiled for each signature it saw.)
+code between them is compiled; every ``Comm`` collective runs eagerly too (``run_eagerly_under_compile``).
+(Traced, ring attention's loop of p2p exchanges split into dozens of graph breaks and recompiled per ring step,
+and tensor parallelism's input hook recompiled for each signature it saw.)
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
+from plait.comm.collectives import run_eagerly_under_compile
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.parallel.recompute import find_blocks
@@ -72,7 +75,8 @@ def plan_compile(layout: Layout) -> str | None:
 def check_precompiled(model: nn.Module, layout: Layout) -> None:
     """Refuse a model already wrapped by ``torch.compile`` under ZeRO-3 (its hooks would be traced, module
     docstring), naming the fix; other strategies keep their hooks outside the traced module and accept it."""
-    if layout.zero == 3 and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing can have been compiled
+    if layout.zero == 3 and dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
         raise LayoutError(
             "the model was compiled with torch.compile before parallelize, and zero=3 gathers and frees parameters in "
             "module hooks that the compiled model would trace (dynamo recompiles on every unit until its limit, then "
@@ -101,6 +105,7 @@ def apply_compile(modules: list[nn.Module], backend: str | None) -> list[nn.Modu
     blocks) with ``backend``, once per module; returns what was compiled (nothing when ``backend`` is None)."""
     if backend is None:
         return []
+    run_eagerly_under_compile()  # collectives: graph breaks, never traced
     compiled = []
     for module in modules:
         targets = [block for _, block in find_blocks(module)] or [module]
