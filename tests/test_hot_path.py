@@ -31,6 +31,7 @@ from plait.comm import Comm, CommStats
 from plait.data import ShardedBatches
 from plait.mesh import Mesh
 from plait.observe.memory import measure_held
+from plait.parallel.kernels import fast_optimizer_kwargs, supports_fused
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
@@ -230,3 +231,45 @@ def test_parameter_count_is_the_whole_model_under_zero3():
     assert sum(p.numel() for p in engine.model.parameters()) == 0, "ZeRO-3 empties the model's own tensors"
     assert engine.strategy.parameter_count() == whole
     assert plait.parallelize(make_model()[0], Layout(), optimizer=OPTIMIZERS["sgd"]).strategy.parameter_count() == whole
+
+
+# ------------------------------------------------------------------------------------------ plait train and kernels
+def test_plait_train_reads_the_losses_once_per_log_interval(monkeypatch, tmp_path):
+    """The loop keeps each step's StepStats and writes their records (reading their losses) every log_every steps
+    and at the end: between those points it never waits for a step to finish."""
+    from plait.engine import Engine, StepStats
+    from plait.train.config import load_config
+    from plait.train.loop import run
+
+    trained, reads = [0], []
+    train_step, loss = Engine.train_step, StepStats.loss
+
+    def counted_step(self, batch):
+        stats = train_step(self, batch)
+        trained[0] = stats.step
+        return stats
+
+    def counted_loss(stats):
+        reads.append((stats.step, trained[0]))
+        return loss.fget(stats)
+
+    monkeypatch.setattr(Engine, "train_step", counted_step)
+    monkeypatch.setattr(StepStats, "loss", property(counted_loss))
+    overrides = ["train.steps=7", "train.log_every=3", "train.eval_every=0", "train.global_batch=8"]
+    run(load_config(None, [*overrides, f'train.out="{tmp_path}"']))
+    assert {at for _, at in reads} == {3, 6, 7}, reads  # read only at the flushes
+    assert sorted({step for step, _ in reads}) == list(range(1, 8)), "every step's record was written"
+    assert all(step <= at for step, at in reads)
+
+
+def test_fused_kernels_are_chosen_on_cuda_only_and_step_host_masters():
+    assert fast_optimizer_kwargs(torch.optim.AdamW, "cpu") == {}
+    assert fast_optimizer_kwargs(torch.optim.AdamW, "cuda") == {"fused": True}
+    assert fast_optimizer_kwargs(torch.optim.Adadelta, "cuda") == (
+        {"fused": True} if supports_fused(torch.optim.Adadelta) else {}
+    )
+    master = torch.nn.Parameter(torch.ones(8))  # an offloaded master lives on the host
+    optimizer = torch.optim.AdamW([master], lr=0.1, **fast_optimizer_kwargs(torch.optim.AdamW, "cuda"))
+    master.grad = torch.ones(8)
+    optimizer.step()
+    assert optimizer.defaults["fused"] and torch.all(master < 1)
