@@ -234,17 +234,19 @@ def test_parameter_count_is_the_whole_model_under_zero3():
 
 
 # ------------------------------------------------------------------------------------------ plait train and kernels
-def test_plait_train_reads_the_losses_once_per_log_interval(monkeypatch, tmp_path):
-    """The loop keeps each step's StepStats and writes their records (reading their losses) every log_every steps
-    and at the end: between those points it never waits for a step to finish."""
+def _train_and_watch_reads(monkeypatch, tmp_path, accelerator: bool, fail_at: int | None = None) -> list:
+    """Run ``plait train`` in this process (7 steps, log_every 3) and return (record step, steps trained) for
+    every read of a step's loss; ``accelerator``: the loop treats the device as one the host runs ahead of."""
+    import plait.train.loop as loop
     from plait.engine import Engine, StepStats
     from plait.train.config import load_config
-    from plait.train.loop import run
 
     trained, reads = [0], []
     train_step, loss = Engine.train_step, StepStats.loss
 
     def counted_step(self, batch):
+        if trained[0] + 1 == fail_at:
+            raise RuntimeError("injected failure")
         stats = train_step(self, batch)
         trained[0] = stats.step
         return stats
@@ -255,11 +257,32 @@ def test_plait_train_reads_the_losses_once_per_log_interval(monkeypatch, tmp_pat
 
     monkeypatch.setattr(Engine, "train_step", counted_step)
     monkeypatch.setattr(StepStats, "loss", property(counted_loss))
+    monkeypatch.setattr(loop, "runs_ahead", lambda device: accelerator)
     overrides = ["train.steps=7", "train.log_every=3", "train.eval_every=0", "train.global_batch=8"]
-    run(load_config(None, [*overrides, f'train.out="{tmp_path}"']))
-    assert {at for _, at in reads} == {3, 6, 7}, reads  # read only at the flushes
-    assert sorted({step for step, _ in reads}) == list(range(1, 8)), "every step's record was written"
-    assert all(step <= at for step, at in reads)
+    loop.run(load_config(None, [*overrides, f'train.out="{tmp_path}"']))
+    return reads
+
+
+def test_plait_train_reads_the_losses_once_per_log_interval_on_an_accelerator(monkeypatch, tmp_path):
+    """The loop keeps each step's StepStats and writes their records (reading their losses) every log_every steps
+    and at the end: between those points the host never waits for the device."""
+    first_read: dict[int, int] = {}  # record's step -> steps trained when its loss was first read
+    for step, at in _train_and_watch_reads(monkeypatch, tmp_path, accelerator=True):
+        first_read.setdefault(step, at)
+    assert first_read == {1: 3, 2: 3, 3: 3, 4: 6, 5: 6, 6: 6, 7: 7}, "read only at the flushes"
+    first_read = {}
+    for step, at in _train_and_watch_reads(monkeypatch, tmp_path / "cpu", accelerator=False):
+        first_read.setdefault(step, at)
+    assert first_read == {step: step for step in range(1, 8)}, "on the CPU each record is written at once"
+
+
+def test_a_failing_run_still_writes_the_records_of_its_finished_steps(monkeypatch, tmp_path):
+    from plait.train.metrics import read_metrics
+
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _train_and_watch_reads(monkeypatch, tmp_path, accelerator=True, fail_at=5)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
 
 
 def test_fused_kernels_are_chosen_on_cuda_only_and_step_host_masters():

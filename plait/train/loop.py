@@ -149,10 +149,18 @@ class _Progress:
             self.bar.stop()
 
 
+def runs_ahead(device: torch.device) -> bool:
+    """Whether the host queues work ahead of ``device`` (an accelerator), so that reading a result waits."""
+    return device.type != "cpu"
+
+
 class _Records:
-    """Rank 0's step records, written in batches: a step's loss and gradient norm stay on the device until its
-    record is written (``StepStats.loss``), so that the host never waits for the device between steps; the
-    loop flushes every ``log_every`` steps and before an evaluation, a checkpoint or the end."""
+    """Rank 0's step records. On an accelerator they are written in batches: a step's loss and gradient norm stay
+    on the device until its record is written (``StepStats.loss``), so the host never waits for the device
+    between steps; the loop flushes every ``log_every`` steps, before an evaluation, a checkpoint or the end, and
+    when the run fails (a rank killed outright loses at most the records since the last flush, steps that a
+    restart from the last checkpoint trains and records again). On the CPU reading a loss waits for nothing, so
+    every step's record is written at once, as before."""
 
     def __init__(self, writer: MetricsWriter | None) -> None:
         self.writer = writer
@@ -163,6 +171,13 @@ class _Records:
     def add(self, stats: StepStats, lr: float, observed: dict[str, Any]) -> None:
         if self.writer is not None:
             self.pending.append((stats, lr, observed))
+
+    def flush_after_failure(self) -> None:
+        """Write what can still be written when the run is failing (a device error may make a loss unreadable)."""
+        try:
+            self.flush()
+        except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not write the last %d step record(s): %s", len(self.pending), error)
 
     def flush(self) -> None:
         for stats, lr, observed in self.pending:
@@ -219,6 +234,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, tokens, stats, last_eval = time.perf_counter(), 0, None, ""
     records = _Records(writer)
+    record_every_step = not runs_ahead(engine.device)  # CPU: nothing to wait for, write each record at once
     try:
         for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
@@ -235,8 +251,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             records.add(stats, lr, observed)
             evaluate = train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps
             save = train.save_every and stats.step % train.save_every == 0
-            if evaluate or save or stats.step % train.log_every == 0 or stats.step >= train.steps:
-                records.flush()  # reads the losses: a host sync once per log interval, not per step
+            if record_every_step or evaluate or save or stats.step % train.log_every == 0 or stats.step >= train.steps:
+                records.flush()  # reads the losses: on a GPU a host sync once per log interval, not per step
             if evaluate:
                 guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
@@ -247,6 +263,10 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 engine.save(ckpt)
             progress.update(stats.step, records.info + last_eval)
+    except BaseException:
+        records.flush_after_failure()
+        raise
+    else:
         records.flush()
     finally:
         progress.close()
