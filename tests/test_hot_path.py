@@ -224,6 +224,24 @@ def test_zero12_on_one_rank_hold_no_second_fp32_copy():
     assert _held(Layout(zero=1, offload="cpu"))["master_weights"] == ddp["parameters"], "offloaded: a host master"
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_on_one_rank_resume_from_a_checkpoint_with_the_parameters_still_views_of_the_master(stage, tmp_path):
+    def build() -> plait.Engine:
+        return plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=OPTIMIZERS["adamw"])
+
+    engine, loader = build(), ShardedBatches(make_model()[1], GLOBAL_BATCH)
+    for step in range(2):
+        engine.train_step(loader.batch_at(step))
+    engine.save(tmp_path)
+    continued = [engine.train_step(loader.batch_at(step)).loss for step in (2, 3)]
+    resumed = build()
+    resumed.load(tmp_path)
+    bucket = resumed.strategy.buckets[0]
+    master = bucket.master.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == master for p in bucket.params), "loading keeps the aliasing"
+    assert [resumed.train_step(loader.batch_at(step)).loss for step in (2, 3)] == continued
+
+
 def test_parameter_count_is_the_whole_model_under_zero3():
     model, _task = make_model()
     whole = sum(p.numel() for p in model.parameters())
