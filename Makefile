@@ -2,14 +2,21 @@
 #   make demo   sets up .venv and trains the reference GPT on the synthetic task in 4 local CPU processes
 #   make test   sets up .venv and runs the whole test suite
 # make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
+# make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
+# make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
+#   installs (PyPI has no CPU build of it: its wheel is the CUDA one, so this is for GPU machines; see docs/testing.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
 
 DEMO_ARGS := --set layout.tp=2
+MIN_TORCH := 2.11.0
+MIN_VENV := .venv-min-torch
+MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
+	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-gpu test-min-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +34,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m cuda tests/gpu
+
+$(MIN_VENV)/.installed-$(MIN_TORCH):
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install --quiet torch==$(MIN_TORCH)
+	$(MIN_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+test-min-torch: $(MIN_VENV)/.installed-$(MIN_TORCH)
+	$(MIN_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MIN_TORCH)'), torch.__version__"
+	$(MIN_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests benchmarks
 	$(BIN)/ruff format --check plait tests benchmarks
@@ -39,4 +60,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache

@@ -1,8 +1,18 @@
 """``plait.init()``: join the job that torchrun (or the test harness) started, or run as one process.
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; ``init`` reads them, picks NCCL
-and ``cuda:LOCAL_RANK`` where CUDA is present and gloo on CPU otherwise, and initialises the default process
-group with a timeout. Without those variables it is a single process and creates no process group.
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; ``init`` reads them,
+picks the device ``cuda:LOCAL_RANK % gpus`` where CUDA is present (else the CPU) and the backend (``backend``,
+``plait train --backend``; default NCCL with CUDA, gloo otherwise), checks the pair (``choose_backend``,
+``check_gpu_sharing``: pure, so every rank refuses a bad pair the same way before any collective) and
+initialises the default process group with a timeout. Without those variables it is a single process and
+creates no process group.
+
+- NCCL runs one rank per GPU: two ranks of a node on one GPU fail inside NCCL ("Duplicate GPU detected") at
+  the first collective, which would look like a dead peer. ``check_gpu_sharing`` refuses it up front, naming
+  the fix (as many processes per node as GPUs, or gloo).
+- gloo runs anywhere, also with CUDA tensors, several ranks per GPU included (for tests on one GPU): its
+  collectives accept CUDA tensors, but its point-to-point send/recv cannot read device memory (pipeline stages,
+  ring attention), so ``plait.comm`` stages those through host memory (``Comm.send_recv``).
 """
 
 from __future__ import annotations
@@ -15,8 +25,11 @@ import torch
 import torch.distributed as dist
 
 from plait import logging as plait_logging
+from plait.errors import LayoutError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT_S", "300"))
+BACKENDS = ("gloo", "nccl")
+"""The process-group backends plait runs on: gloo (CPU, and CUDA tensors for testing) and NCCL (one GPU per rank)."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,49 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def choose_backend(requested: str | None, device_type: str) -> str:
+    """The backend for ``requested`` (None: NCCL on CUDA, gloo otherwise) on a ``device_type`` device; a
+    LayoutError naming the fix for an unknown backend or NCCL without a GPU. Pure."""
+    backend = requested or ("nccl" if device_type == "cuda" else "gloo")
+    if backend not in BACKENDS:
+        raise LayoutError(f"backend {backend!r} is unknown. Fix: use one of {', '.join(map(repr, BACKENDS))}.")
+    if backend == "nccl" and device_type != "cuda":
+        raise LayoutError(
+            f"backend 'nccl' needs CUDA GPUs, but this process runs on {device_type!r}. Fix: use --backend gloo (or "
+            f"init(backend='gloo')), or run on a machine with GPUs."
+        )
+    return backend
+
+
+def gpu_of_local_ranks(local_world_size: int, device_count: int) -> list[int]:
+    """The CUDA device index each local rank uses (``default_device``: local rank modulo the GPU count)."""
+    return [local_rank % device_count for local_rank in range(local_world_size)] if device_count else []
+
+
+def check_gpu_sharing(backend: str, devices: list[int], rank: int = 0) -> None:
+    """Refuse ranks of one node that share a GPU under NCCL (``devices``: the device index of each local rank),
+    which NCCL reports only at the first collective ("Duplicate GPU detected"). Pure: every rank computes the
+    same answer from the launcher's environment."""
+    if backend != "nccl":
+        return
+    shared: dict[int, list[int]] = {}
+    for local_rank, device in enumerate(devices):
+        shared.setdefault(device, []).append(local_rank)
+    crowded = {device: ranks for device, ranks in shared.items() if len(ranks) > 1}
+    if crowded:
+        gpus = len(shared)
+        which = "; ".join(f"cuda:{d} by local ranks {r}" for d, r in sorted(crowded.items()))
+        raise LayoutError(
+            f"rank {rank}: {len(devices)} processes on this node but {gpus} GPU(s): NCCL runs one rank per GPU and "
+            f"would fail at the first collective ('Duplicate GPU detected'); shared: {which}. Fix: launch at most "
+            f"{gpus} process(es) per node (plait train --nproc {gpus}, torchrun --nproc-per-node {gpus}), or use "
+            f"--backend gloo, which lets ranks share a GPU (slower: for tests)."
+        )
+
+
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
-    """Initialise torch.distributed from torchrun's environment (idempotent), or describe a single process."""
+    """Initialise torch.distributed from torchrun's environment (idempotent), or describe a single process.
+    ``backend``: "gloo" or "nccl" (None: NCCL with CUDA, gloo otherwise; module docstring)."""
     if dist.is_available() and dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         world = World(
@@ -56,8 +110,10 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = default_device(local_rank)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = choose_backend(backend, device.type)
     if device.type == "cuda":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_gpu_sharing(backend, gpu_of_local_ranks(local_world, torch.cuda.device_count()), rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     plait_logging.configure(rank)

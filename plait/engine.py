@@ -10,13 +10,19 @@ How the micro-batches run forward and backward is the engine's ``StepRunner``, c
 the updates itself). The mean of the m micro-batch means (equal sizes) is the mean over the rank's share, and
 the average over replicas is the mean over the global batch, so the step equals single-device training on the
 global batch. The loss reported is averaged over dp_cp too, so it is the same number on every rank.
+
+The hot path never waits for the device: the loss and the gradient norm stay 0-dim tensors until read
+(``StepStats.loss``), clipping scales by a tensor factor, and fp16 loss scaling checks every gradient for
+inf/NaN in one fused pass and reads one flag per step (the only host sync of an fp16 step; none under bf16 /
+fp32). So on a GPU the host queues step n+1 while step n runs, as a plain PyTorch loop does when it does not
+print its loss every step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,25 +47,84 @@ if TYPE_CHECKING:
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
 
 
-@dataclass
-class StepStats:
-    """What one ``train_step`` did. ``loss`` is identical on every rank; ``comm`` is this rank's traffic."""
+Scalar = float | torch.Tensor
+"""A number that may still be a 0-dim tensor on the device (read lazily)."""
 
-    step: int
-    loss: float
-    tokens: int
-    seconds: float
-    grad_norm: float | None = None
-    comm: CommStats = field(default_factory=CommStats)
-    skipped: bool = False
-    """True when fp16 loss scaling found inf/NaN gradients and skipped the optimizer step."""
-    loss_scale: float | None = None
-    staleness: dict[int, dict[str, float]] | None = None
-    """PipeDream: per local stage, the step's mean/max staleness, its updates and most weight versions stashed."""
+
+def _host(value: Scalar | None) -> float | None:
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+class StepStats:
+    """What one ``train_step`` did. ``loss`` is identical on every rank; ``comm`` is this rank's traffic.
+
+    ``loss`` and ``grad_norm`` are computed on the device and read lazily: the step itself never waits for the
+    device, so the host can queue the next step while this one runs (Engine module docstring). Reading either
+    waits for the step once (a host sync); the value is then cached. ``loss_tensor`` / ``grad_norm_tensor`` give
+    the 0-dim tensors without waiting."""
+
+    def __init__(
+        self,
+        step: int,
+        loss: Scalar,
+        tokens: int,
+        seconds: float,
+        grad_norm: Scalar | None = None,
+        comm: CommStats | None = None,
+        skipped: bool = False,
+        loss_scale: float | None = None,
+        staleness: dict[int, dict[str, float]] | None = None,
+    ) -> None:
+        self.step = step
+        self.tokens = tokens
+        self.seconds = seconds
+        """Host time of the call (on a GPU without syncs: the time to queue the step, not to run it)."""
+        self.comm = comm if comm is not None else CommStats()
+        self.skipped = skipped
+        """True when fp16 loss scaling found inf/NaN gradients and skipped the optimizer step."""
+        self.loss_scale = loss_scale
+        self.staleness = staleness
+        """PipeDream: per local stage, the step's mean/max staleness, its updates and most weight versions stashed."""
+        self._loss: Scalar = loss
+        self._grad_norm: Scalar | None = grad_norm
+
+    @property
+    def loss(self) -> float:
+        """The step's mean loss over the global batch (reading it waits for the step on the device, once)."""
+        if isinstance(self._loss, torch.Tensor):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @property
+    def loss_tensor(self) -> torch.Tensor:
+        """The loss as a 0-dim tensor (no host sync)."""
+        return self._loss if isinstance(self._loss, torch.Tensor) else torch.tensor(self._loss)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm before clipping (None without clipping or for a skipped step)."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @property
+    def grad_norm_tensor(self) -> torch.Tensor | None:
+        """The norm as a 0-dim tensor (no host sync), or None."""
+        norm = self._grad_norm
+        return norm if isinstance(norm, torch.Tensor) or norm is None else torch.tensor(norm)
+
+    @property
+    def materialized(self) -> bool:
+        """Whether reading ``loss`` and ``grad_norm`` no longer needs the device."""
+        return not isinstance(self._loss, torch.Tensor) and not isinstance(self._grad_norm, torch.Tensor)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def __repr__(self) -> str:
+        loss = f"{_host(self._loss):.6g}" if self.materialized else "<on device>"
+        return f"StepStats(step={self.step}, loss={loss}, tokens={self.tokens}, seconds={self.seconds:.4g})"
 
 
 @dataclass
@@ -148,7 +213,7 @@ class Engine:
         tokens = batch[1].numel() * self.mesh.size("dp")
         return StepStats(
             step=self.step,
-            loss=float(mean_loss),
+            loss=mean_loss,
             tokens=tokens,
             seconds=time.perf_counter() - start,
             grad_norm=grad_norm,
@@ -158,7 +223,7 @@ class Engine:
             staleness=staleness,
         )
 
-    def apply_update(self) -> tuple[bool, float | None]:
+    def apply_update(self) -> tuple[bool, torch.Tensor | None]:
         """One optimizer update from the accumulated gradients: sync them, unscale, clip, step, zero them, step
         the lr scheduler. Returns (skipped, grad norm). Once per train_step; PipeDream calls it per update."""
         span = self.comm.tracer.span if self.comm.tracer is not None else no_span
@@ -168,7 +233,7 @@ class Engine:
         with span("optimizer", "optimizer"):
             return self._update()
 
-    def _update(self) -> tuple[bool, float | None]:
+    def _update(self) -> tuple[bool, torch.Tensor | None]:
         """``apply_update`` once the gradients are synchronised: unscale, check, clip, step, zero, lr step."""
         skipped = not self.precision.unscale_and_check(self.strategy)
         grad_norm = None
@@ -195,7 +260,7 @@ class Engine:
                 if output is None:  # pipeline: only the rank with the last stage has the output
                     continue
                 loss = apply_loss(self.loss_fn, output, targets)
-            totals[0] += float(loss) * inputs.shape[0]
+            totals[0] += loss.detach().to(totals.dtype) * inputs.shape[0]  # on the device: no sync per batch
             totals[1] += inputs.shape[0]
             if metric is not None:
                 correct, total = metric(output, targets)

@@ -152,6 +152,10 @@ class Layout:
         pipeline_cuts: with pp > 1, the block (or nn.Sequential child) indices where pipeline stages 1, 2, ...
             start, increasing (pp x virtual_stages - 1 of them); empty: an even split. ``plait plan`` writes the
             cuts it chose here, so a planned run.toml reaches the runtime unchanged.
+        compile: ``torch.compile`` each transformer block (the whole model when it has no blocks): False, True
+            (the default backend, inductor) or the name of a torch.compile backend ("inductor", "aot_eager", ...).
+            Per block, as torchtitan does: the paradigms' hooks (ZeRO-3's gathers, DDP's buckets) stay outside the
+            compiled code (``plait.parallel.compile``).
     """
 
     dp: int = -1
@@ -173,6 +177,7 @@ class Layout:
     tp_pad_vocab: bool = False
     reduce_dtype: str = "fp32"
     pipeline_cuts: tuple[int, ...] = ()
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
@@ -238,6 +243,11 @@ class Layout:
             raise LayoutError(f"recompute={self.recompute!r} must list block indices >= 0. Fix: e.g. recompute=[0, 2].")
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
+        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile.strip())):
+            raise LayoutError(
+                f"compile={self.compile!r} must be true, false or a torch.compile backend name. Fix: e.g. compile=true "
+                f"(inductor) or compile='aot_eager'."
+            )
         cuts = self.pipeline_cuts
         if not isinstance(cuts, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in cuts):
             raise LayoutError(f"pipeline_cuts={cuts!r} must list block indices. Fix: e.g. pipeline_cuts=[6] for pp=2.")
@@ -348,7 +358,8 @@ class Layout:
     def short(self) -> str:
         """A compact description such as ``dp2 tp2 pp1 cp1 zero1 mb4``."""
         parts = [f"{axis}{getattr(self, axis)}" for axis in AXES]
-        return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision])
+        compiled = [] if self.compile is False else ["compiled" if self.compile is True else f"compiled:{self.compile}"]
+        return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision, *compiled])
 
     def to_dict(self) -> dict[str, Any]:
         data = {

@@ -1,7 +1,7 @@
 """``plait.parallelize(model, layout, ...)``: validate, build the mesh, place the model, return an Engine.
 
 Paradigms are applied in one fixed order (DESIGN.md): pipeline split -> tensor/sequence parallel -> context
-parallel -> activation recomputation -> ZeRO/FSDP/DDP. Everything that can be checked without
+parallel -> activation recomputation -> compilation per block -> ZeRO/FSDP/DDP. Everything that can be checked without
 communication is checked first, so a bad layout raises the same ``LayoutError`` on every rank before any
 collective runs.
 """
@@ -24,6 +24,7 @@ from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.models.loss import LossFn
+from plait.parallel.compile import apply_compile, check_precompiled, plan_compile
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
 from plait.parallel.param_groups import GroupOf
@@ -196,6 +197,8 @@ def parallelize(
     check_pipedream(layout, pipedream, max_grad_norm)
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
+    compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
+    check_precompiled(model, layout)
 
     device = torch.device(device) if device is not None else default_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = Mesh.build(layout)
@@ -207,6 +210,7 @@ def parallelize(
         ):  # whole blocks first, on the whole model, so that indices are global
             apply_recompute(model, layout.recompute)
         model, stages = place_pipeline(model, pipeline, mesh.index("pp"))
+        apply_compile([stage.module for stage in stages], compile_backend)  # per block, after recompute
         for stage in stages:
             stage.module.to(device)
     model.to(device)
@@ -220,6 +224,7 @@ def parallelize(
         loss_fn = apply_context_parallel(model, context, comm, loss_fn, stages=roles)
     if pipeline is None or layout.recompute == Recompute.SELECTIVE:  # after cp: it wraps the attention kernel in use
         apply_recompute(model, layout.recompute)
+        apply_compile([model], compile_backend)  # per block (plait.parallel.compile), before ZeRO/DDP hooks
     broadcast_parameters(model, comm)
     strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir, param_groups)
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None

@@ -61,19 +61,24 @@ def add_train_command(commands: Any) -> None:
         "(default PATH <run>/trace.json; also .summary.json and .png beside it)",
     )
     train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
+    train.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="torch.distributed backend (default: nccl with CUDA GPUs, gloo otherwise); gloo lets several ranks "
+        "share one GPU (for tests)",
+    )
 
 
 def _in_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "RANK" in os.environ
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Re-run this command in ``args.nproc`` processes under torchrun's launcher; returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The ``plait train`` arguments each launched worker runs with (inside torchrun, plait train is the worker
+    whatever --nproc says): the run folder, the preset and configuration, tracing and the backend."""
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    forwarded = ["train", "--out", out]  # inside torchrun, plait train is the worker whatever --nproc says
+    forwarded = ["train", "--out", out]
     if args.preset:
         forwarded += ["--preset", args.preset]
     if args.config:
@@ -82,6 +87,17 @@ def _launch(args: argparse.Namespace) -> int:
         forwarded += ["--set", item]
     if args.trace is not None:
         forwarded += [f"--trace={args.trace}", f"--trace-steps={args.trace_steps}"]
+    if args.backend:
+        forwarded += [f"--backend={args.backend}"]
+    return forwarded
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Re-run this command in ``args.nproc`` processes under torchrun's launcher; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    forwarded = worker_args(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.max_restarts:  # a restart must not read the last attempt's addresses (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -145,15 +161,29 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         )
 
 
+def check_backend(backend: str | None, nproc: int) -> str:
+    """The backend ``nproc`` local workers will use (``--backend``, or the default for this machine), refused
+    before any process starts as each worker would refuse it (``plait.distributed``: NCCL without a GPU, or
+    more NCCL ranks than GPUs)."""
+    import torch
+
+    from plait.distributed import check_gpu_sharing, choose_backend, gpu_of_local_ranks
+
+    cuda = torch.cuda.is_available()
+    chosen = choose_backend(backend, "cuda" if cuda else "cpu")
+    check_gpu_sharing(chosen, gpu_of_local_ranks(nproc, torch.cuda.device_count() if cuda else 0))
+    return chosen
+
+
 def _train(args: argparse.Namespace) -> int:
-    from plait.distributed import shutdown
+    from plait.distributed import init, shutdown
     from plait.train.config import load_config
     from plait.train.loop import run
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
     config = load_config(args.config, overrides, args.preset)
     try:
-        run(config, trace=args.trace, trace_steps=args.trace_steps)
+        run(config, world=init(backend=args.backend), trace=args.trace, trace_steps=args.trace_steps)
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
@@ -172,6 +202,8 @@ def run_train(args: argparse.Namespace) -> int:
             f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
             f"job) or N > 0 (restart all workers up to N times, resuming from the checkpoint)."
         )
+    if not _in_torchrun():
+        check_backend(args.backend, args.nproc)
     if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
         _check_before_launch(args)
         return _launch(args)
@@ -185,4 +217,4 @@ def run_train(args: argparse.Namespace) -> int:
     return _train(args)
 
 
-__all__ = ["add_train_command", "run_train"]
+__all__ = ["add_train_command", "check_backend", "run_train"]

@@ -11,6 +11,14 @@ reported once, when its ``Pending`` is waited for, with its op, axis, payload an
 ``perf_counter_ns`` times: launch, wait start, wait end. A blocking call's span is launch -> wait end; an
 ``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
 runs. With no tracer the cost is one attribute check per launch and per wait.
+
+Under ``torch.compile`` every collective (and ``Pending.wait``) runs eagerly once ``run_eagerly_under_compile``
+has been called (``Layout(compile=...)`` does): compiled code breaks its graph around it.
+
+gloo with CUDA tensors (several ranks on one GPU, for tests): its collectives take device tensors, its
+point-to-point does not, so ``send_recv`` stages them through host memory (``needs_host_staging``). Staging
+rather than refusing lets pipeline stages and ring attention run on one GPU under gloo, at the price of two
+copies per message, which only such test set-ups pay (NCCL, the GPU backend, sends device memory directly).
 """
 
 from __future__ import annotations
@@ -34,6 +42,14 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on both sides of the rename.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def needs_host_staging(backend: str | None, device_type: str) -> bool:
+    """Whether point-to-point messages of a ``device_type`` tensor must be copied through host memory: gloo sends
+    and receives host memory only (a CUDA tensor fails inside gloo with "writev ... Bad address", which surfaces
+    as a dead peer). Its collectives accept CUDA tensors, so only ``send_recv`` stages (a device -> host copy
+    before sending, host -> device after receiving). Pure."""
+    return backend == "gloo" and device_type not in ("cpu", "meta")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -102,6 +118,9 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.tracer: Any = None
         """A ``plait.observe.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
+        self.stage_p2p: bool | None = None
+        """``send_recv`` through host memory: None decides per call (``needs_host_staging``); True/False force it."""
+        self._backends: dict[str, str | None] = {}
 
     # ----------------------------------------------------------------- helpers
     def size(self, axis: str) -> int:
@@ -260,27 +279,42 @@ class Comm:
         axis: str = "pp",
         async_op: bool = False,
     ) -> Any:
-        """Batched point-to-point: send each ``(tensor, global_rank)`` and receive into each ``(buffer, global_rank)``."""
+        """Batched point-to-point: send each ``(tensor, global_rank)`` and receive into each ``(buffer, global_rank)``.
+        Device tensors over a gloo group travel through host copies (``stages_p2p_through_host``); the received
+        values are in the buffers once the call (or its ``Pending.wait()``) returns."""
         if not sends and not recvs:
             return Done(None) if async_op else None
         group = self.mesh.group(axis)
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
         for tensor, _peer in sends:
             self.stats.record(axis, "send", _nbytes(tensor), 2)
         for tensor, _peer in recvs:
             self.stats.record(axis, "recv", _nbytes(tensor), 2)
+        sent, received = sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs)
+        targets: list[tuple[torch.Tensor, int]] = []  # staged: the receivers' own buffers
+        if self.stages_p2p_through_host(axis, [t for t, _ in (*sends, *recvs)]):
+            targets = list(recvs)
+            sends = [(tensor.detach().to("cpu", copy=True), peer) for tensor, peer in sends]
+            recvs = [(torch.empty(t.shape, dtype=t.dtype), peer) for t, peer in targets]
+
+        def finish() -> None:
+            for (target, _), (staged, _) in zip(targets, recvs):
+                target.copy_(staged)
+
+        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
         works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
-        pending = Pending(
-            self,
-            axis,
-            "send_recv",
-            works,
-            lambda: None,
-            sent=sum(_nbytes(t) for t, _ in sends),
-            received=sum(_nbytes(t) for t, _ in recvs),
-        )
+        pending = Pending(self, axis, "send_recv", works, finish, sent=sent, received=received)
         return self._result(pending, async_op)
+
+    def stages_p2p_through_host(self, axis: str, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``send_recv`` over ``axis`` copies ``tensors`` through host memory: ``stage_p2p`` when set
+        (tests force it on CPU), else ``needs_host_staging`` for the axis group's backend."""
+        if self.stage_p2p is not None:
+            return self.stage_p2p
+        if axis not in self._backends:
+            group = self.mesh.group(axis)
+            self._backends[axis] = dist.get_backend(group) if dist.is_initialized() else None
+        return any(needs_host_staging(self._backends[axis], t.device.type) for t in tensors)
 
     def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:
         """Every rank's ``data`` (any length), in axis order: the lengths, then the bytes padded to the longest,
@@ -298,3 +332,22 @@ class Comm:
     def barrier(self, axis: str = "world") -> None:
         """Wait until every rank of the axis group arrives (a small all-reduce, so it honours the timeout)."""
         self.all_reduce(torch.zeros(1, device=self.device), axis)
+
+
+EAGER_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "barrier")
+"""The Comm methods that ``run_eagerly_under_compile`` keeps out of dynamo's traces."""
+
+
+def run_eagerly_under_compile() -> None:
+    """Make every collective and ``Pending.wait`` run eagerly when compiled code calls them
+    (``torch.compiler.disable``): dynamo then neither traces the byte accounting, timeouts and backend calls nor
+    splits them into many graph breaks and recompilations (ring attention's p2p loop did), but breaks its graph
+    once around each call. Process-wide and idempotent; called by ``plait.parallel.compile`` when a layout
+    compiles, so that importing plait does not import torch._dynamo. Outside compiled code a call costs about a
+    microsecond more."""
+    if getattr(Comm, "_eager_under_compile", False):
+        return
+    for name in EAGER_METHODS:
+        setattr(Comm, name, torch.compiler.disable(getattr(Comm, name)))
+    Pending.wait = torch.compiler.disable(Pending.wait)  # type: ignore[method-assign]
+    Comm._eager_under_compile = True  # type: ignore[attr-defined]

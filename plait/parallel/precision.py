@@ -88,13 +88,13 @@ class MixedPrecision:
         return loss * self.scaler.scale if self.scaler else loss
 
     def unscale_and_check(self, strategy: DataParallelStrategy) -> bool:
-        """Divide the gradients by S; return False (skip the step) if any rank's gradients overflowed."""
+        """Divide the gradients by S and check them for inf/NaN in one fused pass per device
+        (``strategy.unscale_and_find_inf``); return False (skip the step) if any rank's gradients overflowed.
+        Reading the flag is the step's one host sync under fp16 (the next scale depends on it); bf16 and fp32
+        need no scaling and no sync. On overflow the gradients were unscaled too, but the step is skipped and
+        they are zeroed."""
         if self.scaler is None:
             return True
-        used = self.scaler.scale
-        found_inf = strategy.found_inf()
+        found_inf = bool(strategy.unscale_and_find_inf(1.0 / self.scaler.scale).item() > 0)
         self.scaler.update(found_inf)
-        if found_inf:
-            return False
-        strategy.scale_grads_(1.0 / used)
-        return True
+        return not found_inf

@@ -6,7 +6,7 @@ the replicas over one mesh axis (``dp_cp``) in step. Per training step the Engin
     with strategy.no_sync():  backward of micro-batches 1 .. m-1   # accumulate locally, no communication
     backward of micro-batch m                                       # reductions may start during it
     strategy.finish_backward()                                      # gradients complete (averaged / reduced)
-    strategy.found_inf(); strategy.scale_grads_(1/scale)            # fp16 loss scaling (all ranks agree)
+    strategy.unscale_and_find_inf(1/scale)                          # fp16 loss scaling (all ranks agree)
     strategy.clip_grad_norm(max_norm)                               # global norm over every shard
     strategy.step(); strategy.zero_grad()
 
@@ -38,6 +38,14 @@ MODEL_PARALLEL_AXES = ("pp", "tp")
 an inf check sums / maxes over them as well."""
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def grads_by_device(grads: Iterable[torch.Tensor], by_dtype: bool = False) -> dict[Any, list[torch.Tensor]]:
+    """Gradients grouped by device (and dtype): foreach kernels and their scalar tensors need one device per call."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype) if by_dtype else grad.device, []).append(grad)
+    return groups
 
 
 def check_steps_without_closure(optimizer: torch.optim.Optimizer) -> None:
@@ -156,11 +164,6 @@ class DataParallelStrategy:
         """The gradients this rank is responsible for after ``finish_backward`` (every one, when replicated)."""
         return [p.grad for p in self.params if p.grad is not None]
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradients: torch's foreach norm of this rank's owned gradients, and, when
-        sharded, the square root of the sum of every rank's squared norm."""
-        return float(self._grad_norm_tensor())
-
     def reduction_axes(self) -> list[str]:
         """Axes whose ranks hold different gradients: the data axis when sharded, and pp / tp when > 1."""
         axes = [self.axis] if self.sharded else []
@@ -195,46 +198,67 @@ class DataParallelStrategy:
         partial = [grad for param, grad in self.param_grads() if getattr(param, "sequence_partial", False)]
         sum_over_tp(partial, self.comm)
 
+    def _reduce_device(self, axes: list[str], fallback: torch.device) -> torch.device:
+        """Where a scalar that is all-reduced over ``axes`` must live: the communication device when some axis
+        has more than one rank (NCCL reduces CUDA tensors only), else ``fallback`` (the gradients' device), so
+        that nothing crosses devices when there is nothing to reduce."""
+        return self.comm.device if any(self.comm.size(axis) > 1 for axis in axes) else fallback
+
     def _grad_norm_tensor(self) -> torch.Tensor:
         """sqrt(sum over reduction_axes of sum_groups weight x ||g||^2); torch's foreach norm when nothing is
-        reduced (bitwise equal to torch.nn.utils.clip_grad_norm_ on one rank)."""
+        reduced (bitwise equal to torch.nn.utils.clip_grad_norm_ on one rank). A 0-dim tensor, never read on
+        the host here: on the gradients' device, or on the communication device when ranks reduce it."""
         groups = [(grads, weight) for grads, weight in self.norm_groups() if grads]
         axes = self.reduction_axes()
         if not axes and len(groups) == 1 and groups[0][1] == 1.0:
             return torch.nn.utils.get_total_norm(groups[0][0], 2.0)
-        squared = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        first = groups[0][0][0].device if groups else self.comm.device
+        squared = torch.zeros((), dtype=torch.float64, device=self._reduce_device(axes, first))
         dtype = torch.float32
         for grads, weight in groups:
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            squared += weight * norm.double().pow(2)
+            squared += weight * norm.to(squared.device, torch.float64).pow(2)
             dtype = norm.dtype
         for axis in axes:
             self.comm.all_reduce(squared, axis)
         return squared.sqrt().to(dtype)
 
-    def scale_grads_(self, factor: float) -> None:
-        grads = self.owned_grads()
-        if grads:
-            torch._foreach_mul_(grads, factor)
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients: torch's foreach norm of this rank's owned gradients, and, when
+        sharded, the square root of the sum of every rank's squared norm (a host sync: for checks, not steps)."""
+        return float(self._grad_norm_tensor())
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients by min(1, max_norm / (norm + 1e-6)) exactly as torch's clip_grad_norm_; return the norm."""
+    def scale_grads_(self, factor: float | torch.Tensor) -> None:
+        """Multiply every owned gradient by ``factor`` (a tensor factor is moved to each gradient's device)."""
+        for device, grads in grads_by_device(self.owned_grads()).items():
+            torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, torch.Tensor) else factor)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients by min(1, max_norm / (norm + 1e-6)) exactly as torch's clip_grad_norm_; return the norm
+        as a 0-dim tensor (read it on the host only when needed: reading it waits for the device). The factor is
+        brought to each gradient's device (with offload the gradients live in host memory while the norm may
+        have been all-reduced on the GPU), as ``torch.nn.utils.clip_grads_with_norm_`` does."""
         norm = self._grad_norm_tensor()
-        grads = self.owned_grads()
-        if grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return float(norm)
+        self.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
 
-    def found_inf(self) -> bool:
-        """Whether any rank's owned gradients hold inf/NaN (the same answer on every rank)."""
-        flag = torch.zeros((), device=self.comm.device)
-        for grad in self.owned_grads():
-            if not torch.isfinite(grad).all():
-                flag.fill_(1.0)
-                break
-        for axis in self.reduction_axes():
+    def unscale_and_find_inf(self, inv_scale: float) -> torch.Tensor:
+        """fp16 loss scaling in one pass per device and dtype: multiply every owned gradient by ``inv_scale``
+        and flag inf/NaN anywhere (``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel of torch's
+        GradScaler); the flags are summed and max-reduced over the reduction axes. Returns a 1-element tensor,
+        > 0 where any rank overflowed; reading it is the step's one host sync under fp16."""
+        groups = grads_by_device(self.owned_grads(), by_dtype=True)
+        axes = self.reduction_axes()
+        first = next(iter(groups))[0] if groups else self.comm.device
+        flag = torch.zeros(1, dtype=torch.float32, device=self._reduce_device(axes, first))
+        for (device, _dtype), grads in groups.items():
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            flag += found.to(flag.device)
+        for axis in axes:
             self.comm.all_reduce(flag, axis, op="max")
-        return bool(flag > 0)
+        return flag
 
     # ----------------------------------------------------------------- step
     def step(self) -> None:
@@ -244,6 +268,11 @@ class DataParallelStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.params:
             param.grad = None
+
+    def parameter_count(self) -> int:
+        """How many parameters this rank's model has, whole (ZeRO-3 counts its sharded units at their full size;
+        with tensor or pipeline parallelism: this rank's slices and stages)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, by name (a copy; sharded strategies gather it)."""

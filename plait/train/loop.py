@@ -24,7 +24,7 @@ import torch
 from plait.checkpoint import Checkpointer, has_checkpoints
 from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
-from plait.engine import Engine
+from plait.engine import Engine, StepStats
 from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
@@ -114,7 +114,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     engine = parallelize(
         model,
         layout,
-        optimizer=optimizer_factory(train),
+        optimizer=optimizer_factory(train, world.device),
         loss_fn=lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),
@@ -188,6 +188,47 @@ class _Progress:
             self.bar.stop()
 
 
+def runs_ahead(device: torch.device) -> bool:
+    """Whether the host queues work ahead of ``device`` (an accelerator), so that reading a result waits."""
+    return device.type != "cpu"
+
+
+class _Records:
+    """Rank 0's step records. On an accelerator they are written in batches: a step's loss and gradient norm stay
+    on the device until its record is written (``StepStats.loss``), so the host never waits for the device
+    between steps; the loop flushes every ``log_every`` steps, before an evaluation, a checkpoint or the end, and
+    when the run fails (a rank killed outright loses at most the records since the last flush, steps that a
+    restart from the last checkpoint trains and records again). On the CPU reading a loss waits for nothing, so
+    every step's record is written at once, as before."""
+
+    def __init__(self, writer: MetricsWriter | None) -> None:
+        self.writer = writer
+        self.pending: list[tuple[StepStats, float, dict[str, Any]]] = []
+        self.info = ""
+        """The progress line of the last flushed step."""
+
+    def add(self, stats: StepStats, lr: float, observed: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.pending.append((stats, lr, observed))
+
+    def flush_after_failure(self) -> None:
+        """Write what can still be written when the run is failing (a device error may make a loss unreadable)."""
+        try:
+            self.flush()
+        except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not write the last %d step record(s): %s", len(self.pending), error)
+
+    def flush(self) -> None:
+        for stats, lr, observed in self.pending:
+            assert self.writer is not None
+            self.writer.write({**step_record(stats, lr), **observed})
+        if self.pending:
+            stats, _, observed = self.pending[-1]
+            mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
+            self.info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
+        self.pending = []
+
+
 def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
     """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder).
 
@@ -221,9 +262,9 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
         log.info(
-            "%s | model %.2fM parameters | %s",
+            "%s | model %.2fM parameters on this rank | %s",
             engine.mesh,
-            sum(p.numel() for p in engine.model.parameters()) / 1e6,
+            engine.strategy.parameter_count() / 1e6,  # whole, also under ZeRO-3 (its module tensors are empty)
             run_dir,
         )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
@@ -234,6 +275,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, stats, last_eval = time.perf_counter(), None, ""
     throughput = Throughput()
+    records = _Records(writer)
+    record_every_step = not runs_ahead(engine.device)  # CPU: nothing to wait for, write each record at once
     try:
         for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
@@ -247,21 +290,27 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats)  # a collective: every rank
-            mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
-            info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
-            if writer:
-                writer.write({**step_record(stats, lr), **observed})
-            if train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps:
+            records.add(stats, lr, observed)
+            evaluate = train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps
+            save = train.save_every and stats.step % train.save_every == 0
+            if record_every_step or evaluate or save or stats.step % train.log_every == 0 or stats.step >= train.steps:
+                records.flush()  # reads the losses: on a GPU a host sync once per log interval, not per step
+            if evaluate:
                 guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
                 last_eval = f"  {eval_text(result, held_out)} (step {stats.step})"
                 if writer:
                     writer.write(evaluation_record(stats.step, result, held_out))
                 _samples(engine, dataset, train, stats.step, run_dir if lead else None)
-            if train.save_every and stats.step % train.save_every == 0:
+            if save:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 saver.save()  # train.async_save: waits for the previous save, stages a host copy, returns
-            progress.update(stats.step, info + last_eval)
+            progress.update(stats.step, records.info + last_eval)
+    except BaseException:
+        records.flush_after_failure()
+        raise
+    else:
+        records.flush()
     finally:
         progress.close()
     guard.beat("waiting for the last checkpoint save", timed=False)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.parallel.kernels import fast_optimizer_kwargs
 from plait.parallel.param_groups import GroupOf
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -60,9 +61,11 @@ def optimizer_kwargs(train: Any) -> dict[str, Any]:
     return kwargs
 
 
-def optimizer_factory(train: Any) -> Callable[[Any], torch.optim.Optimizer]:
-    """``params_or_groups -> optimizer`` for ``plait.parallelize`` (a list of tensors, or torch.optim groups)."""
-    cls, kwargs = OPTIMIZERS[train.optimizer], optimizer_kwargs(train)
+def optimizer_factory(train: Any, device: torch.device | str = "cpu") -> Callable[[Any], torch.optim.Optimizer]:
+    """``params_or_groups -> optimizer`` for ``plait.parallelize`` (a list of tensors, or torch.optim groups); on
+    CUDA with the fused kernel where torch has one for the class (``plait.parallel.kernels``)."""
+    cls = OPTIMIZERS[train.optimizer]
+    kwargs = {**optimizer_kwargs(train), **fast_optimizer_kwargs(cls, device)}
 
     def build(params: Any) -> torch.optim.Optimizer:
         return cls(params, **kwargs)

@@ -229,13 +229,14 @@ class ShardedStrategy(DataParallelStrategy):
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every model-state tensor this rank holds now, by kind: ``parameters`` (what forward reads),
         ``gradients`` (full or sharded, on the model or on the masters), ``master_weights`` (masters that are
-        not themselves the parameters) and ``optimizer_states`` (dim >= 1; 0-dim step counters left out)."""
+        not themselves the parameters, nor hold them as views: ZeRO-1/2 on one rank) and ``optimizer_states``
+        (dim >= 1; 0-dim step counters left out)."""
         compute = self._compute_tensors()
-        parameter_ids = {id(t) for t in compute["parameters"]}
+        parameter_storages = {t.untyped_storage().data_ptr() for t in compute["parameters"] if t.numel()}
         masters = self._masters()
         return {
             "parameters": compute["parameters"],
-            "master_weights": [m for m in masters if id(m) not in parameter_ids],
+            "master_weights": [m for m in masters if m.untyped_storage().data_ptr() not in parameter_storages],
             "gradients": compute["gradients"] + [m.grad for m in masters if m.grad is not None],
             "optimizer_states": [t for t in _tensors_of(self.optimizer) if t.dim() > 0],
         }

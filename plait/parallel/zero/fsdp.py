@@ -347,6 +347,12 @@ class FullyShardedStrategy(ShardedStrategy):
         ]
         return {"parameters": [unit.shard for unit in self.units] + gathered, "gradients": grads}
 
+    def parameter_count(self) -> int:
+        """The units' parameters at their full size (the model's own tensors are empty between uses) plus the
+        frozen parameters, which are not sharded."""
+        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        return sum(unit.layout.numel for unit in self.units) + frozen
+
     def held_bytes(self) -> int:
         """Bytes of model weights this rank holds now: its shards plus gathered units and gathers in flight."""
         return sum(unit.shard.numel() * unit.element_size + unit.gathered_bytes() for unit in self.units)

@@ -47,6 +47,8 @@ class ShardBucket:
     """The full padded gradient while it is being filled (ZeRO-2 hooks or finish_backward)."""
     arrived: set[int] = field(default_factory=set)
     pending: Pending | None = None
+    aliased: bool = False
+    """The parameters are views of ``master`` (one rank, same dtype, no offload): nothing to write back."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,9 +84,20 @@ class ShardBucket:
         self.flat = None
         return flat
 
+    def alias_params(self) -> None:
+        """Make the parameters views of the master (the whole flat buffer: one shard, no padding, same dtype), so
+        that the master is the only copy of the weights. Their values are already the master's."""
+        assert self.layout.shards == 1 and self.master.dtype == self.dtype, "only one unpadded shard can alias"
+        for param, view in zip(self.params, self.layout.views(self.master.detach())):
+            param.data = view
+        self.aliased = True
+
     @torch.no_grad()
     def write_params(self, full: torch.Tensor) -> None:
-        """Copy the gathered padded flat parameter buffer ``full`` into the model's parameters."""
+        """Copy the gathered padded flat parameter buffer ``full`` into the model's parameters (nothing when the
+        parameters are views of the master and ``full`` is the master itself)."""
+        if self.aliased and full.data_ptr() == self.master.data_ptr():
+            return
         for param, view in zip(self.params, self.layout.views(full)):
             param.copy_(view)
 

@@ -40,6 +40,11 @@ gradients are the master shards' ``.grad`` (``owned_grads``).
 
 Offload ("cpu"/"nvme", ``plait.parallel.zero.offload``): master shards and optimizer states live in host memory
 or in memory-mapped files; the step runs on the CPU.
+
+One rank (dp=1) without offload, fp32 parameters: the "shard" is the whole flat buffer and the master would be
+a second full fp32 copy of the parameters, so the parameters become views of the master instead
+(``ShardBucket.alias_params``): the optimizer's in-place step updates them and publishing copies nothing. The
+model states held are then those of plain data parallelism (``plait.measure_held``).
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap, group_ids)
         for bucket in self.buckets:
             bucket.master = self._make_master(bucket.shard_values(master_dtype(bucket.dtype)), f"master{bucket.index}")
+            if self.world == 1 and not self.placement.offloaded and bucket.master.dtype == bucket.dtype:
+                bucket.alias_params()  # one rank owns everything: the parameters are views of the master
         self._by_dtype: dict[torch.dtype, list[ShardBucket]] = {}
         for bucket in self.buckets:
             self._by_dtype.setdefault(bucket.dtype, []).append(bucket)
