@@ -67,7 +67,9 @@ def test_plait_train_refuses_nccl_without_a_gpu_before_launching(capsys):
 
 
 def test_plait_train_forwards_the_backend_to_its_workers():
-    args = argparse.Namespace(out="runs/x", config=None, overrides=["train.steps=2"], trace=None, backend="gloo")
+    args = argparse.Namespace(
+        out="runs/x", preset=None, config=None, overrides=["train.steps=2"], trace=None, backend="gloo"
+    )
     assert worker_args(args) == ["train", "--out", "runs/x", "--set", "train.steps=2", "--backend=gloo"]
     assert "--backend=gloo" not in worker_args(argparse.Namespace(**{**vars(args), "backend": None}))
 

@@ -69,16 +69,20 @@ def test_suite_all_covers_every_pair_at_two_and_four_ranks():
 
 @pytest.mark.timeout(120)
 def test_param_server_benchmark_measures_pushes_and_writes_its_block(tmp_path):
-    from benchmarks.param_server import markdown, measure
+    from benchmarks.param_server import SERVERS, markdown, measure
     from benchmarks.report import machine, replace_block
 
-    rows = [measure("asp", servers=2, workers=2, steps=6), measure("bsp", servers=1, workers=2, steps=6)]
+    rows = [
+        {"size": "tiny", "code": "after", "mode": mode, "workers": 2, "extra": {}, **measure("tiny", mode, 2, 6, {})}
+        for mode in ("asp", "bsp")
+    ]
     assert rows[0]["pushes"] == 12 and rows[1]["pushes"] == 12  # every push of 2 workers x 6 steps was applied
-    assert all(row["pushes_per_s"] > 0 for row in rows)
+    assert all(row["pushes_per_s"] > 0 and row["single_steps_per_s"] > 0 for row in rows)
     assert rows[1]["updates_per_s"] * 2 == pytest.approx(rows[1]["pushes_per_s"])  # BSP: one update per round of 2
     out = tmp_path / "BENCH.md"
     out.write_text("intro\n<!-- bench:ps -->\nold\n<!-- /bench:ps -->\noutro\n")
-    replace_block(out, "ps", markdown(rows, 50.0, "python -m benchmarks.param_server", machine()))
+    info = {**machine(), "conditions": "test"}
+    replace_block(out, "ps", markdown(rows, {"tiny": 50.0, "large": 5.0}, "python -m benchmarks.param_server", info))
     text = out.read_text()
     assert text.startswith("intro\n<!-- bench:ps -->\n`python -m benchmarks.param_server`") and "old" not in text
-    assert "| asp | 2 | 2 |" in text and "| 100.0 |" in text and text.endswith("<!-- /bench:ps -->\noutro\n")
+    assert f"| tiny | after | asp | {SERVERS} | 2 | float32 |" in text and text.endswith("<!-- /bench:ps -->\noutro\n")

@@ -194,12 +194,14 @@ def test_bad_push_dtype_is_a_clear_error():
 def test_train_any_model_writes_a_checkpoint_plait_convert_reads(tmp_path):
     data = make_dataset("addition", digits=2)
     result = train(
-        tied_lm, data, servers=2, workers=2, steps=6, consistency="asp", optimizer="SGD", lr=0.5, out=tmp_path
+        tied_lm, data, servers=2, workers=2, steps=6, consistency="bsp", optimizer="SGD", lr=0.5, out=tmp_path
     )
     summary = result.summary
-    assert result.held_out_loss < summary["initial_loss"], summary  # 12 SGD steps at lr 0.5 must lower it
-    assert summary["updates"] == {"0": 12, "1": 12} and sum(summary["pushes_applied"].values()) == 24
-    assert sum(summary["staleness"]["histogram"].values()) == 24 and summary["mode"] == "asp"
+    # BSP: 6 synchronous rounds, the same updates whatever order the workers' pushes arrive in (ASP's order, and so
+    # its loss, varies from run to run); 6 SGD steps at lr 0.5 on the batch mean must lower the held-out loss
+    assert result.held_out_loss < summary["initial_loss"], summary
+    assert summary["updates"] == {"0": 6, "1": 6} and sum(summary["pushes_applied"].values()) == 24
+    assert sum(summary["staleness"]["histogram"].values()) == 24 and summary["mode"] == "bsp"
     assert (tmp_path / "ps.png").stat().st_size > 10_000 and (tmp_path / "summary.json").is_file()
     state, meta = load_full_state(tmp_path / "ckpt")
     assert meta["step"] == 6

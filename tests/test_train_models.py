@@ -213,7 +213,7 @@ def test_bad_model_input_is_refused_before_launch(tmp_path: Path, capsys: pytest
         (["model.preset=gpt5"], "model.preset='gpt5' is unknown"),
         ([f"model.hf={tmp_path}"], "only pickle weights"),
         ([f"model.hf_config={tmp_path / 'none.json'}"], "does not exist. Fix: give a Hugging Face config.json"),
-        (["model.seq_len=4"], "is smaller than the data"),
+        (["model.seq_len=4"], "is above the model's context model.seq_len=4"),
         ([f"train.init_from={tmp_path / 'ckpt'}"], "train.init_from="),
     ]
     for overrides, message in cases:

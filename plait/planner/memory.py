@@ -11,8 +11,8 @@ variance)
 ``estimate_memory`` applies the same accounting to plait's own implementation, which keeps parameters and
 gradients in fp32 (autocast computes in bf16/fp16 from fp32 weights): params 4 Psi, grads 4 Psi, optimizer states
 S Psi (S = 8 for Adam/AdamW, 4 for SGD with momentum, 0 without), and, under ZeRO 1-2, a separate fp32 master shard
-of 4 Psi / N (under ZeRO-3 the shard *is* the master, unless it is offloaded: then a host copy of 4 Psi / N is the
-master). Offload (ZeRO-Offload, Ren et al. 2021) moves optimizer states and masters to the host. Each figure is
+of 4 Psi / N (none for N = 1 without offload: the parameters are then views of the master; under ZeRO-3 the shard
+*is* the master, unless it is offloaded: then a host copy of 4 Psi / N is the master). Offload (ZeRO-Offload, Ren et al. 2021) moves optimizer states and masters to the host. Each figure is
 the most a rank holds of that kind over a step; gradients differ: ZeRO-1 holds the full local gradient (4 Psi)
 from backward until ``finish_backward`` reduce-scatters it, then its shard's sum (4 Psi / N), so ``gradients`` is
 the peak and ``gradients_at_step`` what is left at the optimizer step; between steps no gradient is held. With
@@ -117,7 +117,8 @@ def _states(psi: float, layout: Layout, kind: str) -> MemoryEstimate:
         parameters=4 * psi if stage < 3 else 4 * psi / n,
         gradients=4 * psi if stage < 2 else 4 * psi / n,  # ZeRO-1: the full local gradient, until reduced
         optimizer_states=states if stage == 0 else states / n,
-        master_weights=4 * psi / n if stage in (1, 2) or (stage == 3 and offloaded) else 0.0,
+        # ZeRO-1/2 keep an fp32 master shard, except on one rank without offload: the parameters are views of it
+        master_weights=4 * psi / n if (stage in (1, 2) and (n > 1 or offloaded)) or (stage == 3 and offloaded) else 0.0,
         gradients_at_step=4 * psi if stage == 0 else 4 * psi / n,
     )
     if offloaded:
