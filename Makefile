@@ -51,6 +51,7 @@ test-min-torch: $(MIN_VENV)/.installed-$(MIN_TORCH)
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests benchmarks
 	$(BIN)/ruff format --check plait tests benchmarks
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix plait tests benchmarks

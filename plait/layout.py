@@ -331,7 +331,8 @@ class Layout:
                     f"world size {world_size}. Fix: choose degrees whose product divides {world_size}, or launch a "
                     f"multiple of {known} processes."
                 )
-            resolved = dataclasses.replace(self, **{axis: world_size // known})
+            degrees: dict[str, Any] = {axis: world_size // known}
+            resolved = dataclasses.replace(self, **degrees)
             if axis == "tp":
                 tp_grid_dims(resolved.tp, resolved.tp_mode, resolved.tp_depth)
             return resolved

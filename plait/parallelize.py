@@ -101,9 +101,9 @@ def make_runner(
     every pp rank runs on the first stage's input."""
     if pipeline is None:
         return PlainRunner(model, comm, precision, loss_fn, strategy.no_sync)
-    checks = []
+    checks: list[Callable[[torch.Tensor], None]] = []
     if context is not None:  # every pp rank checks the tokens the first stage shards
-        checks.append(model._plait_context_parallel.check_input)
+        checks.append(getattr(model, "_plait_context_parallel").check_input)  # noqa: B009 - set by apply_context_parallel
     elif layout.sequence_parallel:  # Megatron-SP x pp: later stages' positions
         checks.append(hand_stage_positions([(stage.module, stage.is_first) for stage in stages], layout.tp))
     strategy.attach_pipeline({stage.index: stage.module for stage in stages})  # ZeRO-3: units per stage
@@ -203,7 +203,7 @@ def parallelize(
     device = torch.device(device) if device is not None else default_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = Mesh.build(layout)
     comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
-    stages = []
+    stages: list[PipelineStage] = []
     if pipeline is not None:
         if (
             layout.recompute != Recompute.SELECTIVE

@@ -36,7 +36,7 @@ from plait.errors import DataError
 
 CHEAP_VERIFY_BYTES = 64 << 20
 """Folders whose files add up to at most this (64 MiB) are checked by sha256 on every open, not only by size."""
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def _redo(path: Path) -> str:

@@ -22,7 +22,7 @@ accepts both):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def assign_groups(
     return options, indices
 
 
-def torch_groups(options: list[dict[str, Any]], members: list[list[torch.Tensor]]) -> list[dict[str, Any]]:
+def torch_groups(options: list[dict[str, Any]], members: Sequence[Sequence[torch.Tensor]]) -> list[dict[str, Any]]:
     """``[{"params": members[g], **options[g]}]``: what a torch.optim optimizer takes as param groups."""
     return [{"params": list(params), **overrides} for overrides, params in zip(options, members)]
 

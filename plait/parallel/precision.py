@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     from plait.layout import Layout
     from plait.parallel.strategy import DataParallelStrategy
 
-DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    Precision.FP32: torch.float32,
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+}
 
 
 def gradient_reduce_dtype(layout: Layout) -> torch.dtype | None:

@@ -37,7 +37,8 @@ MODEL_PARALLEL_AXES = ("pp", "tp")
 """Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
 an inf check sums / maxes over them as well."""
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+"""``params -> optimizer``: called with parameters (or tensors) or with torch.optim parameter groups."""
 
 
 def grads_by_device(grads: Iterable[torch.Tensor], by_dtype: bool = False) -> dict[Any, list[torch.Tensor]]:
@@ -141,7 +142,7 @@ class DataParallelStrategy:
                 param.grad = torch.zeros_like(param)
             by_dtype.setdefault(param.grad.dtype, []).append(param)
         for params in by_dtype.values():
-            grads = [p.grad for p in params]
+            grads = [p.grad for p in params if p.grad is not None]  # all of them: zeros were given above
             flat = cast_for_reduction(torch.cat([g.reshape(-1) for g in grads]), self.reduce_dtype)
             self.comm.all_reduce(flat, self.axis, op="avg")
             offset = 0

@@ -292,7 +292,7 @@ class Channel:
         if staged is not None and staged.metas:
             body["t"], body["shm"] = staged.metas, staged.in_shm
             if not staged.in_shm:
-                payload = memoryview(self._send.numpy())[: staged.size]
+                payload = memoryview(self._send.numpy().data)[: staged.size]  # the buffer's bytes (uint8 tensor)
         head = json.dumps(body, separators=(",", ":")).encode()
         if len(head) > MAX_HEADER:
             raise ValueError(f"message header of {len(head)} bytes exceeds {MAX_HEADER}")

@@ -320,15 +320,15 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if tracer is not None:  # a collective: every rank gathers its spans to rank 0
         tracer.save(Path(trace) if trace else run_dir / "trace.json")
     if train.pipeline_trace and stats is not None:  # the last training step, before evaluation runs the stages
-        trace = Path(train.pipeline_trace)
-        timeline = engine.save_pipeline_trace(trace, png=trace.with_suffix(".png"))
+        pipeline_trace = Path(train.pipeline_trace)
+        timeline = engine.save_pipeline_trace(pipeline_trace, png=pipeline_trace.with_suffix(".png"))
         if lead:
             log.info(
                 "pipeline timeline of step %d: bubble %.1f%% -> %s, %s",
                 engine.step,
                 100 * timeline.bubble_fraction,
-                trace,
-                trace.with_suffix(".png"),
+                pipeline_trace,
+                pipeline_trace.with_suffix(".png"),
             )
     guard.beat("final evaluation")
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)

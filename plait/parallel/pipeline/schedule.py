@@ -54,7 +54,8 @@ class Action:
     """One step of one rank: ``kind`` of ``stage`` on ``microbatch``; ``str`` gives "1F0", "0B3", "1SF0"."""
 
     stage: int
-    kind: str
+    kind: Kind
+    """A ``Kind``; its text ("F", "SB", ...) is accepted and converted."""
     microbatch: int
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class Action:
                 f"cannot parse action {text!r}. Fix: write <stage><kind><microbatch>, e.g. '1F0', '0B3', '2W1', "
                 f"'1SF0', with kind one of {', '.join(KINDS)}."
             )
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
 
     @property
     def is_comm(self) -> bool:
@@ -238,7 +239,7 @@ class Schedule:
                 have = {k for k in COMPUTE_KINDS if Action(s, k, j) in where}
                 if Kind.BACKWARD in have and have & {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}:
                     raise ScheduleError(
-                        f"stage {s} micro-batch {j} has both {Action(s, 'B', j)} and I/W. "
+                        f"stage {s} micro-batch {j} has both {Action(s, Kind.BACKWARD, j)} and I/W. "
                         f"Fix: use B alone, or I followed by W."
                     )
                 split = Kind.BACKWARD not in have and bool(have & {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})

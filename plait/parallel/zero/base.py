@@ -259,7 +259,7 @@ class ShardedStrategy(DataParallelStrategy):
         for tensor in compute["parameters"] + compute["gradients"]:
             add(tensor, "files" if is_file_backed(tensor) else "device")
         masters = self._masters()
-        for tensor in [*masters, *(m.grad for m in masters), *_tensors_of(self.optimizer)]:
+        for tensor in [*masters, *(m.grad for m in masters if m.grad is not None), *_tensors_of(self.optimizer)]:
             if isinstance(tensor, torch.Tensor):
                 add(tensor, self.placement.where(tensor))
         return split

@@ -12,6 +12,8 @@ trusted to be elementwise, the user's contract.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from plait.errors import LayoutError
@@ -63,7 +65,7 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     )
 
 
-def factory_failed_on_shards(error: ValueError, shards: list[torch.Tensor], stage: int) -> LayoutError:
+def factory_failed_on_shards(error: ValueError, shards: Sequence[torch.Tensor], stage: int) -> LayoutError:
     """The error to raise when the optimizer factory refuses this rank's 1-D master shards (torch.optim.Muon
     accepts only 2-D parameters): what it was given, why, and the fix."""
     sizes = ", ".join(str(shard.numel()) for shard in shards[:4]) + (", ..." if len(shards) > 4 else "")
