@@ -27,7 +27,33 @@ import torch.distributed as dist
 from plait import logging as plait_logging
 from plait.errors import LayoutError
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT_S", "300"))
+TIMEOUT_ENV = "PLAIT_TIMEOUT_S"
+FIND_UNUSED_ENV = "PLAIT_FIND_UNUSED_PARAMETERS"
+OFFLOAD_DIR_ENV = "PLAIT_OFFLOAD_DIR"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_timeout_s() -> float:
+    """The timeout of every collective when none is given: ``PLAIT_TIMEOUT_S`` seconds, else 300.
+
+    The environment variables plait reads for its defaults are read here, when called, and nowhere else in the
+    library (the paradigms take explicit values): ``PLAIT_TIMEOUT_S``, ``PLAIT_FIND_UNUSED_PARAMETERS``,
+    ``PLAIT_OFFLOAD_DIR``; plus torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE in ``init``."""
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def default_find_unused_parameters() -> bool:
+    """Whether DDP treats parameters without a gradient as zeros when ``parallelize`` is not told:
+    ``PLAIT_FIND_UNUSED_PARAMETERS=1`` (default off)."""
+    return os.environ.get(FIND_UNUSED_ENV, "0").strip().lower() in ("1", "true", "yes")
+
+
+def default_offload_dir() -> str | None:
+    """Where offload="nvme" keeps its files when ``parallelize`` is not told: ``PLAIT_OFFLOAD_DIR`` (None: the
+    system's temp folder)."""
+    return os.environ.get(OFFLOAD_DIR_ENV) or None
+
+
 BACKENDS = ("gloo", "nccl")
 """The process-group backends plait runs on: gloo (CPU, and CUDA tensors for testing) and NCCL (one GPU per rank)."""
 
@@ -47,8 +73,10 @@ class World:
         return self.backend is not None
 
 
-def default_device(local_rank: int = 0) -> torch.device:
-    """``cuda:local_rank`` where CUDA is available, else the CPU."""
+def default_device(local_rank: int | None = None) -> torch.device:
+    """``cuda:local_rank`` where CUDA is available (None: torchrun's ``LOCAL_RANK``, else 0), else the CPU."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -94,9 +122,10 @@ def check_gpu_sharing(backend: str, devices: list[int], rank: int = 0) -> None:
         )
 
 
-def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+def init(backend: str | None = None, timeout_s: float | None = None) -> World:
     """Initialise torch.distributed from torchrun's environment (idempotent), or describe a single process.
-    ``backend``: "gloo" or "nccl" (None: NCCL with CUDA, gloo otherwise; module docstring)."""
+    ``backend``: "gloo" or "nccl" (None: NCCL with CUDA, gloo otherwise; module docstring); ``timeout_s``: of the
+    process group's operations (None: ``default_timeout_s()``)."""
     if dist.is_available() and dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         world = World(
@@ -115,7 +144,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_gpu_sharing(backend, gpu_of_local_ranks(local_world, torch.cuda.device_count()), rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else default_timeout_s())
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     plait_logging.configure(rank)
     return World(rank, world_size, local_rank, device, backend)
 

@@ -8,7 +8,6 @@ collective runs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import Comm, CommStats
-from plait.distributed import DEFAULT_TIMEOUT_S, default_device
+from plait.distributed import default_device, default_find_unused_parameters, default_offload_dir, default_timeout_s
 from plait.engine import Engine
 from plait.errors import LayoutError
 from plait.layout import Layout, Offload, PipelineSchedule, Recompute
@@ -67,7 +66,7 @@ def make_strategy(
     comm: Comm,
     optimizer: OptimizerFactory | torch.optim.Optimizer,
     layout: Layout,
-    find_unused_parameters: bool | None = None,
+    find_unused_parameters: bool = False,
     offload_dir: str | None = None,
     param_groups: GroupOf | None = None,
 ) -> DataParallelStrategy:
@@ -127,7 +126,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     device: torch.device | str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     find_unused_parameters: bool | None = None,
     offload_dir: str | None = None,
     pipeline_cuts: list[int] | None = None,
@@ -148,7 +147,8 @@ def parallelize(
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
         lr_scheduler: a factory ``optimizer -> scheduler`` stepped after every optimizer step.
         device: where the model runs (default: cuda:LOCAL_RANK with CUDA, else CPU).
-        timeout_s: the timeout of every collective, after which the rank raises CommError.
+        timeout_s: the timeout of every collective, after which the rank raises CommError (None:
+            ``PLAIT_TIMEOUT_S`` or 300 s; the environment variables plait reads are all in ``plait.distributed``).
         find_unused_parameters: DDP (zero=0) treats parameters without a gradient as zeros instead of raising
             (None: the PLAIT_FIND_UNUSED_PARAMETERS environment variable decides).
         offload_dir: where ZeRO-1/2/3 with offload="nvme" keeps its files (default: PLAIT_OFFLOAD_DIR or the temp dir).
@@ -200,9 +200,9 @@ def parallelize(
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
     check_precompiled(model, layout)
 
-    device = torch.device(device) if device is not None else default_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(device) if device is not None else default_device()
     mesh = Mesh.build(layout)
-    comm = Comm(mesh, CommStats(), timeout_s=timeout_s, device=device)
+    comm = Comm(mesh, CommStats(), timeout_s=timeout_s if timeout_s is not None else default_timeout_s(), device=device)
     stages: list[PipelineStage] = []
     if pipeline is not None:
         if (
@@ -226,7 +226,11 @@ def parallelize(
         apply_recompute(model, layout.recompute)
         apply_compile([model], compile_backend)  # per block (plait.parallel.compile), before ZeRO/DDP hooks
     broadcast_parameters(model, comm)
-    strategy = make_strategy(model, comm, optimizer, layout, find_unused_parameters, offload_dir, param_groups)
+    if find_unused_parameters is None:
+        find_unused_parameters = default_find_unused_parameters()
+    strategy = make_strategy(
+        model, comm, optimizer, layout, find_unused_parameters, offload_dir or default_offload_dir(), param_groups
+    )
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
     precision = MixedPrecision(layout.precision, device)

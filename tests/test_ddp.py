@@ -15,9 +15,10 @@ import plait
 from plait import Layout
 from plait.comm import Comm
 from plait.data import ShardedBatches
+from plait.distributed import FIND_UNUSED_ENV
 from plait.mesh import Mesh
 from plait.parallel.buckets import assign_buckets
-from plait.parallel.ddp import FIND_UNUSED_ENV, DistributedDataParallel
+from plait.parallel.ddp import DistributedDataParallel
 
 TINY_MB = 0.001
 """1048 bytes: about one weight matrix of the test GPT per bucket (~15 buckets)."""

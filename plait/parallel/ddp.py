@@ -11,8 +11,6 @@ The plain version (one flat all-reduce after backward) is ``DataParallelStrategy
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -27,7 +25,6 @@ from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFa
 
 logger = get_logger(__name__)
 
-FIND_UNUSED_ENV = "PLAIT_FIND_UNUSED_PARAMETERS"
 """Set to 1 to turn on ``find_unused_parameters`` where the strategy is built for you (``plait.parallelize``)."""
 
 
@@ -75,17 +72,16 @@ class DistributedDataParallel(DataParallelStrategy):
         layout: Layout | None = None,
         axis: str = GRAD_AXIS,
         *,
-        find_unused_parameters: bool | None = None,
+        find_unused_parameters: bool = False,
         param_groups: GroupOf | None = None,
     ) -> None:
-        """``find_unused_parameters=None`` reads ``PLAIT_FIND_UNUSED_PARAMETERS`` (default off)."""
+        """``find_unused_parameters``: parameters that get no gradient in a step count as zeros instead of being
+        refused (``plait.parallelize`` defaults it from ``PLAIT_FIND_UNUSED_PARAMETERS``)."""
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         distributed = comm.size(axis) > 1
         if distributed:  # refuse before any work (the optimizer is built by the base class)
             self._check(model, named, comm, axis)
         super().__init__(model, comm, optimizer, layout, axis, param_groups)
-        if find_unused_parameters is None:
-            find_unused_parameters = os.environ.get(FIND_UNUSED_ENV, "0").strip().lower() in ("1", "true", "yes")
         self.find_unused_parameters = bool(find_unused_parameters)
         self.buckets: list[Bucket] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -186,8 +182,8 @@ class DistributedDataParallel(DataParallelStrategy):
             raise RuntimeError(
                 f"rank {self.comm.mesh.rank}: these parameters got no gradient in this step's backward, so their "
                 f"gradient buckets cannot be reduced: {', '.join(unused)}. Fix: if the model skips them on purpose, "
-                f"pass find_unused_parameters=True to DistributedDataParallel (plait.parallelize: set "
-                f"{FIND_UNUSED_ENV}=1), or freeze them with requires_grad_(False); otherwise make sure the loss "
+                f"pass find_unused_parameters=True to plait.parallelize (or set PLAIT_FIND_UNUSED_PARAMETERS=1), or "
+                f"freeze them with requires_grad_(False); otherwise make sure the loss "
                 f"depends on them."
             )
         for b in range(self._next, len(self.buckets)):

@@ -26,7 +26,6 @@ atexit handlers) leaves its folder behind: it is named ``plait-offload-rank{R}-*
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import weakref
@@ -37,8 +36,6 @@ import torch
 from plait.logging import get_logger
 
 MODES = ("none", "cpu", "nvme")
-OFFLOAD_DIR_ENV = "PLAIT_OFFLOAD_DIR"
-"""Where "nvme" offload puts its files when no ``offload_dir`` is given (default: the system temp folder)."""
 
 log = get_logger(__name__)
 
@@ -68,7 +65,7 @@ class Placement:
         self._files = 0
         self._finalizer: weakref.finalize | None = None
         if mode == "nvme":
-            base = offload_dir or os.environ.get(OFFLOAD_DIR_ENV) or tempfile.gettempdir()
+            base = offload_dir or tempfile.gettempdir()  # plait.parallelize defaults it from PLAIT_OFFLOAD_DIR
             Path(base).mkdir(parents=True, exist_ok=True)
             self.directory = Path(tempfile.mkdtemp(prefix=f"plait-offload-rank{rank}-", dir=base))
             self._finalizer = weakref.finalize(self, _remove_folder, str(self.directory))
