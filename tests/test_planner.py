@@ -25,13 +25,14 @@ from plait.planner import (
     plan,
     predict,
     profile_layers,
+    published,
     resolve_model,
     solve_intra_op,
 )
 from plait.planner.calibrate import fit_alpha_beta
 from plait.planner.costs import IMPLEMENTATIONS, block_flops, collective_time, spans_nodes
 from plait.planner.intra_op import brute_force
-from plait.planner.memory import block_activation_bytes, model_state_bytes, zero_paper_bytes
+from plait.planner.memory import block_activation_bytes, model_state_bytes, stage_memory, zero_paper_bytes
 from plait.planner.predict import pipeline_closed_form
 from plait.planner.report import plan_toml
 from plait.planner.search import _divisors, _shapes
@@ -166,6 +167,37 @@ def test_activations_follow_korthikanti():
         spec, Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16"), b, s, impl, True
     )
     assert recomputed == pytest.approx(2 * s * b * h / t)
+
+
+def test_activations_follow_the_block_shape_in_the_megatron_accounting():
+    """Korthikanti's terms for a Llama-style block: grouped-query k/v, a SwiGLU MLP of width f, no dropout masks."""
+    spec = NAMED["llama3-405b"]
+    impl = IMPLEMENTATIONS["llama3"]  # flash attention: no s^2 term
+    s, b, h, t = 8192, 1, spec.hidden, 8
+    layout = Layout(dp=1, tp=t, sequence_parallel=True, precision="bf16")
+    got = block_activation_bytes(spec, layout, b, s, impl, False)
+    units = (
+        4 + 2 + 2 + 2 + 4 * spec.kv / spec.heads + 2 + 6 * spec.ffn / h
+    )  # norms, inputs, q, k|v, o, gate|up, product
+    assert got == pytest.approx(s * b * h * units / t)
+    gpt = NAMED["gpt3-175b"]
+    with_dropout = block_activation_bytes(gpt, layout, b, 2048, impl, False)
+    without = block_activation_bytes(dataclasses.replace(gpt, dropout=0.0), layout, b, 2048, impl, False)
+    assert with_dropout - without == pytest.approx(2 * 2048 * b * gpt.hidden / t)  # two 1-byte residual masks
+
+
+def test_deepspeed_zero3_gathers_at_most_its_live_parameters():
+    """DeepSpeed keeps at most stage3_max_live_parameters (1e9) gathered, but a larger matrix is gathered whole;
+    plait and FSDP gather a block and prefetch the next."""
+    spec = published.gpt("gpt-530b", 105, 20480, 128)
+    layout = Layout(dp=64, zero=3, recompute="full", precision="bf16")
+    block = spec.block_parameters
+
+    def buffers(name):
+        return stage_memory(spec, layout, IMPLEMENTATIONS[name], 1, 2048, spec.parameters, 105, 1, True, block).buffers
+
+    assert buffers("deepspeed-zero3") == pytest.approx(2 * 4 * 20480 * 20480)  # the MLP's 4h x h matrix, bf16
+    assert buffers("megatron-2021") == pytest.approx(2 * 2 * block)
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,16 @@ def test_hf_families_read_their_own_keys(tmp_path, data, expected):
     assert got == expected
 
 
+def test_hf_configs_give_their_dropout_so_the_activation_masks_count(tmp_path):
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 8}
+    gpt2 = {**base, "model_type": "gpt2", "n_positions": 16, "resid_pdrop": 0.1, "attn_pdrop": 0.05}
+    mpt = {**base, "model_type": "mpt", "max_seq_len": 16, "attn_config": {"attn_pdrop": 0.2}}
+    llama = {**base, "model_type": "llama", "max_position_embeddings": 16, "attention_dropout": 0.0}
+    assert resolve_model(str(write(tmp_path, "gpt2.json", gpt2))).dropout == 0.1  # the largest one
+    assert resolve_model(str(write(tmp_path, "mpt.json", mpt))).dropout == 0.2  # inside attn_config
+    assert resolve_model(str(write(tmp_path, "llama.json", llama))).dropout == 0.0
+
+
 @pytest.mark.parametrize(
     "data, words",
     [

@@ -69,12 +69,16 @@ class ModelSpec:
     rms_norm: bool | None = None
     """RMSNorm (True) or LayerNorm (False); None: as the families go, LayerNorm with learned positions (GPT-2,
     GPT-3), RMSNorm with rotary ones (Llama)."""
+    dropout: float = 0.0
+    """The dropout probability of training (attention and residual dropout); above 0 the forward keeps masks."""
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model {self.name!r}: {key}={value!r} must be a positive integer.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model {self.name!r}: dropout={self.dropout!r} is outside [0, 1); use e.g. 0.0 or 0.1.")
         if self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of heads={self.heads}.")
         if self.heads % self.kv:
@@ -189,6 +193,7 @@ class ModelSpec:
             learned_positions=config.position == "learned",
             bias=config.bias,
             rms_norm=config.norm == "rmsnorm",
+            dropout=config.dropout,
         )
 
     def to_gpt_config(self) -> dict[str, object]:

@@ -44,9 +44,11 @@ targets (8 s b) and a scalar. When the backward of a micro-batch begins, the los
 log-softmax's input gradient (4 s b V / t each, fp32) exist besides everything saved: ``loss_buffer_bytes``.
 
 **"korthikanti"**: Korthikanti et al. 2022, eqs. 2-6, for a Megatron-style implementation (2-byte activations,
-1-byte dropout masks; scaled by e / 2): s b h (34 + 5 a s / h) per block, s b h (10 + 24 / t + 5 a s / (h t))
-with tensor parallelism, s b h (34 + 5 a s / h) / t with sequence parallelism; "selective" (and a fused flash
-kernel) drops the 5 a s^2 b term; "full" keeps 2 s b h (/ t with SP). The last stage keeps the fp32 logits
+1-byte dropout masks; scaled by e / 2), written term by term so that the block's shape counts (grouped-query
+attention, the MLP's width, a gated MLP, no dropout; ``korthikanti_block_bytes``): for GPT-3's shape with dropout,
+s b h (34 + 5 a s / h) per block, s b h (10 + 24 / t + 5 a s / (h t)) with tensor parallelism, s b h (34 + 5 a s /
+h) / t with sequence parallelism; "selective" (and a fused flash kernel) drops the 5 a s^2 b term; "full" keeps
+2 s b h (/ t with SP). The last stage keeps the fp32 logits
 (4 s b V / t, their sec. 4.3).
 """
 
@@ -179,16 +181,27 @@ def plait_head_bytes(spec: ModelSpec, fwd: Forward) -> float:
 
 # ---------------------------------------------------------------------- Korthikanti et al. 2022
 def korthikanti_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") -> float:
-    """Eqs. 2-6 of Korthikanti et al. 2022 for one block and micro-batch, scaled to ``fwd``'s element size."""
+    """Korthikanti et al. 2022, eqs. 2-6, term by term for the block's shape, for one block and micro-batch, scaled
+    to ``fwd``'s element size (their 2-byte activations, 1-byte dropout masks). In units of s b h bytes, with
+    m = 1 when the model trains with dropout (``fwd.dropout`` > 0), else 0; k / a the key/value share of the heads:
+
+        replicated (split by t only under SP)   4 (the two norms' inputs) + 2 (q/k/v's input) + 2 (the MLP's input)
+                                                + 2 m (the two residual dropouts' masks)
+        split by t                              2 (q) + 4 k / a (k, v) + 2 (o's input)
+                                                + 4 f / h (GELU: up's output, GELU's) or 6 f / h (SwiGLU: gate|up, product)
+        scores, unfused kernel, split by t      (2 + 3 m) a s / h (the softmax; with dropout its mask and output)
+
+    For GPT-3's shape (k = a, f = 4 h) with dropout this is their eq. 2, 34 + 5 a s / h; with tp, 10 + 24 / t +
+    5 a s / (h t); with SP, (34 + 5 a s / h) / t. "selective" (and a fused flash kernel) drops the scores; "full"
+    keeps the block's input, 2 / n."""
     s, b, h, a, t = fwd.seq, fwd.batch, spec.hidden, spec.heads, fwd.tp
-    sbh, scale = s * b * h, fwd.e / 2
+    sbh, scale, m = s * b * h, fwd.e / 2, 1.0 if fwd.dropout > 0 else 0.0
     if recompute == "full":
         return 2 * sbh / fwd.n * scale
-    squares = 0.0 if recompute == "selective" or fwd.attention == "flash" else 5 * a * s * s * b / t
-    if fwd.n > 1:
-        return (34 * sbh / t + squares) * scale
-    linear = 34 * sbh if t == 1 else sbh * (10 + 24 / t)
-    return (linear + squares) * scale
+    replicated = 4 + 2 + 2 + 2 * m
+    split = 2 + 4 * spec.kv / a + 2 + (6 if spec.gated else 4) * spec.ffn / h
+    scores = 0.0 if recompute == "selective" or fwd.attention == "flash" else (2 + 3 * m) * a * s / h
+    return sbh * (replicated / fwd.n + (split + scores) / t) * scale
 
 
 # ---------------------------------------------------------------------- both

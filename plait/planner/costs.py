@@ -62,6 +62,9 @@ class Implementation:
         zero3_reuse_limit: ZeRO-3 keeps a gathered block between the recomputation and the backward pass only when
             it has at most this many parameters (DeepSpeed's stage3_max_reuse_distance, 1e9 by default); a larger
             block is gathered once more for its backward.
+        zero3_live_limit: ZeRO-3 gathers parameters module by module and keeps at most this many gathered at once
+            (DeepSpeed's stage3_max_live_parameters, 1e9 by default; a single larger matrix is still gathered
+            whole); inf: a whole block is gathered with the next one prefetched (plait, FSDP).
         grad_bytes: bytes per gradient element reduced across data parallel ranks.
         state_accounting: "zero-paper" (2 + 2 + 12 bytes per parameter; plait.planner.memory.zero_paper_bytes) or
             "plait" (fp32 parameters and gradients; plait.planner.memory.estimate_memory).
@@ -78,6 +81,7 @@ class Implementation:
     scatter_gather: bool = True
     overlap_p2p: bool = True
     zero3_reuse_limit: float = math.inf
+    zero3_live_limit: float = math.inf
     grad_bytes: int = 2
     state_accounting: str = "zero-paper"
     compute_efficiency: float = 1.0
@@ -99,10 +103,11 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "megatron-deepspeed": Implementation(
         name="megatron-deepspeed", overlap_dp=False, flash_attention=False, scatter_gather=False, overlap_p2p=False
     ),
-    # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered per layer with prefetch, released
-    # after use unless reused within stage3_max_reuse_distance (1e9) parameters
+    # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered module by module with prefetch,
+    # at most stage3_max_live_parameters (1e9) alive, released after use unless reused within
+    # stage3_max_reuse_distance (1e9) parameters
     "deepspeed-zero3": Implementation(
-        name="deepspeed-zero3", overlap_dp=True, flash_attention=False, zero3_reuse_limit=1e9
+        name="deepspeed-zero3", overlap_dp=True, flash_attention=False, zero3_reuse_limit=1e9, zero3_live_limit=1e9
     ),
     # MosaicML Composer + PyTorch FSDP (llm-foundry): FULL_SHARD with prefetch, triton flash attention; mixed
     # precision DEFAULT reduces fp32 gradients, PURE bf16 ones

@@ -40,6 +40,11 @@ BIASED = frozenset({"gpt2", "gpt_neo", "gpt_neox", "gptj", "bloom", "opt", "phi"
 LEARNED_POSITIONS = frozenset({"gpt2", "gpt_neo", "opt", "gpt_bigcode"})
 ALIBI = frozenset({"bloom"})
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
+DROPOUT_KEYS = (
+    "resid_pdrop", "attn_pdrop", "embd_pdrop", "hidden_dropout", "attention_dropout", "hidden_dropout_prob",
+    "attention_probs_dropout_prob", "dropout", "residual_dropout",
+)  # fmt: skip
+"""Keys of a config's dropout probabilities (GPT-2, BLOOM, OPT, Llama, MPT's attn_config, ...): the largest is used."""
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -115,8 +120,20 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str, seq: 
         tied_embeddings=bool(data.get("tie_word_embeddings", kind not in UNTIED_BY_DEFAULT)),
         learned_positions=kind in LEARNED_POSITIONS or (kind == "mpt" and not alibi),
         bias=bias,
+        dropout=_dropout(data, attn),
     )
     return spec
 
 
-__all__ = ["ALIBI", "GATED", "from_hf_config", "spec_from_hf_dict"]
+def _dropout(data: dict[str, Any], attn: dict[str, Any]) -> float:
+    """The largest dropout probability a config sets (0.0 when it sets none): the masks it keeps in training."""
+    values = [
+        float(source[key])
+        for source in (data, attn)
+        for key in DROPOUT_KEYS
+        if isinstance(source.get(key), (int, float)) and not isinstance(source.get(key), bool)
+    ]
+    return max((v for v in values if 0.0 <= v < 1.0), default=0.0)
+
+
+__all__ = ["ALIBI", "DROPOUT_KEYS", "GATED", "from_hf_config", "spec_from_hf_dict"]

@@ -383,9 +383,11 @@ def activation_bytes(
     sequence_parallel: bool = False,
 ) -> float:
     """Activations held for backward by ``layers`` transformer layers by Korthikanti et al. 2022 (eqs. 2-4; 2 s b h
-    per recomputed layer, / t with SP), scaled by ``act_bytes`` / 2."""
-    spec = ModelSpec("korthikanti", max(1, layers), hidden, heads, 4 * hidden, 1, seq)
-    fwd = Forward(batch, seq, "fp32" if act_bytes == 4 else "bf16", tp, sequence_parallel, attention="math")
+    per recomputed layer, / t with SP), scaled by ``act_bytes`` / 2: their GPT, which trains with dropout."""
+    spec = ModelSpec("korthikanti", max(1, layers), hidden, heads, 4 * hidden, 1, seq, dropout=0.1)
+    fwd = Forward(
+        batch, seq, "fp32" if act_bytes == 4 else "bf16", tp, sequence_parallel, attention="math", dropout=0.1
+    )
     kept = (layers - recompute_layers) * block_bytes(spec, fwd, "none", "korthikanti")
     return kept + recompute_layers * block_bytes(spec, fwd, "full", "korthikanti")
 
@@ -451,6 +453,7 @@ def _forward(spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: 
         layout.tp,
         layout.sequence_parallel,
         attention="flash" if impl.flash_attention else "math",
+        dropout=spec.dropout,
         mask_bytes=1,
         per_sample_positions=layout.cp > 1,
     )
@@ -493,6 +496,7 @@ def _activation_terms(
         tp,
         sequence_parallel,
         attention="flash" if flash else "math",
+        dropout=spec.dropout,
         mask_bytes=1,
         per_sample_positions=context_parallel,
     )
@@ -501,6 +505,11 @@ def _activation_terms(
     last = ends_bytes(spec, fwd, False, True, kind, recomputed)
     loss = loss_buffer_bytes(spec, fwd) if kind == "plait" else 0.0
     return none, selective, full, first, last, loss
+
+
+def _largest_matrix(spec: ModelSpec) -> float:
+    """Parameters of a block's largest weight matrix (the MLP's, or q/k/v's when they are wider)."""
+    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.hidden + 2 * spec.kv * spec.head_dim)))
 
 
 def stage_memory(
@@ -557,8 +566,9 @@ def stage_memory(
         activations += loss
     e = act_bytes(layout.precision)
     buffers = 2 * layout.bucket_mb * 2**20 if layout.zero < 3 and layout.dp * layout.cp > 1 else 0.0
-    if layout.zero == 3:  # the gathered block being used and the one prefetched
-        buffers = 2 * block_params / layout.tp * e
+    if layout.zero == 3:  # the gathered block being used and the one prefetched (or, module by module, at most
+        gathered = min(2 * block_params, max(impl.zero3_live_limit, _largest_matrix(spec)))  # the live limit)
+        buffers = gathered / layout.tp * e
         if layout.pp > 1 and layout.schedule == PipelineSchedule.ZERO_BUBBLE:  # I and W gather the whole stage chunk
             buffers = max(buffers, psi / layout.virtual_stages * e)
     allocated = params + grads + states - host + activations + buffers

@@ -21,11 +21,15 @@ from plait.errors import ConfigError
 from plait.models.spec import ModelSpec
 from plait.planner.profile import LayerProfile
 
+GPT_DROPOUT = 0.1
+"""GPT-2's and GPT-3's dropout (Radford et al. 2019's released configs; Megatron-LM's default): the masks count."""
+
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     return ModelSpec(
-        name, layers, hidden, heads, 4 * hidden, 50257, 1024, tied_embeddings=True, learned_positions=True, bias=True
-    )
+        name, layers, hidden, heads, 4 * hidden, 50257, 1024, tied_embeddings=True, learned_positions=True, bias=True,
+        dropout=GPT_DROPOUT,
+    )  # fmt: skip
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
@@ -42,9 +46,19 @@ NAMED: dict[str, ModelSpec] = {
         _gpt2("gpt2-xl", 48, 1600, 25),
         # Brown et al. 2020 (GPT-3), Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048.
         ModelSpec(
-            "gpt3-175b", 96, 12288, 96, 4 * 12288, 50257, 2048, tied_embeddings=True, learned_positions=True, bias=True
-        ),
-        # Touvron et al. 2023 (LLaMA), Table 2; Llama 2 (Touvron et al. 2023b) for 70B (GQA, 8 kv heads).
+            "gpt3-175b",
+            96,
+            12288,
+            96,
+            4 * 12288,
+            50257,
+            2048,
+            tied_embeddings=True,
+            learned_positions=True,
+            bias=True,
+            dropout=GPT_DROPOUT,
+        ),  # fmt: skip
+        # Touvron et al. 2023 (LLaMA), Table 2 (no dropout); Llama 2 (Touvron et al. 2023b) for 70B (GQA, 8 kv heads).
         _llama("llama-7b", 32, 4096, 32, 32, 11008, 32000, 2048),
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, 2048),
         _llama("llama-70b", 80, 8192, 64, 8, 28672, 32000, 4096),

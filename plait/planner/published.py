@@ -174,10 +174,12 @@ def _fields(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelSpec:
-    """A Megatron-LM GPT (learned positions, biases, tied embeddings, MLP 4h)."""
+    """A Megatron-LM GPT (learned positions, biases, tied embeddings, MLP 4h, dropout 0.1: Megatron-LM's default
+    hidden and attention dropout, which Korthikanti et al.'s eq. 2 counts)."""
     return ModelSpec(
-        name, layers, hidden, heads, 4 * hidden, vocab, seq, tied_embeddings=True, learned_positions=True, bias=True
-    )
+        name, layers, hidden, heads, 4 * hidden, vocab, seq, tied_embeddings=True, learned_positions=True, bias=True,
+        dropout=0.1,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ Megatron-LM 2021, Table 1
@@ -334,6 +336,7 @@ JEAN_ZAY = dataclasses.replace(
     ),
     source="IDRIS Jean Zay A100 80GB nodes (bigscience tr11-176B-ml README): 8 GPUs on NVLink, 4 Omni-Path links",
 )
+# no dropout (BLOOM's config.json: hidden_dropout and attention_dropout 0.0)
 BLOOM_176B = ModelSpec("bloom-176b", 70, 14336, 112, 4 * 14336, 250880, 2048, tied_embeddings=True, bias=True)
 
 
