@@ -9,7 +9,7 @@ stats = engine.train_step((inputs, targets))
 from plait.comm import Comm, CommStats
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
-from plait.errors import CommError, ConfigError, LayoutError, PlaitError, ScheduleError
+from plait.errors import CheckpointError, CommError, ConfigError, DataError, LayoutError, PlaitError, ScheduleError
 from plait.layout import AXES, Layout
 from plait.mesh import Mesh
 from plait.observe.memory import measure_held
@@ -21,10 +21,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "CheckpointError",
     "Comm",
     "CommError",
     "CommStats",
     "ConfigError",
+    "DataError",
     "Engine",
     "EvalStats",
     "Layout",

@@ -10,7 +10,8 @@ error names the ranks that had not finished. Nothing hangs.
 
 This is plait's one local launcher for functions (tests, ``plait calibrate``, benchmarks that measure inside
 ranks). ``plait train`` launches whole programs through torchrun's own launcher instead, and the parameter
-server starts its servers and workers (no process group) with ``spawn_context()``.
+server starts its servers and workers (no process group, restartable one by one) with its own ``LocalCluster``
+(``plait.param_server.launch``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from plait.cli.main import main
 from plait.data.stdlib_corpus import EXCLUDED_DIRS, ensure_stdlib_tokens, stdlib_files, stdlib_root
 from plait.data.tokens import TokenFolder
 from plait.train.config import load_config
@@ -34,7 +35,7 @@ def test_the_corpus_is_the_stdlib_source_without_tests(tmp_path):
     assert sum(f.stat().st_size for f in stdlib_files(max_bytes=200_000)) >= 200_000
 
 
-def test_stdlib_preset_beats_the_unigram_entropy_and_caches_the_corpus(tmp_path, monkeypatch):
+def test_stdlib_preset_beats_the_unigram_entropy_and_caches_the_corpus(tmp_path, monkeypatch, capsys):
     from plait.train.loop import run
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -48,6 +49,7 @@ def test_stdlib_preset_beats_the_unigram_entropy_and_caches_the_corpus(tmp_path,
         "train.global_batch=16",
         "train.eval_every=40",
         "train.eval_batches=4",
+        "train.save_every=80",  # the preset saves at 300 and 600; here the last step
         f"train.out={json.dumps(str(tmp_path / 'run'))}",
     ]
     config = load_config(None, small, preset="stdlib-lm")
@@ -67,6 +69,10 @@ def test_stdlib_preset_beats_the_unigram_entropy_and_caches_the_corpus(tmp_path,
     )
     assert evals[0]["loss"] > evals[-1]["loss"] == pytest.approx(summary.eval_loss)
     assert summary.eval_loss < entropy - 0.2, (summary.eval_loss, entropy)  # it uses context, on held-out files
+    prompt = ["generate", str(tmp_path / "run"), "--prompt", "def parse(", "--max-new-tokens", "20", "--seed", "1"]
+    assert main(prompt) == 0  # README's chain: the preset's run folder -> plait generate, with the corpus's tokenizer
+    text = capsys.readouterr().out
+    assert text.strip() and main(prompt) == 0 and capsys.readouterr().out == text  # the same seed, the same text
     corpus = folder.meta["corpus"]
     assert (
         corpus["python"] and corpus["files"] == len(stdlib_files(max_bytes=1_000_000)) and len(corpus["sha256"]) == 64

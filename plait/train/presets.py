@@ -3,7 +3,8 @@ on top, in that order).
 
 ``stdlib-lm``: a small GPT language model on the Python standard library's own source (``data.name = "stdlib"``:
 prepared on first use with a byte-level BPE of 4,096 tokens and cached, docs/data.md). Its held-out perplexity
-falls visibly within a few minutes on 2 CPU cores; the measured curve is in docs/data.md.
+falls visibly within a few minutes on 2 CPU cores; the measured curve is in docs/data.md. It checkpoints at steps
+300 and 600, so ``plait generate <out>`` prints what the trained model writes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "eval_every": 100,
             "eval_batches": 8,
             "log_every": 10,
+            "save_every": 300,  # <out>/ckpt at steps 300 and 600: what plait generate reads
         },
     },
 }
