@@ -4,7 +4,7 @@
 # make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
-#   installs (PyPI has no CPU build of it: its wheel is the CUDA one, so this is for GPU machines; see docs/testing.md).
+#   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
