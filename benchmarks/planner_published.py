@@ -14,10 +14,10 @@ measurement is taken on this machine.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from pathlib import Path
 
+from benchmarks.report import replace_between
 from plait.planner.accuracy import evaluate, fit, markdown
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "planner.md"
@@ -26,10 +26,7 @@ DOC_START, DOC_END = "<!-- planner-published:start -->", "<!-- planner-published
 
 def write_docs(text: str, path: Path = DOC) -> None:
     """Replace the block between the published-runs markers of docs/planner.md with ``text``."""
-    doc = path.read_text()
-    block = f"{DOC_START}\n{text}\n{DOC_END}"
-    pattern = re.compile(re.escape(DOC_START) + ".*?" + re.escape(DOC_END), re.S)
-    path.write_text(pattern.sub(lambda _: block, doc) if pattern.search(doc) else doc.rstrip() + "\n\n" + block + "\n")
+    replace_between(path, DOC_START, DOC_END, text)
 
 
 def main(argv: list[str] | None = None) -> int:

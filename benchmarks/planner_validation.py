@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.launch import launch
+from benchmarks.report import replace_between
 from plait.layout import Layout
 from plait.models import GPT, GPTConfig, lm_loss
 
@@ -262,10 +262,7 @@ def table(rows: list[Row]) -> str:
 
 def write_docs(text: str, path: Path = DOC) -> None:
     """Replace the block between the validation markers of docs/planner.md with ``text``."""
-    doc = path.read_text()
-    block = f"{DOC_START}\n{text}\n{DOC_END}"
-    pattern = re.compile(re.escape(DOC_START) + ".*?" + re.escape(DOC_END), re.S)
-    path.write_text(pattern.sub(lambda _: block, doc) if pattern.search(doc) else doc.rstrip() + "\n\n" + block + "\n")
+    replace_between(path, DOC_START, DOC_END, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,14 +173,19 @@ def markdown(suite: str, rows: list[Row], command: str, info: dict[str, Any]) ->
     return "\n".join(lines)
 
 
-def replace_block(path: Path, name: str, body: str) -> None:
-    """Replace the block between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in ``path`` with ``body``
-    (appending it where the markers are missing), so the prose around the tables stays as written."""
+def replace_between(path: Path, start: str, end: str, body: str) -> None:
+    """Replace what stands between the marker lines ``start`` and ``end`` in ``path`` with ``body`` (appending the
+    marked block where the markers are missing), so the prose around a generated table stays as written."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"<!-- bench:{name} -->\n{body}\n<!-- /bench:{name} -->"
-    pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.DOTALL)
+    block = f"{start}\n{body}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _m: block, text) if pattern.search(text) else f"{text.rstrip()}\n\n{block}\n"
     path.write_text(text)
+
+
+def replace_block(path: Path, name: str, body: str) -> None:
+    """``replace_between`` the markers ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` of BENCHMARKS.md."""
+    replace_between(path, f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->", body)
 
 
 def write_markdown(path: Path, rows: list[Row], command: str, info: dict[str, Any]) -> None:

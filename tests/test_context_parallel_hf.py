@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.harness import run_distributed
+from helpers.hf import check, check_split, global_batch, make_model, optimizer, run_cases
+from transformers import GPT2Config, GPT2LMHeadModel
 
-pytest.importorskip("transformers")
-
-from helpers.harness import run_distributed  # noqa: E402
-from helpers.hf import check, check_split, global_batch, make_model, optimizer, run_cases  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-
-import plait  # noqa: E402
-from plait import Layout, LayoutError  # noqa: E402
-from plait.comm import Comm  # noqa: E402
-from plait.mesh import Mesh  # noqa: E402
-from plait.parallel.context import (  # noqa: E402
+import plait
+from plait import Layout, LayoutError
+from plait.comm import Comm
+from plait.mesh import Mesh
+from plait.parallel.context import (
     RingAttention,
     SequenceSharding,
     UlyssesAttention,
     plan_context_parallel,
 )
-from plait.parallel.context.hf import ATTENTION_NAME, context_parallel_attention  # noqa: E402
+from plait.parallel.context.hf import ATTENTION_NAME, context_parallel_attention
 
 CORES = {"ring": RingAttention, "ulysses": UlyssesAttention}
 TWO_RANKS = [

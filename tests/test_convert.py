@@ -13,21 +13,17 @@ import sys
 
 import pytest
 import torch
+from helpers.harness import run_distributed
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from helpers.harness import run_distributed  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import plait  # noqa: E402
-from plait import Layout  # noqa: E402
-from plait.checkpoint.convert import convert  # noqa: E402
-from plait.errors import ConfigError  # noqa: E402
-from plait.models import GPT, GPTConfig  # noqa: E402
-from plait.parallel.tensor.layers import gather_parameters  # noqa: E402
+import plait
+from plait import Layout
+from plait.checkpoint.convert import convert
+from plait.errors import ConfigError
+from plait.models import GPT, GPTConfig
+from plait.parallel.tensor.layers import gather_parameters
 
 VOCAB, SEQ, BATCH = 32, 8, 4
 

@@ -13,11 +13,8 @@ import sys
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-
-from helpers.harness import run_distributed  # noqa: E402
-from helpers.hf import (  # noqa: E402
+from helpers.harness import run_distributed
+from helpers.hf import (
     GLOBAL_BATCH,
     SEQ,
     VOCAB,
@@ -29,16 +26,16 @@ from helpers.hf import (  # noqa: E402
     reference,
     run_cases,
 )
-from transformers import (  # noqa: E402
+from transformers import (
     BertConfig,
     BertForMaskedLM,
 )
 
-from plait import Layout, LayoutError  # noqa: E402
-from plait.models.hf import return_logits  # noqa: E402
-from plait.parallel.pipeline.apply import plan_pipeline  # noqa: E402
-from plait.parallel.tensor import plan_tensor_parallel  # noqa: E402
-from plait.parallel.tensor.plan import default_plan, resolve_plan  # noqa: E402
+from plait import Layout, LayoutError
+from plait.models.hf import return_logits
+from plait.parallel.pipeline.apply import plan_pipeline
+from plait.parallel.tensor import plan_tensor_parallel
+from plait.parallel.tensor.plan import default_plan, resolve_plan
 
 TWO_RANKS = [
     ("gpt2", Layout(dp=2)),

@@ -11,6 +11,7 @@ import pytest
 
 from plait.errors import ConfigError
 from plait.layout import Layout
+from plait.models.spec import ModelSpec
 from plait.planner import get_hardware, plan, predict, resolve_model
 from plait.planner.costs import axis_span, collective_time
 from plait.planner.hardware import CATALOGUE, GB
@@ -107,6 +108,11 @@ def test_hf_families_read_their_own_keys(tmp_path, data, expected):
     spec = resolve_model(str(write(tmp_path, "config.json", data)), seq=seq)
     got = dict(layers=spec.layers, kv=spec.kv, ffn=spec.ffn, seq=spec.seq, gated=spec.gated, bias=spec.bias)
     assert got == expected
+
+
+def test_a_dropout_outside_zero_to_one_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"dropout=1.5 is outside \[0, 1\); use e.g. 0.0 or 0.1"):
+        ModelSpec("m", 2, 64, 4, 256, 8, 16, dropout=1.5)
 
 
 def test_hf_configs_give_their_dropout_so_the_activation_masks_count(tmp_path):

@@ -99,7 +99,8 @@ def test_selective_replays_attention_dropout_bitwise():
 
 def _hf_model(kind: str) -> torch.nn.Module:
     """A tiny transformers causal LM (eager attention: the softmax is materialised) with seeded weights."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(1234)
     if kind == "gpt2":
         config = transformers.GPT2Config(

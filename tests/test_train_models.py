@@ -16,20 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-pytest.importorskip("transformers")
-
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from plait.checkpoint import load_full_state  # noqa: E402
-from plait.checkpoint.convert import export_safetensors  # noqa: E402
-from plait.data import AdditionTask, ShardedBatches  # noqa: E402
-from plait.errors import ConfigError  # noqa: E402
-from plait.models import GPT, GPTConfig, lm_loss  # noqa: E402
-from plait.models.build import build_model, model_config  # noqa: E402
-from plait.models.presets import PRESETS  # noqa: E402
-from plait.train.config import RunConfig  # noqa: E402
-from plait.train.weights import load_weights, read_weights  # noqa: E402
+from plait.checkpoint import load_full_state
+from plait.checkpoint.convert import export_safetensors
+from plait.data import AdditionTask, ShardedBatches
+from plait.errors import ConfigError
+from plait.models import GPT, GPTConfig, lm_loss
+from plait.models.build import build_model, model_config
+from plait.models.presets import PRESETS
+from plait.train.config import RunConfig
+from plait.train.weights import load_weights, read_weights
 
 BATCH = 4
 TASK = AdditionTask(digits=2, seed=0)  # the default [data]: vocab 12, samples of 8 tokens

@@ -221,7 +221,6 @@ def _train_hf_cases() -> list[dict]:
 
 @pytest.mark.distributed
 def test_hf_llama_dp2_tp2_zero3_and_gpt2_dp2_pp2_zero2_match_single_device():
-    pytest.importorskip("transformers")
     from helpers.hf import GRAD_TOL, LOSS_RTOL, PARAM_TOL
     from helpers.hf import reference as hf_reference
     from helpers.reference import assert_tensors_close
@@ -244,7 +243,6 @@ def test_hf_llama_dp2_tp2_zero3_and_gpt2_dp2_pp2_zero2_match_single_device():
 
 # ----------------------------------------------------------------- refusals (one process, before any collective)
 def test_zero3_with_tied_embeddings_across_pipeline_stages_is_refused():
-    pytest.importorskip("transformers")
     from helpers.hf import make_model as hf_model
 
     model = hf_model("gpt2")  # wte and lm_head tied: the first and the last stage share them
