@@ -19,7 +19,7 @@ def test_published_rows_name_their_source_and_build_valid_layouts():
     for run in runs:
         source = SOURCES[run.source]
         assert source.role in ("fit", "test") and source.citation and source.table and source.where
-        assert run.metric in ("hardware_tflops", "mfu", "step_time") and run.value > 0
+        assert run.metric in ("hardware_tflops", "mfu", "step_time", "tokens_per_gpu") and run.value > 0
         if not run.pending:
             layout = run.layout.resolve(run.layout.world_size)
             assert run.global_batch % layout.dp == 0
@@ -141,6 +141,20 @@ def test_steady_takes_out_a_load_burst_that_slows_one_round():
     assert scaled[0] == pytest.approx([1.0, 1.0, 1.0]) and scaled[1] == pytest.approx([2.0, 2.0, 2.0])
 
 
+def test_the_choice_is_judged_on_the_finer_second_measurement_when_there_is_one():
+    from benchmarks.planner_validation import Row, choice_line, chosen_vs_fastest
+    from plait.layout import Layout
+
+    first = Row(4, Layout(dp=4), 0.40, [1.0, 1.2, 1.1], ranked=0)  # broad launch: 10% slower than the second
+    second = Row(4, Layout(pp=4, microbatches=4), 0.41, [1.0, 1.0, 1.0], ranked=1)
+    other = Row(4, Layout(tp=4), 0.60, [0.5, 0.5, 0.5])  # not ranked by plan(): never the reference
+    rows = [first, second, other]
+    assert chosen_vs_fastest(rows) == pytest.approx(0.1) and choice_line(rows) == ""
+    first.choice, second.choice = [1.00, 1.01, 0.99], [1.02, 1.02, 1.03]
+    assert chosen_vs_fastest(rows) == 0.0  # measured alone, the choice is the fastest
+    assert choice_line(rows).startswith(" (their medians over 3 rounds measured alone: #1 dp4 1.000")
+
+
 @pytest.mark.distributed
 def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
     """The validation pipeline end to end on 2 ranks and a tiny GPT: calibrate -> plan/predict -> measure ->
@@ -184,12 +198,17 @@ def test_this_machine_calibrate_predict_measure_compare(tmp_path, monkeypatch):
         warmup=1,
         steps=1,
         rounds=2,
+        choice_rounds=3,
     )
     assert len(rows) >= 3 and [r.ranked for r in rows if r.ranked is not None][:1] == [0]
     assert all(r.predicted > 0 and len(r.measured) == 2 and min(r.measured) > 0 for r in rows)
+    # plan()'s ranked layouts measured again on their own; the others not
+    assert all(len(r.choice) == 3 and min(r.choice) > 0 for r in rows if r.ranked is not None)
+    assert all(not r.choice for r in rows if r.ranked is None)
     assert chosen_vs_fastest(rows) >= 0 and -1 <= spearman(rows) <= 1
     doc = tmp_path / "planner.md"
     doc.write_text(f"# page\n\n{DOC_START}\nold\n{DOC_END}\n\nafter\n")
     write_docs(table(rows), doc)
     text = doc.read_text()
     assert "old" not in text and "after" in text and "| 2 | dp2 |" in text and "Spearman" in text
+    assert "rounds measured alone: #1 " in text

@@ -44,6 +44,8 @@ def predicted_value(run: PublishedRun, prediction: Prediction) -> float:
         return prediction.mfu
     if run.metric == "step_time":
         return prediction.step_time
+    if run.metric == "tokens_per_gpu":
+        return prediction.tokens_per_s / prediction.world_size
     raise ValueError(f"unknown metric {run.metric!r}")
 
 
@@ -180,7 +182,7 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
 def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, float]]]) -> str:
     """The docs table: every row with measured, predicted, its error (and leave-one-out), memory; then the
     statistics."""
-    units = {"hardware_tflops": "TFLOP/s", "mfu": "MFU", "step_time": "s/iter"}
+    units = {"hardware_tflops": "TFLOP/s", "mfu": "MFU", "step_time": "s/iter", "tokens_per_gpu": "tokens/s/GPU"}
     lines = [
         "| source | row | measured | predicted | error | leave-one-out | memory (GiB) |",
         "| --- | --- | --- | --- | --- | --- | --- |",

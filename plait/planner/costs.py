@@ -116,6 +116,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # Meta's Llama 3 stack (Dubey et al. 2024, sec. 3.3): FSDP over dp (gradients reduce-scattered in fp32),
     # Megatron-style tp with sequence parallelism, interleaved pipeline, all-gather context parallelism, flash attention
     "llama3": Implementation(name="llama3", grad_bytes=4),
+    # torchtitan (Liang et al. 2024): FSDP2 (per-parameter sharding, implicit prefetch), SDPA flash attention,
+    # bf16 parameters with gradients reduce-scattered in fp32
+    "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
     # reduces and copies on the same processors the ranks compute on, so nothing overlaps
     "plait-cpu": Implementation(

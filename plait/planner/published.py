@@ -7,7 +7,7 @@ sources (``SOURCES``) are of two roles:
 - "fit": the GPU generation's compute efficiency (``hardware.GENERATION_EFFICIENCY``) is fitted on these rows
   (Ampere: Megatron-LM 2021 Table 1; Hopper: MosaicML's H100 BF16 table); their errors are in-sample, and
   leave-one-out errors are reported next to them.
-- "test": never used for fitting. Out-of-sample papers (Korthikanti 2022, MT-NLG, BLOOM, Llama 3) and
+- "test": never used for fitting. Out-of-sample papers (Korthikanti 2022, MT-NLG, BLOOM, Llama 3, torchtitan) and
   out-of-table rows of the fitting sources (Megatron-LM 2021 Table 2; MosaicML's A100 table, which fits nothing
   on Ampere) are predicted with the fitted value of their generation.
 
@@ -101,6 +101,18 @@ SOURCES: dict[str, Source] = {
         "test",
         "Llama 3 2024",
     ),
+    "torchtitan-2024": Source(
+        "Liang, Liu, Wright, Constable, Gu, Huang, et al., TorchTitan: One-stop PyTorch native solution for "
+        "production ready LLM pre-training, ICLR 2025, arXiv:2410.06511; the torchtitan repository's performance page",
+        "'Llama 3 performance numbers' and 'Llama 2 performance numbers' (FSDP2 on 64 A100 80GB, tokens/s per GPU)",
+        "pytorch/torchtitan docs/performance.md (commit 0413364): local batch 1-2 per GPU, global batch = local x 64, "
+        "sequence 8192 (Llama 3) / 4096 (Llama 2), activation checkpointing none / every second block ('selective "
+        "layer') / every block ('full') / per operator ('selective op'); bf16 parameters, fp32 gradient "
+        "reduce-scatter (torchtitan's defaults then)",
+        "ampere",
+        "test",
+        "torchtitan 2024",
+    ),
     "mosaicml-h100": Source(
         "MosaicML, llm-foundry MPT training benchmarks",
         "'H100 80GB BF16' table, the rows on one node of 8 GPUs (MFU): the compute efficiency is fitted where the "
@@ -134,8 +146,8 @@ SOURCES: dict[str, Source] = {
 @dataclass(frozen=True)
 class PublishedRun:
     """One published measurement (module docstring). ``metric``: "hardware_tflops" (achieved TFLOP/s per GPU
-    counting recomputation, as Megatron-LM reports), "mfu" (model FLOPs utilization, 0-1) or "step_time"
-    (seconds per iteration)."""
+    counting recomputation, as Megatron-LM reports), "mfu" (model FLOPs utilization, 0-1), "step_time" (seconds
+    per iteration) or "tokens_per_gpu" (tokens per second per GPU)."""
 
     source: str
     label: str
@@ -405,6 +417,50 @@ def _llama3() -> list[PublishedRun]:
     return runs
 
 
+# ------------------------------------------------------------------------------------ torchtitan
+TORCHTITAN_A100 = (  # model, sequence, local batch, activation checkpointing, tokens/s per GPU
+    ("llama3-8b", 8192, 1, "selective layer", 2904),
+    ("llama3-8b", 8192, 1, "selective op", 2973),
+    ("llama3-70b", 8192, 1, "full", 331),
+    ("llama-13b", 4096, 2, "no", 2162),
+    ("llama-13b", 4096, 2, "selective layer", 1914),
+    ("llama-13b", 4096, 2, "selective op", 1904),
+    ("llama-70b", 4096, 1, "selective op", 355),
+    ("llama-70b", 4096, 2, "full", 353),
+)
+
+
+def _torchtitan_recompute(checkpointing: str, layers: int) -> str | tuple[int, ...]:
+    """torchtitan's activation checkpointing as a plait recompute choice: "selective layer" wraps every second
+    block (its integer option, counted from 1: blocks 1, 3, 5, ...); "selective op" saves the outputs of chosen
+    operators (every other matmul, attention), which is no plait mode: such a row stays pending."""
+    return {"no": "none", "full": "full", "selective op": "op"}.get(checkpointing) or tuple(range(1, layers, 2))
+
+
+def _torchtitan() -> list[PublishedRun]:
+    runs = []
+    for name, seq, local, checkpointing, tokens in TORCHTITAN_A100:
+        spec = NAMED[name].with_seq(seq)
+        family = "Llama 3" if name.startswith("llama3") else "Llama 2"
+        size = name.rsplit("-", 1)[1].upper()
+        recompute = _torchtitan_recompute(checkpointing, spec.layers)
+        runs.append(
+            PublishedRun(
+                "torchtitan-2024",
+                f"{family} {size}, 64 GPUs, batch {local}, AC {checkpointing}",
+                spec,
+                _fields(dp=64, zero=3, microbatches=1, recompute=recompute, precision="bf16"),
+                "a100-80gb",
+                64 * local,
+                "torchtitan-fsdp2",
+                "tokens_per_gpu",
+                tokens,
+                "FSDP2 as ZeRO-3; the cluster's network is not stated: a DGX A100's (8 x 200 Gb/s per node) assumed",
+            )
+        )
+    return runs
+
+
 # ------------------------------------------------------------------------------------ MosaicML llm-foundry
 MPT = {  # layers, d_model, heads (d_model / 128)
     "1b": (24, 2048, 16),
@@ -494,6 +550,7 @@ def published_runs() -> list[PublishedRun]:
         *_mt_nlg(),
         *_bloom(),
         *_llama3(),
+        *_torchtitan(),
         *_mosaic("mosaicml-h100-nodes", tuple(r for r in MOSAIC_H100 if r[2] > 8), "h100"),
         *_mosaic("mosaicml-a100", MOSAIC_A100, "a100-80gb"),
     ]
