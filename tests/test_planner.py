@@ -141,6 +141,32 @@ def test_collectives_follow_alpha_beta_and_rank_order():
     assert not spans_nodes(Layout(dp=2, tp=4), "dp", 8)
 
 
+def test_ring_collectives_spread_their_traffic_over_the_nics_of_a_node():
+    """group_link: a ring crossing nodes uses the links of all its ranks in a node (NCCL: a channel per NIC), so
+    FSDP over whole DGX A100 nodes gets 8 x 25 GB/s (NVIDIA measures 192 GB/s all-reduce bus bandwidth there),
+    data parallelism beside tp = 8 (one rank per node) 25 GB/s, four ranks per node 100 GB/s."""
+    from plait.planner.costs import group_link
+
+    a100 = get_hardware("a100-80gb")
+    nic, nvlink = a100.inter_node_bandwidth, a100.intra_node_bandwidth
+    assert group_link(a100, 64, 64) == (a100.inter_node_latency, 8 * nic)  # all 8 GPUs of 8 nodes
+    assert group_link(a100, 128, 16) == (a100.inter_node_latency, nic)  # stride 8: one GPU per node
+    assert group_link(a100, 64, 32) == (a100.inter_node_latency, 4 * nic)  # stride 2: four per node
+    assert group_link(a100, 8, 8) == (a100.intra_node_latency, nvlink)  # inside a node: NVLink, as before
+    assert group_link(a100, 64, 64, ring=False)[1] == nic  # all-to-all: each rank's own link
+    s = 1e9
+    fsdp, one_per_node = (collective_time(a100, "all_gather", s, n, span) for n, span in ((64, 64), (64, 512)))
+    assert fsdp == pytest.approx(63 * a100.inter_node_latency + 63 / 64 * s / (8 * nic * 0.8))
+    assert one_per_node == pytest.approx(63 * a100.inter_node_latency + 63 / 64 * s / (nic * 0.8))
+    alltoall = collective_time(a100, "all_to_all", s, 64, 64)
+    assert alltoall == pytest.approx(63 * a100.inter_node_latency + 63 / 64 * s / (nic * 0.8))
+    # a whole-node FSDP group moves its gathers faster than one spread one GPU per node: ZeRO-3 time falls
+    spec, layout = NAMED["llama-7b"], Layout(dp=64, zero=3, precision="bf16")
+    packed = predict(spec, layout, a100, global_batch=64).time["zero3_comm"]
+    spread = predict(spec, layout, dataclasses.replace(a100, devices_per_node=1), global_batch=64)
+    assert packed < spread.time["zero3_comm"]
+
+
 def test_zero_paper_figure_through_the_planner():
     impl = IMPLEMENTATIONS["megatron-2021"]
     psi, dp = 7.5e9, 64
@@ -541,7 +567,7 @@ def test_per_block_recomputation_is_timed_for_the_blocks_listed():
 
 
 def test_plan_runs_the_intra_op_ilp_and_cross_checks_the_inter_op_dp():
-    result = plan("llama-70b", 256, "h100", global_batch=256, top=3)
+    result = plan("gpt3-175b", 256, "h100", global_batch=256, top=3)  # too big for ZeRO-3 over 256 GPUs alone
     notes = " | ".join(result.notes)
     best = result.best.layout
     if best.tp > 1:

@@ -53,19 +53,26 @@ def test_row_efficiency_is_where_the_prediction_meets_the_measurement():
 def test_published_accuracy_in_sample_leave_one_out_and_out_of_sample():
     """The numbers docs/planner.md reports (python -m benchmarks.planner_published). Targets (issue 16): out-of-sample
     median |error| <= 10% and max <= 20% on papers not used for fitting. The median holds; the max does not: MT-NLG
-    (Megatron-DeepSpeed) runs ~21-26% slower than predicted, with nothing in the model to say why (the same model on
-    Megatron-LM's own runs of the same 530B GPT on the same cluster, Narayanan et al. Table 2, is within 3%). The
+    (Megatron-DeepSpeed) runs ~19-24% slower than predicted, with nothing in the model to say why (the same model on
+    Megatron-LM's own runs of the same 530B GPT on the same cluster, Narayanan et al. Table 2, is within 1%). The
     bounds below are what holds today, so a regression fails."""
     _, scored = default_evaluation()
     stats = summary(scored)
-    absolute = {key: [abs(e) for e in stats[key]] for key in ("in_sample", "leave_one_out", "out_of_sample")}
+    keys = ("in_sample", "leave_one_out", "out_of_sample", "out_of_table")
+    absolute = {key: [abs(e) for e in stats[key]] for key in keys}
     assert statistics.median(absolute["in_sample"]) < 0.05 and max(absolute["in_sample"]) < 0.20
     assert statistics.median(absolute["leave_one_out"]) < 0.06 and max(absolute["leave_one_out"]) < 0.20
     assert statistics.median(absolute["out_of_sample"]) < 0.10  # the target
-    assert max(absolute["out_of_sample"]) < 0.30  # target 0.20: MT-NLG misses it (docstring)
+    assert max(absolute["out_of_sample"]) < 0.25  # target 0.20: MT-NLG misses it (docstring)
+    assert statistics.median(absolute["out_of_table"]) < 0.10 and max(absolute["out_of_table"]) < 0.25
     worst = {s.run.source for s in scored if s.run.role == "test" and s.error is not None and abs(s.error) > 0.2}
-    assert worst <= {"mt-nlg-2022", "mosaicml-h100-nodes", "megatron-2021-t2"}, worst
-    assert len(stats["out_of_sample_papers"]) >= 3
+    assert worst <= {"mt-nlg-2022", "megatron-2021-t2"}, worst
+    assert len(stats["out_of_sample_papers"]) >= 5
+    # FSDP over whole nodes (torchtitan on A100s, MosaicML on H100s): the ring collectives share the nodes' NICs
+    # (costs.group_link); with one NIC per GPU they were predicted 11-66% too slow
+    fsdp = [s for s in scored if s.run.source in ("torchtitan-2024", "mosaicml-h100-nodes") and s.error is not None]
+    assert len(fsdp) == 12 and max(abs(s.error) for s in fsdp) < 0.20
+    assert sum(bool(s.pending) for s in scored if s.run.source == "torchtitan-2024") == 3  # per-operator AC
 
 
 def test_zero_figure_1_model_states():

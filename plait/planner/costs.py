@@ -19,9 +19,10 @@ Gropp 2005; Chan et al. 2007): for N ranks and S bytes, ring all-reduce 2(N-1) a
 all-reduce 2 log2(N) alpha + 2 S / beta (the smaller is taken), all-gather and reduce-scatter (N-1) alpha +
 (N-1)/N S / beta, all-to-all (N-1) alpha + (N-1)/N S / beta, broadcast log2(N) alpha + S / beta, p2p alpha +
 S / beta. A group of an axis of stride st and size n (ranks are ordered pp, dp, cp, tp with tp innermost) spans
-st x n consecutive ranks; alpha and beta are those of the innermost network level that joins that many devices
-(``Hardware.level``: NVLink within a node, the network share beyond, or a custom cluster's levels with their
-oversubscription). A calibrated machine replaces the link model by its measured per-collective fit,
+st x n consecutive ranks; alpha is that of the innermost network level that joins that many devices
+(``Hardware.level``: NVLink within a node, the network beyond, or a custom cluster's levels with their
+oversubscription), beta the narrowest level the group crosses, where a ring collective's crossing traffic is
+spread over the NICs of all the group's ranks in a node (``group_link``: k ranks per node, k x a NIC). A calibrated machine replaces the link model by its measured per-collective fit,
 taken at ``measured_ranks`` ranks and carried to n ranks by the same formulas' factors (alpha x steps(n) /
 steps(n0), beta x fraction(n) / fraction(n0)).
 """
@@ -72,6 +73,9 @@ class Implementation:
             belongs to the GPU generation, ``Hardware.compute_efficiency``).
         memory_efficiency, comm_efficiency: see the module constants.
         reserved_bytes: memory the framework and allocator keep (CUDA context, fragmentation).
+        rail_collectives: ring collectives (all-reduce, all-gather, reduce-scatter) that cross nodes spread their
+            traffic over the NICs of all the group's ranks in a node (NCCL's channels, one per NIC:
+            ``group_link``); False: each rank's own link carries it.
     """
 
     name: str = "plait"
@@ -88,6 +92,7 @@ class Implementation:
     memory_efficiency: float = MEMORY_EFFICIENCY
     comm_efficiency: float = COMM_EFFICIENCY
     reserved_bytes: float = 2 * 2**30
+    rail_collectives: bool = True
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -105,9 +110,16 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered module by module with prefetch,
     # at most stage3_max_live_parameters (1e9) alive, released after use unless reused within
-    # stage3_max_reuse_distance (1e9) parameters
+    # stage3_max_reuse_distance (1e9) parameters. Its gathers and reductions over all GPUs ran at one NIC per GPU
+    # (rail_collectives False): that table's step time is the same on 768 and 1536 GPUs for the same batch
+    # (88 and 44 TFLOP/s per GPU), a per-GPU link limit, not 8 NICs shared (set after seeing those rows)
     "deepspeed-zero3": Implementation(
-        name="deepspeed-zero3", overlap_dp=True, flash_attention=False, zero3_reuse_limit=1e9, zero3_live_limit=1e9
+        name="deepspeed-zero3",
+        overlap_dp=True,
+        flash_attention=False,
+        zero3_reuse_limit=1e9,
+        zero3_live_limit=1e9,
+        rail_collectives=False,
     ),
     # MosaicML Composer + PyTorch FSDP (llm-foundry): FULL_SHARD with prefetch, triton flash attention; mixed
     # precision DEFAULT reduces fp32 gradients, PURE bf16 ones
@@ -170,21 +182,28 @@ def peak_rate(hw: Hardware, impl: Implementation, precision: str) -> float:
 
 # ---------------------------------------------------------------------- collectives
 def collective_time(
-    hw: Hardware, op: str, nbytes: float, n: int, span: int | bool, comm_efficiency: float = COMM_EFFICIENCY
+    hw: Hardware,
+    op: str,
+    nbytes: float,
+    n: int,
+    span: int | bool,
+    comm_efficiency: float = COMM_EFFICIENCY,
+    rails: bool = True,
 ) -> float:
     """Seconds for one ``op`` over ``n`` ranks spanning ``span`` consecutive ranks (True / False: beyond / within
     a node) on ``nbytes`` of payload (the whole tensor; for all-to-all and all-gather the full result), by the
-    alpha-beta formulas of the module docstring."""
+    alpha-beta formulas of the module docstring; ``rails`` False: a ring collective gets each rank's own link
+    beyond the node (``Implementation.rail_collectives``)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    if isinstance(span, bool):
-        span = hw.devices_per_node + 1 if span else 1
+    if isinstance(span, bool):  # no stride known: one rank per node beyond it, all within it
+        span = n * (hw.devices_per_node + 1) if span else min(n, hw.devices_per_node)
     if op in hw.measured and span <= hw.devices_per_node:
         alpha, beta = hw.measured[op]
         (steps, fraction), (steps0, fraction0) = _ring_factors(op, n), _ring_factors(op, hw.measured_ranks)
         return alpha * steps / steps0 + beta * nbytes * fraction / fraction0
-    level = hw.level(span)
-    alpha, bandwidth = level.latency, level.effective_bandwidth * comm_efficiency
+    alpha, bandwidth = group_link(hw, span, n, ring=rails and op in RING_OPS)
+    bandwidth *= comm_efficiency
     frac = (n - 1) / n
     if op == "all_reduce":
         ring = 2 * (n - 1) * alpha + 2 * frac * nbytes / bandwidth
@@ -197,6 +216,47 @@ def collective_time(
     if op == "send_recv":
         return alpha + nbytes / bandwidth
     raise ValueError(f"unknown collective {op!r}")
+
+
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+"""Collectives that NCCL runs as rings (or trees) over several channels, so their traffic between nodes is spread
+over every NIC that the group has in a node (``group_link``)."""
+
+
+def group_link(hw: Hardware, span: int, n: int, ring: bool = True) -> tuple[float, float]:
+    """(latency, bandwidth per rank) of a group of ``n`` ranks spanning ``span`` consecutive devices (stride
+    span / n). The latency is that of the outermost level the group crosses (``Hardware.level``); the bandwidth is
+    the narrowest of the levels it crosses.
+
+    For a ring collective (NCCL's rings and trees alike), let m be the group's ranks in one domain of the level
+    below (one node, for the network beyond the nodes). A ring crosses the level once per domain and channel, and
+    NCCL opens a channel per NIC (rail), so the crossing traffic rides k = min(m, NICs per node) links together:
+    k x the level's per-device bandwidth. Every group of the axis runs at once and the domain's devices all belong
+    to some group, so its uplinks, shared ``oversubscription`` : 1, carry m x the per-device share for each group
+    (``NetworkLevel.effective_bandwidth``). The level gives min(k x bandwidth, m x effective bandwidth). On a DGX
+    A100 (8 x 200 Gb/s) a group of all 8 GPUs of each node reaches 8 x 25 = 200 GB/s (NVIDIA measures 192 GB/s
+    all-reduce bus bandwidth there, NVIDIA/nccl#812), a group of one GPU per node (data parallelism beside tp = 8)
+    25 GB/s, and halving the GPUs per node halves it (NVIDIA/nccl#1168); a group of one rank per leaf switch meets
+    the oversubscribed spine at its share. All-to-all, broadcast and point-to-point (``ring`` False) get one
+    device's share of the level."""
+    top = hw.level(span)
+    stride = max(1, span // n)
+    bandwidth, inner = math.inf, 1
+    for level in hw.network():
+        members = n if level.devices == 0 else min(n, max(1, level.devices // stride))
+        if members >= 2 and span > inner:  # the group has ranks in different domains of the level below
+            m = min(n, max(1, inner // stride))
+            if ring:
+                share = min(min(m, hw.devices_per_node) * level.bandwidth, m * level.effective_bandwidth)
+            else:
+                share = level.effective_bandwidth
+            bandwidth = min(bandwidth, share)
+        if level is top:
+            break
+        inner = level.devices
+    if bandwidth == math.inf:  # one rank per domain at every level: the outermost link
+        bandwidth = top.effective_bandwidth
+    return top.latency, bandwidth
 
 
 def _ring_factors(op: str, n: int) -> tuple[float, float]:
@@ -268,7 +328,9 @@ def block_time(
     # tensor parallel (Shoeybi et al. 2019): 2 all-reduces forward, 2 backward, of b (s/cp) h; with sequence
     # parallelism each becomes an all-gather + reduce-scatter of the same total volume (Korthikanti et al. 2022)
     message = micro_batch * s_local * spec.hidden * e
-    tp_one = collective_time(hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency)
+    tp_one = collective_time(
+        hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency, rails=impl.rail_collectives
+    )
     cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
     attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
     cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_fwd

@@ -37,7 +37,7 @@ from typing import Any
 
 from plait.errors import ConfigError
 
-GENERATION_EFFICIENCY = {"ampere": 0.726, "hopper": 0.519, "blackwell": 0.519}
+GENERATION_EFFICIENCY = {"ampere": 0.713, "hopper": 0.519, "blackwell": 0.519}
 """Fitted achieved / peak FLOP/s of training matmuls per GPU generation (``plait.planner.accuracy``: the median of
 measured / predicted over that generation's fitting tables is 1). Ampere: Narayanan et al. 2021 Table 1; Hopper:
 the one-node rows of MosaicML's llm-foundry H100 BF16 table; Blackwell: no published table fitted yet, Hopper's

@@ -319,7 +319,9 @@ def predict(
     dp_span = axis_span(layout, "dp_cp")
     psi_max = max(params for _, params in stage_params) / t
     if layout.zero == 3:
-        gather = collective_time(hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency)
+        gather = collective_time(
+            hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
+        )
         # a block recomputed under ZeRO-3 is gathered for the recomputation; one too big to be kept until its backward
         # (``Implementation.zero3_reuse_limit``) is gathered once more
         regather = (
@@ -328,7 +330,15 @@ def predict(
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
         scatter = (
-            collective_time(hw, "reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_span, impl.comm_efficiency)
+            collective_time(
+                hw,
+                "reduce_scatter",
+                psi_max * impl.grad_bytes,
+                n_shard,
+                dp_span,
+                impl.comm_efficiency,
+                rails=impl.rail_collectives,
+            )
             if p == 1
             else 0.0
         )
@@ -371,7 +381,13 @@ def predict(
     rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in slow_chunks)
     full_recomputed = sum(recomputed[c] for c in slow_chunks) if recompute_mode(layout) in ("full", "blocks") else 0
     tp_one = collective_time(
-        hw, "all_reduce", b * (s // layout.cp) * spec.hidden * e, t, axis_span(layout, "tp"), impl.comm_efficiency
+        hw,
+        "all_reduce",
+        b * (s // layout.cp) * spec.hidden * e,
+        t,
+        axis_span(layout, "tp"),
+        impl.comm_efficiency,
+        rails=impl.rail_collectives,
     )
     tp_time = m * (4 * rank_blocks + 2 * full_recomputed) * tp_one
 
@@ -379,16 +395,20 @@ def predict(
     grads = psi_max * impl.grad_bytes
     dp_time = 0.0
     if n_shard > 1 and layout.zero == 3 and p > 1:
-        dp_time = collective_time(hw, "reduce_scatter", grads, n_shard, dp_span, impl.comm_efficiency)
+        dp_time = collective_time(
+            hw, "reduce_scatter", grads, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
+        )
     if n_shard > 1 and layout.zero < 3:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(hw, op, grads, n_shard, dp_span, impl.comm_efficiency)
+        reduce = collective_time(hw, op, grads, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives)
         if impl.overlap_dp:
             window = sum(bwd[c] for c in slow_chunks)
             tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
             reduce = max(reduce - window, tail)
         gather = (
-            collective_time(hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency)
+            collective_time(
+                hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
+            )
             if layout.zero
             else 0.0
         )
