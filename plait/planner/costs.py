@@ -132,11 +132,15 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # bf16 parameters with gradients reduce-scattered in fp32
     "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
-    # reduces and copies on the same processors the ranks compute on, so nothing overlaps
+    # reduces and copies on the same processors the ranks compute on, so nothing overlaps: not the gradient
+    # reduction, not ring attention's K/V passes, and not the pipeline's sends and receives (each chunk pays its
+    # own, so more, smaller chunks cost more hand-offs; overlap_p2p set after seeing interleaving ranked first
+    # and measured slower on this machine, docs/planner.md)
     "plait-cpu": Implementation(
         name="plait-cpu",
         overlap_dp=False,
         overlap_cp=False,
+        overlap_p2p=False,
         grad_bytes=4,
         state_accounting="plait",
         compute_efficiency=1.0,
