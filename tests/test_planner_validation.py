@@ -140,6 +140,33 @@ def test_ranks_sharing_processors_cannot_beat_their_work_spread_over_them():
     assert pp.time["pp_bubble"] > 0 and pp.step_time < 1.5 * dp.step_time
 
 
+def test_cpu_ranks_pay_every_chunk_its_sends_and_receives():
+    """plait-cpu (gloo: copies on the processors the ranks compute on) does not overlap the pipeline's hand-offs:
+    every chunk's forward and backward pays its transfer, so under processor sharing, where interleaving's smaller
+    bubble buys nothing, more chunks per rank predict slower, as measured on this machine (docs/planner.md)."""
+    from dataclasses import replace
+
+    from plait.layout import Layout
+    from plait.models import GPTConfig
+    from plait.planner import get_hardware, predict
+    from plait.planner.costs import IMPLEMENTATIONS
+
+    config = GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=4, d_model=128)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+    cpu = replace(
+        get_hardware("a100-80gb"), compute_units=2.0, devices_per_node=4, measured={op: (2e-3, 1e-9) for op in ops}
+    )
+    cpu_impl = IMPLEMENTATIONS["plait-cpu"]
+    assert not cpu_impl.overlap_p2p
+    overlapped = replace(cpu_impl, overlap_p2p=True)
+    steps = {}
+    for v in (1, 4):
+        layout = Layout(dp=2, pp=2, microbatches=2, schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+        steps[v] = [predict(config, layout, cpu, 16, implementation=impl).step_time for impl in (cpu_impl, overlapped)]
+    assert steps[4][0] > steps[1][0]  # 4 chunks per rank: 8 hand-offs per micro-batch instead of 2
+    assert steps[4][0] - steps[4][1] > steps[1][0] - steps[1][1] > 0  # what the hand-offs add grows with chunks
+
+
 def test_steady_takes_out_a_load_burst_that_slows_one_round():
     from benchmarks.planner_validation import steady
 

@@ -22,8 +22,8 @@ S / beta. A group of an axis of stride st and size n (ranks are ordered pp, dp, 
 st x n consecutive ranks; alpha is that of the innermost network level that joins that many devices
 (``Hardware.level``: NVLink within a node, the network beyond, or a custom cluster's levels with their
 oversubscription), beta the narrowest level the group crosses, where a ring collective's crossing traffic is
-spread over the NICs of all the group's ranks in a node (``group_link``: k ranks per node, k x a NIC). A calibrated machine replaces the link model by its measured per-collective fit,
-taken at ``measured_ranks`` ranks and carried to n ranks by the same formulas' factors (alpha x steps(n) /
+spread over the NICs of all the group's ranks in a node (``group_link``: k ranks per node, k x a NIC). A
+calibrated machine replaces the link model by its measured per-collective fit, taken at ``measured_ranks`` ranks and carried to n ranks by the same formulas' factors (alpha x steps(n) /
 steps(n0), beta x fraction(n) / fraction(n0)).
 """
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from plait.errors import LayoutError
@@ -289,6 +289,7 @@ def predict(
     s, t, p, v, m = spec.seq, layout.tp, layout.pp, layout.virtual_stages, layout.microbatches
     e = act_bytes(layout.precision)
     n_shard = layout.dp * layout.cp
+    collective = partial(collective_time, hw, comm_efficiency=impl.comm_efficiency, rails=impl.rail_collectives)
 
     blk = block_time(spec, hw, impl, layout, b, s)
     head_f, head_b, head_flops, embed_f = head_time(spec, hw, impl, layout, b, s)
@@ -319,9 +320,7 @@ def predict(
     dp_span = axis_span(layout, "dp_cp")
     psi_max = max(params for _, params in stage_params) / t
     if layout.zero == 3:
-        gather = collective_time(
-            hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
-        )
+        gather = collective("all_gather", psi_max * e, n_shard, dp_span)
         # a block recomputed under ZeRO-3 is gathered for the recomputation; one too big to be kept until its backward
         # (``Implementation.zero3_reuse_limit``) is gathered once more
         regather = (
@@ -329,19 +328,7 @@ def predict(
         )
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
-        scatter = (
-            collective_time(
-                hw,
-                "reduce_scatter",
-                psi_max * impl.grad_bytes,
-                n_shard,
-                dp_span,
-                impl.comm_efficiency,
-                rails=impl.rail_collectives,
-            )
-            if p == 1
-            else 0.0
-        )
+        scatter = collective("reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_span) if p == 1 else 0.0
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
@@ -350,7 +337,7 @@ def predict(
         bwd = [x * (1 + max(0.0, gather + regather + scatter - hide_b) / rank_b) for x in bwd]
 
     message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
-    p2p = collective_time(hw, "send_recv", message, 2, axis_span(layout, "pp"), impl.comm_efficiency) if p > 1 else 0.0
+    p2p = collective("send_recv", message, 2, axis_span(layout, "pp")) if p > 1 else 0.0
     if p > 1 and not impl.overlap_p2p:  # blocking p2p: a chunk also waits for its output's transfer
         fwd = [f + (p2p if c < p * v - 1 else 0.0) for c, f in enumerate(fwd)]
         bwd = [x + (p2p if c > 0 else 0.0) for c, x in enumerate(bwd)]
@@ -380,38 +367,22 @@ def predict(
     slow_chunks = range(slow, p * v, p)
     rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in slow_chunks)
     full_recomputed = sum(recomputed[c] for c in slow_chunks) if recompute_mode(layout) in ("full", "blocks") else 0
-    tp_one = collective_time(
-        hw,
-        "all_reduce",
-        b * (s // layout.cp) * spec.hidden * e,
-        t,
-        axis_span(layout, "tp"),
-        impl.comm_efficiency,
-        rails=impl.rail_collectives,
-    )
+    tp_one = collective("all_reduce", b * (s // layout.cp) * spec.hidden * e, t, axis_span(layout, "tp"))
     tp_time = m * (4 * rank_blocks + 2 * full_recomputed) * tp_one
 
     # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
     grads = psi_max * impl.grad_bytes
     dp_time = 0.0
     if n_shard > 1 and layout.zero == 3 and p > 1:
-        dp_time = collective_time(
-            hw, "reduce_scatter", grads, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
-        )
+        dp_time = collective("reduce_scatter", grads, n_shard, dp_span)
     if n_shard > 1 and layout.zero < 3:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective_time(hw, op, grads, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives)
+        reduce = collective(op, grads, n_shard, dp_span)
         if impl.overlap_dp:
             window = sum(bwd[c] for c in slow_chunks)
             tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
             reduce = max(reduce - window, tail)
-        gather = (
-            collective_time(
-                hw, "all_gather", psi_max * e, n_shard, dp_span, impl.comm_efficiency, rails=impl.rail_collectives
-            )
-            if layout.zero
-            else 0.0
-        )
+        gather = collective("all_gather", psi_max * e, n_shard, dp_span) if layout.zero else 0.0
         dp_time = reduce + gather
     owned = psi_max / n_shard if layout.zero >= 1 else psi_max
     optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0

@@ -434,7 +434,9 @@ def _torchtitan_recompute(checkpointing: str, layers: int) -> str | tuple[int, .
     """torchtitan's activation checkpointing as a plait recompute choice: "selective layer" wraps every second
     block (its integer option, counted from 1: blocks 1, 3, 5, ...); "selective op" saves the outputs of chosen
     operators (every other matmul, attention), which is no plait mode: such a row stays pending."""
-    return {"no": "none", "full": "full", "selective op": "op"}.get(checkpointing) or tuple(range(1, layers, 2))
+    if checkpointing == "selective layer":
+        return tuple(range(1, layers, 2))
+    return {"no": "none", "full": "full", "selective op": "op"}[checkpointing]
 
 
 def _torchtitan() -> list[PublishedRun]:
