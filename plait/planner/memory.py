@@ -445,17 +445,29 @@ def accounting(impl: Implementation) -> str:
     return "plait" if impl.state_accounting == "plait" else "korthikanti"
 
 
-def _forward(spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, impl: Implementation) -> Forward:
+def _forward(
+    spec: ModelSpec,
+    micro_batch: int,
+    seq_local: int,
+    precision: str,
+    tp: int,
+    sequence_parallel: bool,
+    flash: bool,
+    context_parallel: bool,
+) -> Forward:
+    """How the planner's GPUs run one micro-batch's forward: activations at the precision's element size, the
+    implementation's attention kernel, the model's dropout with 1-byte masks (CUDA's), per-sample positions under
+    context parallelism."""
     return Forward(
         micro_batch,
-        seq // layout.cp,
-        "fp32" if act_bytes(layout.precision) == 4 else "bf16",
-        layout.tp,
-        layout.sequence_parallel,
-        attention="flash" if impl.flash_attention else "math",
+        seq_local,
+        "fp32" if act_bytes(precision) == 4 else "bf16",
+        tp,
+        sequence_parallel,
+        attention="flash" if flash else "math",
         dropout=spec.dropout,
         mask_bytes=1,
-        per_sample_positions=layout.cp > 1,
+        per_sample_positions=context_parallel,
     )
 
 
@@ -470,7 +482,11 @@ def block_activation_bytes(
     """Bytes one block keeps for backward for one micro-batch: ``recomputed`` True / "full" (whole block),
     "selective", or False / "none" (``plait.planner.activations``, by the implementation's accounting)."""
     mode = "full" if recomputed is True else ("none" if recomputed is False else str(recomputed))
-    return block_bytes(spec, _forward(spec, layout, micro_batch, seq, impl), mode, accounting(impl))
+    fwd = _forward(
+        spec, micro_batch, seq // layout.cp, layout.precision, layout.tp, layout.sequence_parallel,
+        impl.flash_attention, layout.cp > 1,
+    )  # fmt: skip
+    return block_bytes(spec, fwd, mode, accounting(impl))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -489,17 +505,7 @@ def _activation_terms(
     """One block's bytes recomputed none / selective / full, the first and the last stage's ends and the loss
     buffers (plait accounting only), for one micro-batch: what ``stage_memory`` combines (cached: the search asks
     for the same shapes many times)."""
-    fwd = Forward(
-        micro_batch,
-        seq_local,
-        "fp32" if act_bytes(precision) == 4 else "bf16",
-        tp,
-        sequence_parallel,
-        attention="flash" if flash else "math",
-        dropout=spec.dropout,
-        mask_bytes=1,
-        per_sample_positions=context_parallel,
-    )
+    fwd = _forward(spec, micro_batch, seq_local, precision, tp, sequence_parallel, flash, context_parallel)
     none, selective, full = (block_bytes(spec, fwd, m, kind) for m in ("none", "selective", "full"))
     first = ends_bytes(spec, fwd, True, False, kind, recomputed)
     last = ends_bytes(spec, fwd, False, True, kind, recomputed)
