@@ -71,11 +71,13 @@ class ReduceDtype(Choice):
 
 class Recompute(Choice):
     """Activation recomputation: none; "selective" recomputes only every block's attention core (softmax, dropout
-    and the product with the values: Korthikanti et al. 2022); "full" every block (``Layout.recompute`` may also be
-    a tuple of block indices)."""
+    and the product with the values: Korthikanti et al. 2022); "op" keeps the outputs of every block's attention
+    kernel and of every second matmul and recomputes the rest (torchtitan's per-operator policy); "full" every
+    block (``Layout.recompute`` may also be a tuple of block indices)."""
 
     NONE = "none"
     SELECTIVE = "selective"
+    OP = "op"
     FULL = "full"
 
 
@@ -134,8 +136,9 @@ class Layout:
         microbatches: micro-batches per step (gradient accumulation; pipeline micro-batches).
         schedule: pipeline schedule, one of ``SCHEDULES``.
         virtual_stages: model chunks per pipeline rank (interleaved schedules).
-        recompute: activation recomputation: "none", "selective" (the attention cores), "full", or a tuple of block
-            indices to recompute whole.
+        recompute: activation recomputation: "none", "selective" (the attention cores), "op" (per operator: the
+            attention kernels' and every second matmul's outputs kept, the rest recomputed), "full", or a tuple of
+            block indices to recompute whole.
         precision: compute precision, one of ``PRECISIONS`` (master weights stay fp32).
         cp_mode: context-parallel algorithm, one of ``CP_MODES``.
         sequence_parallel: Megatron sequence parallelism inside the tp group.
@@ -236,8 +239,8 @@ class Layout:
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE_MODES:
                 raise LayoutError(
-                    f"recompute={self.recompute!r} is unknown. Fix: use 'none', 'selective', 'full' or a list of block "
-                    f"indices."
+                    f"recompute={self.recompute!r} is unknown. Fix: use 'none', 'selective', 'op', 'full' or a list "
+                    f"of block indices."
                 )
         elif not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.recompute):
             raise LayoutError(f"recompute={self.recompute!r} must list block indices >= 0. Fix: e.g. recompute=[0, 2].")

@@ -1,7 +1,8 @@
 """``Layout(compile=...)``: torch.compile per block with DDP, ZeRO-1/2/3, tensor and context parallelism and
 recomputation, against the same layout uncompiled.
 
-- dp=2 (DDP with recomputation, ZeRO-1, 2, 3) and tp=2, cp=2 (ring) under the ``aot_eager`` backend (dynamo's
+- dp=2 (DDP with recomputation, ZeRO-1, 2, 3, ZeRO-3 with full and per-operator recomputation) and tp=2, cp=2
+  (ring) under the ``aot_eager`` backend (dynamo's
   tracing and AOTAutograd's joint graph, the layers where ZeRO-3's hooks and saved tensors broke, without
   generating kernels): losses, gradients and parameters equal the uncompiled run within 1e-6 relative; the same
   aten ops run in the same order, only regrouped into graphs.
@@ -75,6 +76,7 @@ DISTRIBUTED = {
     "zero2": Layout(dp=2, zero=2, microbatches=2),
     "zero3": Layout(dp=2, zero=3, microbatches=2),
     "zero3-recompute": Layout(dp=2, zero=3, recompute="full"),
+    "zero3-op-recompute": Layout(dp=2, zero=3, recompute="op"),
     "tp2": Layout(dp=1, tp=2),
     "cp2-ring": Layout(dp=1, cp=2),
 }

@@ -85,6 +85,33 @@ def test_recomputation_adds_the_hardware_flops_it_says(recompute, extra_blocks):
         assert extra == config.n_layer * 4 * config.seq_len * config.d_model
 
 
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+def test_operator_recomputation_adds_the_flops_it_says(name, kernel):
+    """Layout(recompute="op") adds what torch spends (its default early stop on): the even-numbered matmuls but
+    the region's last (k and o; a gated MLP's up), and with the math attention kernel the core (its bmm, which
+    the policy does not keep). A fused kernel's output is kept, so its FLOPs are not repeated."""
+    config = TINY[name]
+    spent = {}
+    for recompute in ("none", "op"):
+        torch.manual_seed(0)
+        model = GPT(config)
+        apply_recompute(model, recompute)
+        tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(1))
+        counter = FlopCounterMode(display=False)
+        backend = SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION
+        with counter, sdpa_kernel(backend):
+            lm_loss(model(tokens), tokens).backward()
+        spent[recompute] = counter.get_total_flops()
+    spec = model.spec()
+    h, kv_width = config.d_model, spec.kv * spec.head_dim
+    matmuls = 2 * h * (kv_width + h) + (2 * h * spec.ffn if spec.gated else 0)
+    core = 4 * config.seq_len * h if kernel == "math" else 0
+    extra = spec.recompute_flops_per_token("op", fused_attention=kernel == "flash")
+    assert extra == config.n_layer * (matmuls + core)
+    assert spent["op"] - spent["none"] == tokens.numel() * extra
+
+
 def test_pipeline_stages_sum_to_the_model():
     spec = ModelSpec.from_gpt_config(TINY["gpt2-style"])
     first = spec.flops_per_token(blocks=1, logits=False)

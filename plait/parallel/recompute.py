@@ -1,4 +1,4 @@
-"""Activation recomputation (gradient checkpointing): whole blocks, or only their attention cores.
+"""Activation recomputation (gradient checkpointing): whole blocks, their attention cores, or chosen operators.
 
 A recomputed block keeps only its input during forward; backward runs the block's forward again to rebuild
 the activations it needs (Chen et al. 2016). Per transformer layer this trades ~34 s b h bytes of stored
@@ -18,20 +18,37 @@ activations for 2 s b h (the input) at the cost of one extra forward (Korthikant
   sdpa, plait's context-parallel kernel) under torch.utils.checkpoint; the attention mask is built as for that
   implementation. With a fused kernel (SDPA flash/memory-efficient, which keep only the log-sum-exp) selective
   recomputation saves little: there is no s^2 term to drop.
+- "op" (per-operator selective checkpointing, torchtitan's "selective op" policy, Liang et al. 2024): every block
+  runs under torch.utils.checkpoint with a policy (``OperatorPolicy``) that keeps the outputs of the fused attention
+  kernels (SDPA flash / memory-efficient / cuDNN) and of the odd-numbered matmuls of the block (1st, 3rd, ...: q,
+  v, the MLP's first), and recomputes everything else in backward: norms, rotary, activation functions, dropout
+  (its RNG state replayed), the other matmuls and the collectives among them. Matmuls are FLOP-heavy and cheap
+  to keep in pairs; the elementwise work is cheap to redo. With a math attention kernel (unfused: bmm, softmax)
+  the core is recomputed as under "selective". Per Llama-style block (s b tokens, width h, kv heads k of width
+  d, MLP width f, e bytes an element) it keeps the block's input and e s b (h + k d + h + f + h) bytes: q, v,
+  the attention output (and its fp32 log-sum-exp), gate and down (down's output is kept though backward never
+  reads it: torch's checkpoint stops a recomputation before the region's last matmul). It adds the FLOPs of k,
+  o and up (``ModelSpec.recompute_flops_per_token``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+from collections.abc import Iterator
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from plait.errors import LayoutError
 from plait.models.hf import is_hf_model
 from plait.models.layers import Attention
+from plait.observe.memory import counting_saved_activations, note_kept
 from plait.parallel.blocks import BLOCK_CONTAINER_NAMES, find_blocks
 
 SELECTIVE_PREFIX = "plait_selective_"
@@ -52,15 +69,18 @@ def apply_recompute(model: nn.Module, recompute: str | tuple[int, ...]) -> list[
     if recompute == "selective":
         return apply_selective_recompute(model)
     blocks = find_blocks(model)
+    checkpointed = (
+        functools.partial(_checkpointed, context_fn=operator_contexts) if recompute == "op" else _checkpointed
+    )
     if not blocks:
         raise LayoutError(
             f"recompute={recompute!r} needs the model's blocks, but {type(model).__name__} has no ModuleList/ModuleDict "
             f"named one of {', '.join(BLOCK_CONTAINER_NAMES)}. Fix: set recompute='none', or keep the blocks in such a container."
         )
     if isinstance(recompute, str):
-        if recompute != "full":
+        if recompute not in ("full", "op"):
             raise LayoutError(
-                f"recompute={recompute!r} is unknown. Fix: use 'none', 'selective', 'full' or block indices."
+                f"recompute={recompute!r} is unknown. Fix: use 'none', 'selective', 'op', 'full' or block indices."
             )
         chosen = blocks
     else:
@@ -73,9 +93,77 @@ def apply_recompute(model: nn.Module, recompute: str | tuple[int, ...]) -> list[
         chosen = [blocks[i] for i in sorted(set(recompute))]
     for _path, block in chosen:
         if not getattr(block, "_plait_recompute", False):
-            block.forward = functools.partial(_checkpointed, block.forward)
+            block.forward = functools.partial(checkpointed, block.forward)
             block._plait_recompute = True  # type: ignore[assignment]  # Module.__setattr__'s stub: Tensor | Module
     return [path for path, _ in chosen]
+
+
+# ---------------------------------------------------------------------- "op": chosen operators' outputs kept
+_aten = torch.ops.aten
+MATMULS = (_aten.mm.default, _aten.addmm.default)
+"""The matmuls ``OperatorPolicy`` counts (a Linear on any input runs one of them)."""
+FUSED_ATTENTION = tuple(
+    getattr(_aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+)
+"""The fused attention kernels whose outputs ``OperatorPolicy`` keeps."""
+
+
+class OperatorPolicy:
+    """torchtitan's per-operator checkpointing policy for one region (a block): keep the outputs of the fused
+    attention kernels and of the odd-numbered matmuls, recompute everything else. The forward and its
+    recomputation count matmuls separately, so both make the same choices."""
+
+    def __init__(self) -> None:
+        self.matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+        self.kept_last = False
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        keep = func in FUSED_ATTENTION
+        if func in MATMULS:
+            self.matmuls[ctx.is_recompute] += 1
+            keep = self.matmuls[ctx.is_recompute] % 2 == 1
+        self.kept_last = keep
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Hands the outputs ``policy`` keeps to the counting ``SavedActivations`` (entered above the caching mode,
+    only while one counts: it sees each operator first, and the policy's choice once the operator has run)."""
+
+    def __init__(self, policy: OperatorPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.policy.kept_last = False
+        out = func(*args, **(kwargs or {}))
+        if self.policy.kept_last:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, Tensor):
+                    note_kept(tensor)
+        return out
+
+
+@contextlib.contextmanager
+def _counted(forward: Any, policy: OperatorPolicy) -> Iterator[None]:
+    with forward, _KeptOutputs(policy):
+        yield
+
+
+def operator_contexts() -> tuple[Any, Any]:
+    """torch.utils.checkpoint's ``context_fn`` for "op": a fresh ``OperatorPolicy`` per region and call."""
+    policy = OperatorPolicy()
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if counting_saved_activations():
+        return _counted(forward, policy), recompute
+    return forward, recompute
 
 
 # ---------------------------------------------------------------------- selective: the attention cores
@@ -169,5 +257,7 @@ __all__ = [
     "apply_recompute",
     "apply_selective_recompute",
     "find_blocks",
+    "operator_contexts",
+    "OperatorPolicy",
     "recomputed_attention",
 ]

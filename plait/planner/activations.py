@@ -33,9 +33,14 @@ In fp32 with LayerNorm, GELU, learned positions, flash attention and no dropout 
 - "selective" (the attention core is recomputed, Korthikanti et al. 2022 sec. 5): the core keeps nothing but its
   inputs q, k, v before the kv repetition, e s b (a + 2 k) d / t, and o still keeps the core's output; the
   log-sum-exp (flash) or the s^2 softmax, masks and dropped probabilities (math) are gone.
+- "op" (per operator, ``plait.parallel.recompute.OperatorPolicy``): the block keeps its input, r s b h / n (and
+  the positions, as under "full"), and the outputs of q, v (e s b k d / t), the attention kernel when it is a
+  fused one (flash: e s b h / t and its log-sum-exp, 4 a s b / t; math: nothing, the core is recomputed), the
+  MLP's first matmul (e s b f / t) and, in a gated MLP, down (e s b h / t): the 1st, 3rd, 5th and 7th matmuls of
+  a block with separate q, k, v projections (plait's, torchtitan's and Hugging Face Llama's blocks).
 - "full" (or the listed blocks): the block keeps only its input, r s b h / n (and, once per micro-batch, the
   positions handed to every block: 8 s bytes); while a recomputed block runs again in backward, its whole
-  activations exist for a moment.
+  activations exist for a moment (under "op", what it recomputes).
 
 Outside the blocks: the first stage saves the token ids (8 s b) and, with learned positions, the positions (8 s);
 the last stage its final norm and the head's input (as a block's norm and matmul input), the head's weight copy
@@ -48,7 +53,7 @@ log-softmax's input gradient (4 s b V / t each, fp32) exist besides everything s
 attention, the MLP's width, a gated MLP, no dropout; ``korthikanti_block_bytes``): for GPT-3's shape with dropout,
 s b h (34 + 5 a s / h) per block, s b h (10 + 24 / t + 5 a s / (h t)) with tensor parallelism, s b h (34 + 5 a s /
 h) / t with sequence parallelism; "selective" (and a fused flash kernel) drops the 5 a s^2 b term; "full" keeps
-2 s b h (/ t with SP). The last stage keeps the fp32 logits
+2 s b h (/ t with SP); "op" the input and the kept matmul and attention outputs, as above at 2 bytes. The last stage keeps the fp32 logits
 (4 s b V / t, their sec. 4.3).
 """
 
@@ -142,6 +147,8 @@ def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") ->
     sb, sbh, sbf = b * s, b * s * h, b * s * spec.ffn
     if recompute == "full":
         return RESIDUAL_BYTES * sbh / fwd.n
+    if recompute == "op":
+        return RESIDUAL_BYTES * sbh / fwd.n + fwd.e * _operator_outputs(spec, fwd) + _kernel_statistics(spec, fwd)
     norms = 2 * _norm_site(spec, fwd)
     inputs = _matmul_inputs(spec, fwd, 3) + _matmul_inputs(spec, fwd, 2 if spec.gated else 1)
     output = fwd.e * sbh / t  # the core's output, o's input
@@ -152,7 +159,7 @@ def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") ->
         qkv = 3 * fwd.e * sbh / t
         core = core_internal_bytes(spec, fwd)
     else:
-        raise ValueError(f"recompute={recompute!r} is not a per-block choice; use 'none', 'selective' or 'full'")
+        raise ValueError(f"recompute={recompute!r} is not a per-block choice; use 'none', 'selective', 'op' or 'full'")
     mlp = (4 if spec.gated else 2) * fwd.e * sbf / t
     rope = 0.0 if spec.learned_positions else 16 * s * spec.head_dim * (b if fwd.per_sample_positions else 1)
     weights = fwd.e * spec.matmul_parameters / t if fwd.autocast else 0.0
@@ -160,12 +167,30 @@ def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") ->
     return norms + inputs + qkv + output + core + mlp + rope + weights + dropout
 
 
+def _operator_outputs(spec: ModelSpec, fwd: Forward) -> float:
+    """Elements of the outputs "op" keeps per block beside its input: q, v, the fused attention kernel's output,
+    the MLP's first matmul and, gated, down (module docstring)."""
+    b, s, t, h = fwd.batch, fwd.seq, fwd.tp, spec.hidden
+    attention = h if fwd.attention == "flash" else 0
+    return b * s * (h + spec.kv * spec.head_dim + attention + spec.ffn + (h if spec.gated else 0)) / t
+
+
+def _kernel_statistics(spec: ModelSpec, fwd: Forward) -> float:
+    """The fused attention kernel's fp32 log-sum-exp, kept with its output under "op"."""
+    return 4 * spec.heads * fwd.seq * fwd.batch / fwd.tp if fwd.attention == "flash" else 0.0
+
+
+def positions_bytes(fwd: Forward) -> float:
+    """The int64 positions of one micro-batch (per sample under context parallelism): what a stage hands its
+    checkpointed blocks, kept once per micro-batch as their input."""
+    return 8 * fwd.seq * (fwd.batch if fwd.per_sample_positions else 1)
+
+
 def plait_embedding_bytes(spec: ModelSpec, fwd: Forward, blocks_recomputed: bool = False) -> float:
     """What the first stage keeps outside its blocks: the token ids, the positions (learned position embedding,
     or handed to recomputed blocks), the embedding dropout's mask."""
     b, s = fwd.batch, fwd.seq
-    positions = 8 * s * (b if fwd.per_sample_positions else 1)
-    kept = 8 * b * s + (positions if spec.learned_positions or blocks_recomputed else 0.0)
+    kept = 8 * b * s + (positions_bytes(fwd) if spec.learned_positions or blocks_recomputed else 0.0)
     if fwd.dropout > 0:
         kept += fwd.mask(RESIDUAL_BYTES) * b * s * spec.hidden / fwd.n
     return kept
@@ -198,6 +223,8 @@ def korthikanti_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "non
     sbh, scale, m = s * b * h, fwd.e / 2, 1.0 if fwd.dropout > 0 else 0.0
     if recompute == "full":
         return 2 * sbh / fwd.n * scale
+    if recompute == "op":
+        return (2 * sbh / fwd.n + 2 * _operator_outputs(spec, fwd)) * scale
     replicated = 4 + 2 + 2 + 2 * m
     split = 2 + 4 * spec.kv / a + 2 + (6 if spec.gated else 4) * spec.ffn / h
     scores = 0.0 if recompute == "selective" or fwd.attention == "flash" else (2 + 3 * m) * a * s / h
@@ -248,4 +275,5 @@ __all__ = [
     "plait_block_bytes",
     "plait_embedding_bytes",
     "plait_head_bytes",
+    "positions_bytes",
 ]

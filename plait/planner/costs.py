@@ -300,8 +300,8 @@ def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e:
 
 
 def recompute_mode(layout: Layout) -> str:
-    """ "none", "full", "selective" (Korthikanti et al. 2022: only the attention core) or "blocks" (a tuple of
-    block indices, each recomputed fully)."""
+    """ "none", "full", "selective" (Korthikanti et al. 2022: only the attention core), "op" (per operator: half
+    the matmuls and the elementwise work) or "blocks" (a tuple of block indices, each recomputed fully)."""
     return "blocks" if isinstance(layout.recompute, tuple) else str(layout.recompute)
 
 
@@ -320,8 +320,11 @@ def block_time(
 ) -> BlockTime:
     """Per-device time of one block on a micro-batch of ``micro_batch`` samples of ``seq`` tokens under
     ``layout`` (its tp, cp, cp_mode, sequence_parallel, recompute, precision). ``recompute`` is what recomputing
-    this block costs when the layout recomputes it: a forward pass (full, or a block listed in a tuple), or only
-    the attention core (selective: scores, softmax and the product with V, Korthikanti et al. 2022)."""
+    this block costs when the layout recomputes it: a forward pass (full, or a block listed in a tuple), only
+    the attention core (selective: scores, softmax and the product with V, Korthikanti et al. 2022), or under
+    "op" the matmuls ``ModelSpec.recompute_flops_per_token`` counts and the block's elementwise work (norms,
+    rotary, activation functions), with the collectives up to the MLP's input (the attention's all-reduce; under
+    sequence parallelism its all-gather and reduce-scatter and the MLP's all-gather)."""
     t, cp, e = layout.tp, layout.cp, act_bytes(layout.precision)
     s_local = seq // cp
     flops = block_flops(spec, micro_batch, s_local, seq) / t
@@ -344,7 +347,11 @@ def block_time(
     mode = recompute_mode(layout)
     if mode == "selective":  # the attention core again (and its softmax traffic without flash attention)
         scores = 0.0 if impl.flash_attention else 4.5 * spec.heads * s_local * seq * e * micro_batch / t
-        recompute, recompute_comm = attention_fwd + scores / bandwidth + cp_fwd_exposed, cp_fwd_exposed
+        recompute, recompute_comm = attention_fwd + scores / bandwidth, cp_fwd_exposed
+    elif mode == "op":
+        per_token = spec.recompute_flops_per_token("op", seq, impl.flash_attention) / spec.layers
+        recompute = micro_batch * s_local * per_token / t / peak + traffic / bandwidth
+        recompute_comm = (1.5 if layout.sequence_parallel else 1.0) * tp_one + cp_fwd_exposed
     elif mode in ("full", "blocks"):
         recompute, recompute_comm = fwd, 2 * tp_one + cp_fwd_exposed
     else:

@@ -59,7 +59,7 @@ from torch import nn
 from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.models.spec import ModelSpec
 from plait.parallel.pipeline.schedule import Kind
-from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
+from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes, positions_bytes
 from plait.planner.costs import Implementation, act_bytes
 from plait.planner.model_states import FOREACH_TEMPORARIES, STATE_FLOATS, optimizer_kind, zero_paper_bytes
 
@@ -275,11 +275,13 @@ def rank_activations(
     stage."""
     stages = layout.pp * layout.virtual_stages
     ranges = _block_ranges(spec.layers, stages, layout.pipeline_cuts)
-    recomputed_any = layout.recompute == Recompute.FULL or isinstance(layout.recompute, tuple)
+    recomputed_any = layout.recompute in (Recompute.FULL, Recompute.OP) or isinstance(layout.recompute, tuple)
     stage_bytes = []
     for s, (start, end) in enumerate(ranges):
         blocks = sum(block_bytes(spec, fwd, _recompute_of(layout, i)) for i in range(start, end))
         outside = ends_bytes(spec, fwd, s == 0, s == stages - 1, "plait", recomputed_any) if ends else 0.0
+        if ends and s > 0 and any(_recompute_of(layout, i) in ("full", "op") for i in range(start, end)):
+            outside += positions_bytes(fwd)  # a later stage's own positions, its checkpointed blocks' input
         stage_bytes.append(blocks + outside)
     if layout.pp == 1:
         return [stage_bytes[0]], ranges
@@ -351,9 +353,9 @@ def _rank_peak(
     }
     breakdowns = {"loss": parts}
     recomputed = [i for i in blocks if _recompute_of(layout, i) == "full"]
-    if recomputed or layout.recompute == Recompute.SELECTIVE:
+    if recomputed or layout.recompute in (Recompute.SELECTIVE, Recompute.OP):
         one = block_bytes(spec, fwd, "none")
-        again = one - block_bytes(spec, fwd, "full" if recomputed else "selective")
+        again = one - block_bytes(spec, fwd, "full" if recomputed else str(layout.recompute))
         head = 4 * spec.hidden * spec.vocab / layout.tp if last else 0.0  # the head's gradient, by then
         phases["recompute"] = base + max(accumulated, head) + saved + again + gathered
         breakdowns["recompute"] = {**parts, "gradients": max(accumulated, head), "loss_buffers": 0.0, "again": again}
@@ -501,16 +503,16 @@ def _activation_terms(
     context_parallel: bool,
     kind: str,
     recomputed: bool,
-) -> tuple[float, float, float, float, float, float]:
-    """One block's bytes recomputed none / selective / full, the first and the last stage's ends and the loss
-    buffers (plait accounting only), for one micro-batch: what ``stage_memory`` combines (cached: the search asks
-    for the same shapes many times)."""
+) -> tuple[tuple[tuple[str, float], ...], float, float, float]:
+    """One block's bytes under each recompute mode ((mode, bytes) pairs: none, selective, op, full), the first and
+    the last stage's ends and the loss buffers (plait accounting only), for one micro-batch: what
+    ``stage_memory`` combines (cached: the search asks for the same shapes many times)."""
     fwd = _forward(spec, micro_batch, seq_local, precision, tp, sequence_parallel, flash, context_parallel)
-    none, selective, full = (block_bytes(spec, fwd, m, kind) for m in ("none", "selective", "full"))
+    per_block = tuple((m, block_bytes(spec, fwd, m, kind)) for m in ("none", "selective", "op", "full"))
     first = ends_bytes(spec, fwd, True, False, kind, recomputed)
     last = ends_bytes(spec, fwd, False, True, kind, recomputed)
     loss = loss_buffer_bytes(spec, fwd) if kind == "plait" else 0.0
-    return none, selective, full, first, last, loss
+    return per_block, first, last, loss
 
 
 def _largest_matrix(spec: ModelSpec) -> float:
@@ -543,11 +545,12 @@ def stage_memory(
     if layout.pp > 1 and layout.zero >= 2:  # micro-batches accumulate unsharded gradients (no_sync) before the
         grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]  # one reduce-scatter per step
     mode, kind = layout.recompute, accounting(impl)
-    none, selective, full, first, last, loss = _activation_terms(
+    pairs, first, last, loss = _activation_terms(
         spec, micro_batch, seq // layout.cp, layout.precision, layout.tp, layout.sequence_parallel,
         impl.flash_attention, layout.cp > 1, kind, mode != "none",
     )  # fmt: skip
-    per_block = {"none": none, "selective": selective, "full": full}
+    per_block = dict(pairs)
+    none, full = per_block["none"], per_block["full"]
     blocks_per_chunk = stage_blocks / layout.virtual_stages
     if isinstance(mode, tuple):
         if first_block is None:
@@ -562,8 +565,8 @@ def stage_memory(
     activations = in_flight * chunk
     if mode == "full" or (isinstance(mode, tuple) and chunk < blocks_per_chunk * none):
         activations += none - full  # a recomputed block's activations, for a moment
-    elif mode == "selective":
-        activations += none - selective
+    elif mode in ("selective", "op"):  # what the block recomputes, while its backward runs
+        activations += none - per_block[str(mode)]
     ends_held = (
         in_flight if layout.schedule == PipelineSchedule.GPIPE else 1
     )  # 1F1B-like: the last stage's F is followed by its B

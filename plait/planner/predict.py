@@ -418,7 +418,9 @@ def predict(
         step += time["shared_processors"]
 
     model_flops = global_batch * s * spec.flops_per_token(s)
-    hardware_flops = model_flops + global_batch * s * spec.recompute_flops_per_token(layout.recompute, s)
+    hardware_flops = model_flops + global_batch * s * spec.recompute_flops_per_token(
+        layout.recompute, s, impl.flash_attention
+    )
 
     worst: MemoryBreakdown | None = None
     last = (p * v - 1) % p

@@ -194,7 +194,7 @@ def plan(
     shapes = _shapes(spec, hw, world_size, batch, max_cp)
     if not shapes:
         raise _no_shape_error(spec, hw, world_size, batch, max_cp)
-    recomputes = [mode for mode in ("selective", "full") if mode in RECOMPUTE_MODES]
+    recomputes = [mode for mode in ("selective", "op", "full") if mode in RECOMPUTE_MODES]  # cheapest first
     intra: dict[tuple[int, int], IntraOpChoice] = {}  # (tp, tokens) -> the intra-op pass's choice
     for tp, cp, pp, dp in shapes:
         per_dp = batch // dp
