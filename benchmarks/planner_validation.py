@@ -56,6 +56,8 @@ LAYOUTS: dict[int, tuple[Layout, ...]] = {
         Layout(dp=4, zero=3),
         Layout(dp=4, recompute="full"),
         Layout(dp=4, zero=3, recompute="full"),
+        Layout(dp=4, recompute="op"),
+        Layout(dp=4, zero=3, recompute="op"),
         Layout(dp=2, tp=2),
         Layout(dp=2, tp=2, sequence_parallel=True),
         Layout(tp=4),
@@ -123,7 +125,10 @@ class Row:
         parts += [f"zero{lay.zero}"] * bool(lay.zero) + [f"m{lay.microbatches}"] * (lay.microbatches > 1)
         if lay.pp > 1:
             parts.append(lay.schedule + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
-        parts += ["recompute"] * (lay.recompute == "full") + ["sp"] * lay.sequence_parallel
+        recompute = {"full": "recompute", "op": "recompute-op", "selective": "recompute-selective"}
+        if isinstance(lay.recompute, str) and lay.recompute in recompute:
+            parts.append(recompute[lay.recompute])
+        parts += ["sp"] * lay.sequence_parallel
         return " ".join(parts)
 
 

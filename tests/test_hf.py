@@ -139,3 +139,18 @@ def test_plait_imports_and_plans_without_transformers():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_pipeline_stages_build_the_causal_mask_without_deprecated_arguments():
+    """The stages' causal mask goes through transformers' create_causal_mask with the cache argument this
+    transformers names (``past_key_values`` is deprecated from 5.24 and removed in 5.40): no FutureWarning."""
+    import warnings
+
+    from plait.models.hf_stages import _causal_mask
+
+    model = make_model("llama")
+    hidden = torch.zeros(1, 4, model.config.hidden_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        mask = _causal_mask(model.config, hidden, torch.arange(4).unsqueeze(0))
+    assert mask is None or mask.shape[-1] == 4

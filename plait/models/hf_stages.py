@@ -20,6 +20,8 @@ pipeline runtime (a copy on the last stage whose gradient is added to the first 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from typing import Any
 
@@ -48,11 +50,21 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+@functools.cache
+def _cache_keyword() -> str:
+    """The name of create_causal_mask's cache argument: ``cache`` (transformers >= 5.24), ``past_key_values``
+    before (deprecated in 5.24, to be removed in 5.40)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     from transformers.masking_utils import create_causal_mask
 
+    no_cache: dict[str, Any] = {_cache_keyword(): None}
     return create_causal_mask(
-        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+        config=config, inputs_embeds=hidden, attention_mask=None, position_ids=positions, **no_cache
     )
 
 
