@@ -270,6 +270,12 @@ class Layout:
                 f"{self.virtual_stages} needs {self.pp * self.virtual_stages}. Fix: give "
                 f"{self.pp * self.virtual_stages - 1} cut(s), or drop pipeline_cuts for an even split."
             )
+        if self.recompute == Recompute.OP and self.schedule == PipelineSchedule.ZERO_BUBBLE and self.pp != 1:
+            raise LayoutError(
+                "recompute='op' cannot run under schedule='zero-bubble': its split backward (I, then W) runs two "
+                "backward passes over each block, and torch's selective checkpointing allows one per region. Fix: "
+                "use recompute='full' or 'selective', or schedule='1f1b' or 'interleaved'."
+            )
         if self.virtual_stages > 1 and self.schedule != PipelineSchedule.INTERLEAVED:
             raise LayoutError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "

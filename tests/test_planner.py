@@ -429,3 +429,12 @@ def test_split_backward_makes_zero_bubble_dearer_where_calibrated():
         predict("gpt2-xl", one_f_one_b, dataclasses.replace(hw, split_backward=1.3), global_batch=8).step_time
         == predict("gpt2-xl", one_f_one_b, hw, global_batch=8).step_time
     )
+
+
+def test_plan_offers_per_operator_recomputation_but_not_under_zero_bubble():
+    """Where a layout needs recomputation to fit, plan() tries selective, then op, then full (the cheapest that
+    fits); op is never paired with zero-bubble, whose split backward the runtime refuses for it."""
+    result = plan("llama-70b", 64, "h100", global_batch=128, top=12)
+    pairs = {(c.layout.recompute, c.layout.schedule) for c in result.candidates}
+    assert any(recompute == "op" for recompute, _ in pairs), pairs
+    assert ("op", "zero-bubble") not in pairs

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import ConfigError, LayoutError
-from plait.layout import RECOMPUTE_MODES, Layout
+from plait.layout import RECOMPUTE_MODES, Layout, PipelineSchedule
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
 from plait.planner.hardware import Hardware, get_hardware
@@ -232,6 +232,8 @@ def plan(
                     for option in options:
                         if "offload" in option and not zero:
                             continue
+                        if option.get("recompute") == "op" and base.schedule == PipelineSchedule.ZERO_BUBBLE and pp > 1:
+                            continue  # one backward per selective-checkpoint region: not zero-bubble's I and W
                         layout = dataclasses.replace(base, **option)
                         try:
                             prediction = predict(spec, layout, hw, batch, implementation=impl, exact=False)
