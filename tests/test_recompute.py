@@ -197,6 +197,42 @@ def test_the_formula_reproduces_the_measured_tensor_parallel_rows():
     assert [plait_block_bytes(spec, fwd) for fwd in rows] == [67_584, 42_496, 37_888]
 
 
+def _operator_bytes_under_tp() -> dict[tuple[bool, int], int]:
+    """Saved bytes of one forward + loss of a Llama-style GPT (GQA, SwiGLU) with recompute="op" at tp=2, with and
+    without sequence parallelism, for 2 and 3 blocks (their difference is one block's)."""
+    from plait.models.loss import apply_loss
+    from plait.parallel.tensor.sequence import saved_activation_bytes
+
+    out = {}
+    for sp, n_layer in itertools.product((False, True), (2, 3)):
+        torch.manual_seed(0)
+        config = GPTConfig.llama_style(vocab_size=16, seq_len=8, n_layer=n_layer, n_head=4, n_kv_head=2, d_model=16)
+        layout = Layout(tp=2, sequence_parallel=sp, recompute="op")
+        engine = plait.parallelize(GPT(config), layout, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+        out[sp, n_layer] = saved_activation_bytes(
+            engine.model,
+            lambda: apply_loss(engine.loss_fn, engine.model(tokens), tokens),  # noqa: B023
+        )
+    return out
+
+
+@pytest.mark.distributed
+def test_operator_recompute_bytes_under_tensor_parallelism_equal_the_formula():
+    """Per block under tp=2 (1D and SP), what "op" keeps equals plait_block_bytes to the byte: q, v, the attention
+    output and gate split by t, down's row-parallel output whole (its partial sums, before their reduction)."""
+    from plait.models.spec import ModelSpec
+    from plait.planner.activations import Forward, plait_block_bytes
+
+    measured = run_distributed(_operator_bytes_under_tp, 2)[0]
+    spec = ModelSpec.from_gpt_config(
+        GPTConfig.llama_style(vocab_size=16, seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=16)
+    )
+    for sp in (False, True):
+        per_block = measured[sp, 3] - measured[sp, 2]
+        assert per_block == plait_block_bytes(spec, Forward(4, 8, tp=2, sequence_parallel=sp), "op"), (sp, per_block)
+
+
 # ----------------------------------------------------------------- selective composed with the other paradigms
 COMPOSED = {
     "dp2-tp2-sp-zero3-clip": ("gpt", Layout(dp=2, tp=2, sequence_parallel=True, zero=3), 0.05),

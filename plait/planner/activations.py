@@ -36,8 +36,9 @@ In fp32 with LayerNorm, GELU, learned positions, flash attention and no dropout 
 - "op" (per operator, ``plait.parallel.recompute.OperatorPolicy``): the block keeps its input, r s b h / n (and
   the positions, as under "full"), and the outputs of q, v (e s b k d / t), the attention kernel when it is a
   fused one (flash: e s b h / t and its log-sum-exp, 4 a s b / t; math: nothing, the core is recomputed), the
-  MLP's first matmul (e s b f / t) and, in a gated MLP, down (e s b h / t): the 1st, 3rd, 5th and 7th matmuls of
-  a block with separate q, k, v projections (plait's, torchtitan's and Hugging Face Llama's blocks).
+  MLP's first matmul (e s b f / t) and, in a gated MLP, down (e s b h: row-parallel, its output is whole before
+  its all-reduce or reduce-scatter): the 1st, 3rd, 5th and 7th matmuls of a block with separate q, k, v
+  projections (plait's, torchtitan's and Hugging Face Llama's blocks).
 - "full" (or the listed blocks): the block keeps only its input, r s b h / n (and, once per micro-batch, the
   positions handed to every block: 8 s bytes); while a recomputed block runs again in backward, its whole
   activations exist for a moment (under "op", what it recomputes).
@@ -53,8 +54,8 @@ log-softmax's input gradient (4 s b V / t each, fp32) exist besides everything s
 attention, the MLP's width, a gated MLP, no dropout; ``korthikanti_block_bytes``): for GPT-3's shape with dropout,
 s b h (34 + 5 a s / h) per block, s b h (10 + 24 / t + 5 a s / (h t)) with tensor parallelism, s b h (34 + 5 a s /
 h) / t with sequence parallelism; "selective" (and a fused flash kernel) drops the 5 a s^2 b term; "full" keeps
-2 s b h (/ t with SP); "op" the input and the kept matmul and attention outputs, as above at 2 bytes. The last stage keeps the fp32 logits
-(4 s b V / t, their sec. 4.3).
+2 s b h (/ t with SP); "op" the input and the kept matmul and attention outputs, as above at 2 bytes. The last
+stage keeps the fp32 logits (4 s b V / t, their sec. 4.3).
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") ->
 
 def _operator_outputs(spec: ModelSpec, fwd: Forward) -> float:
     """Elements of the outputs "op" keeps per block beside its input: q, v, the fused attention kernel's output,
-    the MLP's first matmul and, gated, down (module docstring)."""
+    the MLP's first matmul (each split by t) and, gated, down (module docstring). Down is row-parallel under tp:
+    its matmul's output is whole (partial sums, before their all-reduce or reduce-scatter)."""
     b, s, t, h = fwd.batch, fwd.seq, fwd.tp, spec.hidden
     attention = h if fwd.attention == "flash" else 0
-    return b * s * (h + spec.kv * spec.head_dim + attention + spec.ffn + (h if spec.gated else 0)) / t
+    return b * s * ((h + spec.kv * spec.head_dim + attention + spec.ffn) / t + (h if spec.gated else 0))
 
 
 def _kernel_statistics(spec: ModelSpec, fwd: Forward) -> float:
