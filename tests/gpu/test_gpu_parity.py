@@ -40,10 +40,11 @@ reordered reductions inside autocast matmuls."""
 WORLD_ONE = (
     [Layout(zero=zero, offload="none") for zero in (0, 1, 2, 3)]
     + [Layout(zero=zero, offload=offload) for zero in (1, 2, 3) for offload in ("cpu", "nvme")]
-    + [Layout(zero=zero, microbatches=2, recompute="full") for zero in (0, 3)]
+    + [Layout(zero=zero, microbatches=2, recompute=mode) for zero in (0, 3) for mode in ("full", "op")]
     + [Layout(zero=zero, compile=True) for zero in (0, 1, 3)]
 )
-"""Every data-parallel strategy at world size 1, each offload, accumulation with recomputation, compilation."""
+"""Every data-parallel strategy at world size 1, each offload, accumulation with recomputation (full, and per
+operator: on CUDA its policy keeps the flash / memory-efficient kernels' outputs), compilation."""
 
 
 def _name(layout: Layout) -> str:
