@@ -22,11 +22,12 @@ activations for 2 s b h (the input) at the cost of one extra forward (Korthikant
   runs under torch.utils.checkpoint with a policy (``OperatorPolicy``) that keeps the outputs of the fused attention
   kernels (SDPA flash / memory-efficient / cuDNN) and of the odd-numbered matmuls of the block (1st, 3rd, ...: q,
   v, the MLP's first), and recomputes everything else in backward: norms, rotary, activation functions, dropout
-  (its RNG state replayed), the other matmuls and the collectives among them. Matmuls are what is costly to
-  redo: keeping every other output halves their recomputation for half their memory, while the elementwise work
-  is cheap to redo. With a math attention kernel (unfused: bmm, softmax)
-  the core is recomputed as under "selective". Per Llama-style block (s b tokens, width h, kv heads k of width
-  d, MLP width f, e bytes an element, tp t) it keeps the block's input and e s b ((h + k d + h + f) / t + h)
+  (its RNG state replayed), the other matmuls and the collectives among them (torchtitan's policy, in its
+  parallelize_llama.py, also keeps its tensor-parallel reduce-scatters' outputs; plait runs them again, as under
+  "full"). Matmuls are what is costly to redo: keeping every other output halves their recomputation for half
+  their memory, while the elementwise work is cheap to redo. With a math attention kernel (unfused: bmm,
+  softmax) the core is recomputed as under "selective". Per Llama-style block (s b tokens, width h, kv heads k of
+  width d, MLP width f, e bytes an element, tp t) it keeps the block's input and e s b ((h + k d + h + f) / t + h)
   bytes: q, v, the attention output (and its fp32 log-sum-exp), gate, and down's whole output (row-parallel,
   before its reduction; kept though backward never reads it: torch's checkpoint stops a recomputation before the
   region's last matmul). It adds the FLOPs of k, o and up (``ModelSpec.recompute_flops_per_token``). The
