@@ -246,8 +246,8 @@ COMPOSED = {
 }
 """World 4: selective recomputation of the attention cores (and per-operator recomputation of the blocks) of
 plait's GPT under tp with Megatron-SP and ZeRO-3, under pp with SP, around cp's ring kernels in a pipeline, around
-Ulysses' all-to-alls under ZeRO-3, in zero-bubble's split backward; of Hugging Face Llama around the context-parallel attention function, and of
-GPT-2 in pipeline stages; clipped and unclipped."""
+Ulysses' all-to-alls under ZeRO-3, in zero-bubble's split backward (selective only); of Hugging Face Llama around
+the context-parallel attention function, and of GPT-2 in pipeline stages; clipped and unclipped."""
 STEPS = 3
 
 
