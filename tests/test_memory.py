@@ -192,7 +192,7 @@ def test_estimate_equals_measured_per_zero_stage_and_recompute_mode(stage):
     the model states held at the optimizer step (measure_held) equal its model-state figures."""
     config = GPTConfig(vocab_size=12, seq_len=8, n_layer=2, n_head=4, d_model=16)
     batch = tuple(torch.randint(0, 12, (4, 8), generator=torch.Generator().manual_seed(i)) for i in (1, 2))
-    for recompute in ("none", "selective", "full", (1,)):
+    for recompute in ("none", "selective", "op", "full", (1,)):
         torch.manual_seed(0)
         layout = Layout(zero=stage, recompute=recompute)
         engine = plait.parallelize(GPT(config), layout, optimizer=OPTIMIZERS["adamw"], loss_fn=lm_loss)
