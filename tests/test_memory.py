@@ -15,14 +15,9 @@ from plait.observe.memory import SavedActivations
 from plait.planner import get_hardware, predict
 from plait.planner.activations import Forward, block_bytes
 from plait.planner.costs import IMPLEMENTATIONS, block_time, recomputed_blocks
-from plait.planner.memory import (
-    CUDA_CACHING_OVERHEAD,
-    activation_bytes,
-    block_activation_bytes,
-    stage_memory,
-    zero_paper_bytes,
-)
+from plait.planner.memory import CUDA_CACHING_OVERHEAD, activation_bytes, zero_paper_bytes
 from plait.planner.published import published_runs
+from plait.planner.stage_memory import block_activation_bytes, stage_memory
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])

@@ -26,10 +26,11 @@ from plait.planner import (
 )
 from plait.planner.calibrate import fit_alpha_beta
 from plait.planner.costs import IMPLEMENTATIONS, block_flops, collective_time, spans_nodes
-from plait.planner.memory import block_activation_bytes, model_state_bytes, stage_memory, zero_paper_bytes
+from plait.planner.memory import zero_paper_bytes
 from plait.planner.predict import pipeline_closed_form
 from plait.planner.report import plan_toml
 from plait.planner.search import _divisors, _shapes
+from plait.planner.stage_memory import block_activation_bytes, model_state_bytes, stage_memory
 from plait.train.config import load_config
 
 H100 = get_hardware("h100")

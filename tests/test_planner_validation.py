@@ -82,7 +82,7 @@ def test_published_accuracy_in_sample_leave_one_out_and_out_of_sample():
 def test_zero_figure_1_model_states():
     from plait.layout import Layout
     from plait.planner.costs import IMPLEMENTATIONS
-    from plait.planner.memory import model_state_bytes
+    from plait.planner.stage_memory import model_state_bytes
 
     for stage, expected in ZERO_FIGURE_1["bytes_by_stage"].items():
         parts = model_state_bytes(

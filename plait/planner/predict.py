@@ -47,9 +47,9 @@ from plait.planner.costs import (
 )
 from plait.planner.hardware import Hardware, get_hardware
 from plait.planner.inter_op import rank_balanced_stages
-from plait.planner.memory import MemoryBreakdown, stage_memory
 from plait.planner.models import ModelSpec, resolve_model
 from plait.planner.sharing import shared_makespan
+from plait.planner.stage_memory import MemoryBreakdown, stage_memory
 
 TIME_PARTS = (
     "compute",

@@ -42,9 +42,9 @@ from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
 from plait.planner.hardware import Hardware, get_hardware
 from plait.planner.inter_op import inter_op_plan
 from plait.planner.intra_op import IntraOpPlan, block_operators, solve_intra_op
-from plait.planner.memory import model_state_bytes
 from plait.planner.models import ModelSpec, resolve_model
 from plait.planner.predict import Prediction, fmt_bytes, predict
+from plait.planner.stage_memory import model_state_bytes
 
 logger = get_logger(__name__)
 

@@ -1,0 +1,194 @@
+"""The planner's memory per pipeline stage (``stage_memory``: model states, activations in flight, buffers and the
+allocator's reserve of one device), from the same formulas as ``plait.planner.memory.estimate_memory``: model
+states by ``model_state_bytes`` (the ZeRO paper's accounting, or plait's own for ``plait``), activations per block by
+``plait.planner.activations`` under the implementation's accounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from plait.layout import Layout, Offload, PipelineSchedule
+from plait.models.spec import ModelSpec
+from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
+from plait.planner.costs import Implementation, act_bytes
+from plait.planner.memory import CUDA_CACHING_OVERHEAD, _states
+from plait.planner.model_states import zero_paper_bytes
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device, by kind (``host``: offloaded, not counted in ``device``)."""
+
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    buffers: float
+    reserved: float
+    host: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return (
+            self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers + self.reserved
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer_states,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "reserved": self.reserved,
+            "host": self.host,
+            "device": self.device,
+        }
+
+
+def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple[float, float, float, float]:
+    """(parameters, gradients, optimizer states, host) bytes per rank for ``psi`` parameters on this rank
+    before ZeRO sharding, split over N = dp x cp ranks by ``layout.zero``."""
+    n, stage = layout.dp * layout.cp, layout.zero
+    if impl.state_accounting == "plait":
+        est = _states(psi, layout, "adamw")
+        params, grads, states = est.parameters, est.gradients, est.optimizer_states + est.master_weights
+        return params, grads, states, est.host
+    params_and_grads = zero_paper_bytes(psi, n, stage, k=0)
+    params = 2 * psi / n if stage == 3 else 2 * psi
+    states = zero_paper_bytes(psi, n, stage) - params_and_grads
+    host = states if (layout.offload != Offload.NONE and stage >= 1) else 0.0
+    return params, params_and_grads - params, states, host
+
+
+def accounting(impl: Implementation) -> str:
+    """The activation accounting of an implementation: plait's own runtime ("plait") or Megatron-style
+    ("korthikanti"), following its model-state accounting."""
+    return "plait" if impl.state_accounting == "plait" else "korthikanti"
+
+
+def _layout_forward(spec: ModelSpec, layout: Layout, impl: Implementation, micro_batch: int, seq: int) -> Forward:
+    """How the planner's GPUs run one micro-batch's forward under ``layout``: activations at the precision's
+    element size, the implementation's attention kernel, the model's dropout with 1-byte masks (CUDA's), this
+    rank's share of the sequence and per-sample positions under context parallelism (a frozen dataclass: the
+    cache key of ``_activation_terms``)."""
+    return Forward(
+        micro_batch,
+        seq // layout.cp,
+        "fp32" if act_bytes(layout.precision) == 4 else "bf16",
+        layout.tp,
+        layout.sequence_parallel,
+        attention="flash" if impl.flash_attention else "math",
+        dropout=spec.dropout,
+        mask_bytes=1,
+        per_sample_positions=layout.cp > 1,
+    )
+
+
+def block_activation_bytes(
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq: int,
+    impl: Implementation,
+    recomputed: bool | str,
+) -> float:
+    """Bytes one block keeps for backward for one micro-batch: ``recomputed`` True / "full" (whole block),
+    "selective", or False / "none" (``plait.planner.activations``, by the implementation's accounting)."""
+    mode = "full" if recomputed is True else ("none" if recomputed is False else str(recomputed))
+    return block_bytes(spec, _layout_forward(spec, layout, impl, micro_batch, seq), mode, accounting(impl))
+
+
+@functools.lru_cache(maxsize=65536)
+def _activation_terms(
+    spec: ModelSpec, fwd: Forward, kind: str, recomputed: bool
+) -> tuple[tuple[tuple[str, float], ...], float, float, float]:
+    """One block's bytes under each recompute mode ((mode, bytes) pairs: none, selective, op, full), the first and
+    the last stage's ends and the loss buffers (plait accounting only), for one micro-batch: what
+    ``stage_memory`` combines (cached: the search asks for the same shapes many times)."""
+    per_block = tuple((m, block_bytes(spec, fwd, m, kind)) for m in ("none", "selective", "op", "full"))
+    first = ends_bytes(spec, fwd, True, False, kind, recomputed)
+    last = ends_bytes(spec, fwd, False, True, kind, recomputed)
+    loss = loss_buffer_bytes(spec, fwd) if kind == "plait" else 0.0
+    return per_block, first, last, loss
+
+
+def _largest_matrix(spec: ModelSpec) -> float:
+    """Parameters of a block's largest weight matrix (the MLP's, or q/k/v's when they are wider)."""
+    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.hidden + 2 * spec.kv * spec.head_dim)))
+
+
+def stage_memory(
+    spec: ModelSpec,
+    layout: Layout,
+    impl: Implementation,
+    micro_batch: int,
+    seq: int,
+    stage_params: float,
+    stage_blocks: int,
+    in_flight: int,
+    last_stage: bool,
+    block_params: float,
+    *,
+    first_block: int | None = None,
+    first_stage: bool = False,
+) -> MemoryBreakdown:
+    """Per-device bytes of one pipeline stage holding ``stage_params`` parameters (before tp) and
+    ``stage_blocks`` blocks, with ``in_flight`` stage-micro-batches of activations alive at the peak (counted in
+    units of the stage's blocks / virtual stages). ``recompute`` as a tuple of blocks: the listed blocks among
+    ``first_block`` .. (when given), else that share of the model's blocks. ``reserved``: the implementation's
+    fixed reserve plus, on GPUs, the caching allocator's ``CUDA_CACHING_OVERHEAD`` of the rest."""
+    psi = stage_params / layout.tp
+    params, grads, states, host = model_state_bytes(psi, layout, impl)
+    if layout.pp > 1 and layout.zero >= 2:  # micro-batches accumulate unsharded gradients (no_sync) before the
+        grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]  # one reduce-scatter per step
+    mode, kind = layout.recompute, accounting(impl)
+    pairs, first, last, loss = _activation_terms(
+        spec, _layout_forward(spec, layout, impl, micro_batch, seq), kind, mode != "none"
+    )
+    per_block = dict(pairs)
+    none, full = per_block["none"], per_block["full"]
+    blocks_per_chunk = stage_blocks / layout.virtual_stages
+    if isinstance(mode, tuple):
+        if first_block is None:
+            recomputed = blocks_per_chunk * len(set(mode)) / spec.layers
+        else:
+            recomputed = (
+                sum(1 for i in set(mode) if first_block <= i < first_block + stage_blocks) / layout.virtual_stages
+            )
+        chunk = recomputed * full + (blocks_per_chunk - recomputed) * none
+    else:
+        chunk = blocks_per_chunk * per_block[str(mode)]
+    activations = in_flight * chunk
+    if mode == "full" or (isinstance(mode, tuple) and chunk < blocks_per_chunk * none):
+        activations += none - full  # a recomputed block's activations, for a moment
+    elif mode in ("selective", "op"):  # what the block recomputes, while its backward runs
+        activations += none - per_block[str(mode)]
+    ends_held = (
+        in_flight if layout.schedule == PipelineSchedule.GPIPE else 1
+    )  # 1F1B-like: the last stage's F is followed by its B
+    activations += ends_held * ((first if first_stage else 0.0) + (last if last_stage else 0.0))
+    if last_stage:
+        activations += loss
+    e = act_bytes(layout.precision)
+    buffers = 2 * layout.bucket_mb * 2**20 if layout.zero < 3 and layout.dp * layout.cp > 1 else 0.0
+    if layout.zero == 3:  # the gathered block being used and the one prefetched (or, module by module, at most
+        gathered = min(2 * block_params, max(impl.zero3_live_limit, _largest_matrix(spec)))  # the live limit)
+        buffers = gathered / layout.tp * e
+        if layout.pp > 1 and layout.schedule == PipelineSchedule.ZERO_BUBBLE:  # I and W gather the whole stage chunk
+            buffers = max(buffers, psi / layout.virtual_stages * e)
+    allocated = params + grads + states - host + activations + buffers
+    reserved = impl.reserved_bytes + (CUDA_CACHING_OVERHEAD * allocated if impl.reserved_bytes > 0 else 0.0)
+    return MemoryBreakdown(params, grads, states - host, activations, buffers, reserved, host)
+
+
+__all__ = [
+    "MemoryBreakdown",
+    "accounting",
+    "block_activation_bytes",
+    "model_state_bytes",
+    "stage_memory",
+]
