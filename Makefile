@@ -2,6 +2,8 @@
 #   make demo   sets up .venv and trains the reference GPT on the synthetic task in 4 local CPU processes
 #   make test   sets up .venv and runs the whole test suite
 # make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
+# make test-long: the long sweeps (marker long: randomised parity, the slow adversarial cases) that CI leaves out;
+#   make parity-fuzz and make test-adversarial run one family each (docs/testing.md).
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
 #   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
@@ -16,7 +18,7 @@ MIN_VENV := .venv-min-torch
 MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
 	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test test-gpu test-min-torch lint format bench clean
+.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -32,7 +34,16 @@ demo: $(STAMP)
 	$(BIN)/plait train $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not long"
+
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -q -m long
+
+parity-fuzz: $(STAMP)
+	$(BIN)/python -m pytest -q -m long tests/test_parity_fuzz.py
+
+test-adversarial: $(STAMP)
+	$(BIN)/python -m pytest -q -m adversarial
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda tests/gpu
