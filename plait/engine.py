@@ -2,14 +2,16 @@
 
 One step on a data-parallel rank with m micro-batches of its share of the global batch::
 
-    for each micro-batch k:  loss_k = loss_fn(model(x_k), y_k);  backward(loss_k / m)
-    sync gradients (average over dp_cp);  clip;  optimizer.step();  zero_grad
+    N = scored tokens of the whole global batch        (one all-reduce of m integers over dp)
+    for each micro-batch k:  s_k = sum of loss_fn's per-token losses on (model(x_k), y_k);  backward(s_k G / N)
+    sync gradients (average over the G ranks of dp_cp);  clip;  optimizer.step();  zero_grad
 
 How the micro-batches run forward and backward is the engine's ``StepRunner``, chosen once by
 ``plait.parallelize`` (``plait.parallel.runner``: plain, pipeline schedule, or PipeDream, which also applies
-the updates itself). The mean of the m micro-batch means (equal sizes) is the mean over the rank's share, and
-the average over replicas is the mean over the global batch, so the step equals single-device training on the
-global batch. The loss reported is averaged over dp_cp too, so it is the same number on every rank.
+the updates itself). The average over replicas of sum_k s_k G / N is the global batch's sum / N: the gradient
+of the token mean one device computes on the global batch, whatever the loss masks
+(``plait.parallel.loss_normalization``; a loss that is not a token mean is averaged per micro-batch instead).
+The loss reported is the global sum / N, the same number on every rank.
 
 The hot path never waits for the device: the loss and the gradient norm stay 0-dim tensors until read
 (``StepStats.loss``), clipping scales by a tensor factor, and fp16 loss scaling checks every gradient for
@@ -34,11 +36,12 @@ from plait.comm import Comm, CommStats
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.mesh import Mesh
-from plait.models.loss import LossFn, apply_loss
+from plait.models.loss import LossFn, MeanLoss, apply_loss, apply_total
 from plait.observe.trace import no_span
+from plait.parallel.loss_normalization import step_loss
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.runner import StepRunner
-from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy
+from plait.parallel.strategy import DataParallelStrategy
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRunner
@@ -129,7 +132,8 @@ class StepStats:
 
 @dataclass
 class EvalStats:
-    """Mean loss over the evaluated samples and, with a metric, the share it counts correct."""
+    """Mean loss over the evaluated tokens (a token-mean loss) or samples and, with a metric, the share it counts
+    correct."""
 
     loss: float
     correct: int = 0
@@ -203,17 +207,19 @@ class Engine:
         before = self.comm.stats.snapshot()
         micro = self._split(batch)
         self.model.train()
-        mean = self.runner.run(micro, self.apply_update)
+        window = self.runner.update_window(len(micro))
+        loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window)
+        total = self.runner.run(micro, self.apply_update, loss)
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
         staleness = self.runner.staleness()
-        mean_loss = self.comm.all_reduce(mean, GRAD_AXIS, op="avg")
+        reported = loss.report(total)
         self.step += 1
         if tracer is not None:
             tracer.step(self.step, traced_from)
         tokens = batch[1].numel() * self.mesh.size("dp")
         return StepStats(
             step=self.step,
-            loss=mean_loss,
+            loss=reported,
             tokens=tokens,
             seconds=time.perf_counter() - start,
             grad_norm=grad_norm,
@@ -249,19 +255,25 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], metric: Metric | None = None) -> EvalStats:
-        """Mean loss (and ``metric``'s correct/total counts) over ``batches``, summed over every dp rank."""
+        """Mean loss (and ``metric``'s correct/total counts) over ``batches``, summed over every dp rank: a token
+        mean (``MeanLoss``) over every scored token of every batch, any other loss over samples."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss*n, n, correct, total
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, items, correct, total
+        mean = self.loss_fn if isinstance(self.loss_fn, MeanLoss) else None
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.precision.autocast():
                 output = self.runner.forward(inputs)
                 if output is None:  # pipeline: only the rank with the last stage has the output
                     continue
-                loss = apply_loss(self.loss_fn, output, targets)
-            totals[0] += loss.detach().to(totals.dtype) * inputs.shape[0]  # on the device: no sync per batch
-            totals[1] += inputs.shape[0]
+                if mean is not None:  # a token mean: sum and count, so batches weigh by their scored tokens
+                    totals[0] += apply_total(mean, output, targets).detach().to(totals.dtype)
+                    totals[1] += mean.count(targets).to(totals.dtype)
+                else:  # any other loss: a mean per sample
+                    loss = apply_loss(self.loss_fn, output, targets)
+                    totals[0] += loss.detach().to(totals.dtype) * inputs.shape[0]  # on the device: no sync
+                    totals[1] += inputs.shape[0]
             if metric is not None:
                 correct, total = metric(output, targets)
                 totals[2] += correct

@@ -22,7 +22,7 @@ from plait.errors import LayoutError
 from plait.layout import Layout, Offload, PipelineSchedule, Recompute
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
-from plait.models.loss import LossFn
+from plait.models.loss import LossFn, as_mean_loss
 from plait.parallel.compile import apply_compile, check_precompiled, plan_compile
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
@@ -89,7 +89,6 @@ def make_runner(
     comm: Comm,
     strategy: DataParallelStrategy,
     precision: MixedPrecision,
-    loss_fn: LossFn,
     pipeline: PipelinePlan | None,
     stages: list[PipelineStage],
     context: Any,
@@ -99,7 +98,7 @@ def make_runner(
     schedule="pipedream"), given the strategy's ``no_sync``, ZeRO-3's per-stage parameter scope and the checks
     every pp rank runs on the first stage's input."""
     if pipeline is None:
-        return PlainRunner(model, comm, precision, loss_fn, strategy.no_sync)
+        return PlainRunner(model, comm, precision, strategy.no_sync)
     checks: list[Callable[[torch.Tensor], None]] = []
     if context is not None:  # every pp rank checks the tokens the first stage shards
         checks.append(getattr(model, "_plait_context_parallel").check_input)  # noqa: B009 - set by apply_context_parallel
@@ -108,11 +107,11 @@ def make_runner(
     strategy.attach_pipeline({stage.index: stage.module for stage in stages})  # ZeRO-3: units per stage
     if layout.schedule == PipelineSchedule.PIPEDREAM:
         return PipeDreamRunner(
-            stages, pipeline.schedule, comm, precision, loss_fn, pipedream,
+            stages, pipeline.schedule, comm, precision, pipedream,
             no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
         )  # fmt: skip
     return PipelineRunner(
-        stages, pipeline.schedule, comm, precision, loss_fn,
+        stages, pipeline.schedule, comm, precision,
         no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
     )  # fmt: skip
 
@@ -143,7 +142,11 @@ def parallelize(
         layout: the parallel layout (default: data parallel over every rank).
         optimizer: a factory ``params -> torch.optim.Optimizer`` (preferred: sharding strategies call it on
             the parameters they own), or an optimizer already built on ``model.parameters()``.
-        loss_fn: ``loss_fn(output, target)``; [B, T, C] outputs are flattened against [B, T] targets.
+        loss_fn: ``loss_fn(output, target)``; [B, T, C] outputs are flattened against [B, T] targets. A token mean
+            (``plait.models.lm_loss``, torch's cross-entropy, or a ``plait.models.loss.MeanLoss`` of the user's) is
+            normalised by the number of scored items of the whole global batch, so uneven loss masks train
+            exactly as on one device; any other loss is taken as a mean of equal weight per micro-batch
+            (``plait.parallel.loss_normalization``).
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
         lr_scheduler: a factory ``optimizer -> scheduler`` stepped after every optimizer step.
         device: where the model runs (default: cuda:LOCAL_RANK with CUDA, else CPU).
@@ -185,6 +188,7 @@ def parallelize(
         )
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(output, target)")
+    loss_fn = as_mean_loss(loss_fn) or loss_fn  # torch's cross-entropy: a token mean like lm_loss
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm} must be positive (or None to disable clipping)")
     if not any(p.requires_grad for p in model.parameters()):
@@ -234,6 +238,6 @@ def parallelize(
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
     precision = MixedPrecision(layout.precision, device)
-    runner = make_runner(model, layout, comm, strategy, precision, loss_fn, pipeline, stages, context, pipedream)
+    runner = make_runner(model, layout, comm, strategy, precision, pipeline, stages, context, pipedream)
     engine = Engine(model, layout, mesh, comm, strategy, runner, loss_fn, device, precision, max_grad_norm, scheduler)
     return engine

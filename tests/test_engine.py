@@ -52,8 +52,9 @@ def _comm_per_step(world: int):
 def test_bytes_per_step_equal_the_ring_theory():
     world = 4
     (wire, n_params, detail), *_ = run_distributed(_comm_per_step, world, world)
-    # DDP theory: 2(N-1)/N x P x 4 bytes for the fp32 gradients, plus the 4-byte loss average.
-    theory = 2 * (world - 1) / world * (n_params * 4 + 4)
+    # DDP theory: 2(N-1)/N x P x 4 bytes for the fp32 gradients, plus the 4-byte loss sum and the 8-byte count of
+    # the step's scored tokens (one int64 per micro-batch, over dp: the token-mean normalisation).
+    theory = 2 * (world - 1) / world * (n_params * 4 + 4 + 8)
     assert wire == pytest.approx(theory, rel=1e-12), detail
 
 

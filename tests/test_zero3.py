@@ -226,12 +226,15 @@ def test_zero3_matches_single_device(world, microbatches, optimizer, clip, recom
 def test_bytes_per_step_equal_the_zero3_theory(world, microbatches, optimizer, clip, recompute, request):
     """Per micro-batch: all-gather in forward and again in backward ((N-1)/N x P each); once per step: the
     reduce-scatter of the gradients ((N-1)/N x P). With m = 1 this is the paper's 3(N-1)/N x P x 4 bytes.
-    Plus the Engine's 4-byte loss average and, when clipping, the 8-byte norm all-reduce (2(N-1)/N each).
+    Plus the Engine's 4-byte loss sum, its count of the step's scored tokens (8 bytes per micro-batch, over dp) and,
+    when clipping, the 8-byte norm all-reduce (2(N-1)/N each).
     Recomputation adds nothing: a block recomputes inside its backward, while the backward's gather holds it."""
     model, _ = make_model()
     p_padded = sum(padded(numel, world) for numel in unit_numels(model).values())
     ring = (world - 1) / world
-    theory = (2 * microbatches + 1) * ring * p_padded * 4 + 2 * ring * 4 + (2 * ring * 8 if clip else 0)
+    theory = (
+        (2 * microbatches + 1) * ring * p_padded * 4 + 2 * ring * (4 + 8 * microbatches) + (2 * ring * 8 if clip else 0)
+    )
     for rank, run in enumerate(results(request, world, microbatches, optimizer, clip, recompute=recompute)):
         for step, (wire, detail) in run["wire"].items():
             assert wire == pytest.approx(theory, rel=1e-12), (

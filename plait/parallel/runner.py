@@ -3,17 +3,20 @@ the plain runner. ``plait.parallelize`` picks one runner per engine, once: ``Pla
 parallelism, ``PipelineRunner`` (a schedule over stages, ``plait.parallel.pipeline.runtime``) with it, and
 ``PipeDreamRunner`` for the asynchronous schedule. The Engine drives any of them the same way::
 
-    loss = runner.run(micro_batches, update)       # forward + backward of every micro-batch; mean loss
-    if not runner.owns_updates: update()           # sync gradients, clip, optimizer step
+    loss = step_loss(loss_fn, comm, targets, runner.update_window(m))   # counts the global batch's tokens
+    total = runner.run(micro_batches, update, loss)  # forward + backward of every micro-batch
+    if not runner.owns_updates: update()             # sync gradients, clip, optimizer step
+    reported = loss.report(total)
 
-A runner that owns its updates (PipeDream) calls ``update`` itself during the step, once per update interval.
+A runner that owns its updates (PipeDream) calls ``update`` itself during the step, once per update window.
 
 Plain step with m micro-batches of this rank's share of the global batch::
 
-    for each micro-batch k:  loss_k = loss_fn(model(x_k), y_k);  backward(scale(loss_k / m))
+    for each micro-batch k:  v_k = loss.value(model(x_k), y_k);  backward(scale(loss.to_backward(k, v_k)))
 
-with the data-parallel gradient synchronisation held back (``no_sync``) until the last micro-batch's backward,
-so that it overlaps only that backward and runs once per step.
+(for a token-mean loss v_k is the micro-batch's sum and ``to_backward`` divides by the global batch's token count,
+``plait.parallel.loss_normalization``), with the data-parallel gradient synchronisation held back (``no_sync``)
+until the last micro-batch's backward, so that it overlaps only that backward and runs once per step.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
-from plait.models.loss import LossFn, apply_loss
 from plait.observe.trace import no_span
+from plait.parallel.loss_normalization import StepLoss
 from plait.parallel.precision import MixedPrecision
 
 Micro = tuple[torch.Tensor, torch.Tensor]
@@ -41,9 +44,13 @@ class StepRunner(Protocol):
     owns_updates: bool
     """True when ``run`` applies the optimizer updates itself (PipeDream)."""
 
-    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss over them (a 0-dim tensor, the same on
-        every rank of a pipeline; not yet averaged over data-parallel replicas)."""
+    def run(self, micro: Sequence[Micro], update: UpdateFn, loss: StepLoss) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the sum of ``loss.value`` over them (a 0-dim tensor,
+        the same on every rank of a pipeline; ``loss.report`` turns it into the step's loss)."""
+        ...
+
+    def update_window(self, microbatches: int) -> int:
+        """How many micro-batches each optimizer update follows: all of the step's, or fewer (PipeDream)."""
         ...
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
@@ -60,14 +67,13 @@ class PlainRunner:
 
     owns_updates = False
 
-    def __init__(self, model: nn.Module, comm: Comm, precision: MixedPrecision, loss_fn: LossFn, no_sync: NoSync):
+    def __init__(self, model: nn.Module, comm: Comm, precision: MixedPrecision, no_sync: NoSync):
         self.model = model
         self.comm = comm
         self.precision = precision
-        self.loss_fn = loss_fn
         self.no_sync = no_sync
 
-    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
+    def run(self, micro: Sequence[Micro], update: UpdateFn, loss: StepLoss) -> torch.Tensor:
         tracer = self.comm.tracer
         span = tracer.span if tracer is not None else no_span
         loss_sum = torch.zeros((), device=micro[0][0].device)
@@ -75,11 +81,14 @@ class PlainRunner:
             last = index == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 with span(f"forward {index}", "forward", microbatch=index), self.precision.autocast():
-                    loss = apply_loss(self.loss_fn, self.model(inputs), targets)
+                    value = loss.value(self.model(inputs), targets)
                 with span(f"backward {index}", "backward", microbatch=index):
-                    self.precision.scale(loss / len(micro)).backward()
-            loss_sum += loss.detach().float()
-        return loss_sum / len(micro)
+                    self.precision.scale(loss.to_backward(index, value)).backward()
+            loss_sum += value.detach().float()
+        return loss_sum
+
+    def update_window(self, microbatches: int) -> int:
+        return microbatches
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
         return self.model(inputs)

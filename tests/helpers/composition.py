@@ -9,6 +9,9 @@ a parameter (over dp, cp, tp) bitwise identical. Every cell is accepted by ``pla
 The model is plait's reference GPT, tiny: 4 blocks (pp=2 puts 2 on each stage), d_model 16, 4 heads (tp=2 splits
 them), the addition task's 8-token sequences (a multiple of 2*cp*tp = 8: zigzag ring chunks for cp=2) and
 vocabulary of 12 (split by tp=2), trained 3 steps with AdamW and global-norm clipping; micro-batches 2 when pp > 1.
+Its rows score uneven numbers of tokens (``reference.UnevenMasks``: 1 to 4 of the answer's 4 targets), so every
+cell also proves the token-mean normalisation over the global batch (a mean of per-rank or per-micro-batch means
+would differ by ~1%).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from helpers.reference import Trajectory, assert_tensors_close, train_reference
+from helpers.reference import Trajectory, UnevenMasks, assert_tensors_close, train_reference
 
 import plait
 from plait import Layout
@@ -133,13 +136,14 @@ partner it accepts (tp, dp with ZeRO-1 and ZeRO-3) and ZeRO-3 over tensor-parall
 
 
 # ----------------------------------------------------------------- model, data, reference
-def make_model() -> tuple[GPT, AdditionTask]:
-    """The tiny reference GPT, identically initialised on every rank and in the reference."""
+def make_model() -> tuple[GPT, UnevenMasks]:
+    """The tiny reference GPT, identically initialised on every rank and in the reference, and its data: the
+    addition task with rows scoring uneven numbers of tokens."""
     task = AdditionTask(digits=2, seed=1)  # vocab 12, seq_len 8; targets on the prompt are ignore_index
     torch.manual_seed(1234)
     # bias=False: the key bias's gradient is analytically zero, i.e. pure rounding noise (docs/testing.md)
     config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=4, n_head=4, d_model=16, bias=False)
-    return GPT(config), task
+    return GPT(config), UnevenMasks(task)
 
 
 def reference_trajectory() -> Trajectory:

@@ -6,7 +6,7 @@ has skipped without it."""
 from __future__ import annotations
 
 import torch
-from helpers.reference import assert_tensors_close, train_reference
+from helpers.reference import assert_tensors_close, train_reference, uneven_mask
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import plait
@@ -54,9 +54,11 @@ def make_model(kind: str, **overrides: int) -> torch.nn.Module:
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens; targets are the inputs shifted by one (next-token prediction)."""
+    """Random tokens; targets are the inputs shifted by one (next-token prediction), each row scoring a different
+    number of them (``reference.uneven_mask``: the rest -100, as padding or a masked prompt would)."""
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    rows = [1000 * step + row for row in range(GLOBAL_BATCH)]
+    return tokens[:, :-1].contiguous(), uneven_mask(tokens[:, 1:].contiguous(), rows)
 
 
 def optimizer(params):  # noqa: ANN001, ANN201 - a factory, as users pass it

@@ -116,3 +116,35 @@ def masked_lm_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[tor
     targets = torch.randint(0, vocab, (batch, length), generator=generator)
     ignored = torch.rand(length, generator=generator) < torch.linspace(0.0, 0.6, length)
     return inputs, targets.masked_fill(ignored.expand(batch, length), -100)
+
+
+def uneven_mask(targets: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    """``targets`` with each row scoring a different number of tokens, as real batches do (padding, prompt
+    masking, end-of-document masking): row r keeps k of its n scored targets, k uniform in 1..n drawn from
+    ``seeds[r]`` (a row's seed, e.g. its sample index, so any split of the batch masks it alike), the others set
+    to -100; odd seeds drop a prefix (a prompt), even ones a suffix (padding). A batch whose rows all score the
+    same number of tokens hides the averaging error of per-micro-batch or per-rank means (issue 24)."""
+    out = targets.clone()
+    for row, seed in enumerate(seeds):
+        scored = (out[row] != -100).nonzero().flatten()
+        if len(scored) <= 1:
+            continue
+        keep = int(torch.randint(1, len(scored) + 1, (1,), generator=torch.Generator().manual_seed(seed)))
+        dropped = scored[: len(scored) - keep] if seed % 2 else scored[keep:]
+        out[row, dropped] = -100
+    return out
+
+
+class UnevenMasks:
+    """A plait dataset (``batch(indices)``) whose rows score uneven numbers of tokens (``uneven_mask``, seeded
+    by each sample's index); everything else is the wrapped task's (vocabulary, length, accuracy counts)."""
+
+    def __init__(self, task: object) -> None:
+        self.task = task
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.task, name)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.task.batch(indices)  # type: ignore[attr-defined]
+        return inputs, uneven_mask(targets, [int(i) for i in indices])

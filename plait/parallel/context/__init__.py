@@ -3,7 +3,7 @@ DeepSpeed-Ulysses all-to-all attention, for plait's GPT and Hugging Face models 
 docs/context_parallel.md."""
 
 from plait.parallel.context.apply import apply_context_parallel, plan_context_parallel
-from plait.parallel.context.hooks import ContextParallelLoss, ContextParallelModel
+from plait.parallel.context.hooks import ContextParallelLoss, ContextParallelMeanLoss, ContextParallelModel
 from plait.parallel.context.plan import ContextPlan
 from plait.parallel.context.ring import RingAttention
 from plait.parallel.context.sharding import BlockPiece, SequenceSharding
@@ -12,6 +12,7 @@ from plait.parallel.context.ulysses import UlyssesAttention
 __all__ = [
     "BlockPiece",
     "ContextParallelLoss",
+    "ContextParallelMeanLoss",
     "ContextParallelModel",
     "ContextPlan",
     "RingAttention",

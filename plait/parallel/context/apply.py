@@ -18,8 +18,16 @@ from plait.layout import Layout
 from plait.logging import get_logger
 from plait.models.hf import is_hf_model
 from plait.models.layers import Attention
+from plait.models.loss import MeanLoss
 from plait.parallel.context.hf import apply_hf_context_parallel, plan_hf_context_parallel
-from plait.parallel.context.hooks import AXIS, ContextParallelLoss, ContextParallelModel, LossFn, StageRole
+from plait.parallel.context.hooks import (
+    AXIS,
+    ContextParallelLoss,
+    ContextParallelMeanLoss,
+    ContextParallelModel,
+    LossFn,
+    StageRole,
+)
 from plait.parallel.context.plan import (
     ContextPlan,
     check_dropout,
@@ -94,4 +102,6 @@ def apply_context_parallel(
         sharding.index,
         len(plan.attention_paths),
     )
+    if isinstance(loss_fn, MeanLoss):
+        return ContextParallelMeanLoss(loss_fn, handle)
     return ContextParallelLoss(loss_fn, handle)

@@ -9,16 +9,18 @@
   tokens as above; a later stage receives hidden states [B, T/(cp s), d] that are already this rank's shard
   (s: Megatron-SP's split, else 1), so its pre-hook only recomputes their global positions from the cp index
   and T = local length x cp x s (nothing travels with the activations); only the last stage gathers in eval;
-- ``ContextParallelLoss`` slices the targets to match. A mean over the local tokens is rescaled by
-  cp * n_local / n_all (n = targets not equal to ``ignore_index``, counted from the full targets the Engine
-  passes, so no communication), which makes the average over dp_cp (what the Engine does with losses and
-  gradients) the mean over all tokens: exactly single-device training. With no ignored targets the factor is 1.
+- ``ContextParallelMeanLoss`` slices the targets to match for a token-mean loss (``MeanLoss``): its ``total``
+  is the inner loss's sum over this rank's positions and its ``count`` the inner count of the full targets, so
+  the Engine's normalisation by the global batch's token count (``plait.parallel.loss_normalization``) covers cp
+  like any other split of the batch. ``ContextParallelLoss`` does the same for any other loss: a mean over the
+  local tokens is rescaled by cp * n_local / n_all (n = targets not equal to ``ignore_index``, counted from the
+  full targets the Engine passes, so no communication), which makes the average over dp_cp the mean over all
+  of a micro-batch's tokens. With no ignored targets the factor is 1.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,11 +28,10 @@ from torch import Tensor, nn
 
 from plait.comm import Comm, gather_from
 from plait.errors import LayoutError
+from plait.models.loss import IGNORE_INDEX, LossFn, MeanLoss
 from plait.parallel.context.sharding import SequenceSharding
 
 AXIS = "cp"
-IGNORE_INDEX = -100
-LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 StageRole = tuple[nn.Module, bool, bool]
@@ -166,3 +167,17 @@ class ContextParallelLoss:
         if counted_all == 0 or counted_here * n == counted_all:
             return loss
         return loss * (counted_here * n / counted_all)
+
+
+class ContextParallelMeanLoss(ContextParallelLoss, MeanLoss):
+    """A token-mean ``loss_fn`` (``MeanLoss``) on this rank's shard of the sequence: ``total`` over this rank's
+    positions, ``count`` of the full targets (module docstring); evaluation's full outputs pass through."""
+
+    loss_fn: MeanLoss
+
+    def total(self, output: Tensor, target: Tensor) -> Tensor:
+        local = self.local_targets(output, target)
+        return self.loss_fn.total(output, target if local is None else local)
+
+    def count(self, target: Tensor) -> Tensor:
+        return self.loss_fn.count(target)

@@ -44,6 +44,7 @@ from plait.comm import Comm
 from plait.errors import LayoutError, ScheduleError
 from plait.layout import Layout, PipelineSchedule, Precision
 from plait.logging import get_logger
+from plait.parallel.loss_normalization import StepLoss
 from plait.parallel.pipeline.runtime import ParamScope, PipelineRunner
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule
 from plait.parallel.pipeline.stage import PipelineStage
@@ -239,7 +240,6 @@ class PipeDreamRunner(PipelineRunner):
         schedule: Schedule,
         comm: Comm,
         precision: MixedPrecision,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         options: PipeDreamOptions | None = None,
         *,
         no_sync: NoSync = contextlib.nullcontext,
@@ -265,7 +265,6 @@ class PipeDreamRunner(PipelineRunner):
             schedule,
             comm,
             precision,
-            loss_fn,
             no_sync=no_sync,
             param_scope=param_scope,
             input_checks=input_checks,
@@ -284,21 +283,23 @@ class PipeDreamRunner(PipelineRunner):
         self._staleness: list[int] = []
 
     # ----------------------------------------------------------------- step
-    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
+    def run(self, micro: Sequence[Micro], update: UpdateFn, loss: StepLoss) -> torch.Tensor:
         """Run the step's micro-batches; ``update()`` (the Engine's: sync over dp, step, zero_grad) is called after
-        every ``update_interval`` backwards on this stage. Returns the step's mean loss (every rank)."""
+        every ``update_interval`` backwards on this stage. Returns the sum of the micro-batches' loss values (every
+        rank); each update's gradients are those of its window's loss (``update_window``)."""
+        self.loss = loss
         self._update = update
         self._staleness = []
         self.versions.peak = len(self.versions.stash)
         with self.no_sync():
-            mean = self.train_step(micro)
+            total = self.train_step(micro)
         self.steps += 1
         self.versions.prune(set(), self.versions.current)  # drained: nothing in flight
         self._trace()
-        return mean
+        return total
 
-    def _loss_divisor(self, m: int) -> int:
-        return self.options.update_interval  # each update follows the mean loss of its micro-batches
+    def update_window(self, microbatches: int) -> int:
+        return self.options.update_interval  # each update follows the loss of its own micro-batches
 
     def _before_compute(self, action: Action) -> None:
         if self._update_due:  # deferred until the sends after the backward were posted

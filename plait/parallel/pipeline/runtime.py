@@ -12,9 +12,11 @@ on zeros of the incoming shape and pass the output's (shape, dtype) to the next 
 message. Results are cached per input (shape, dtype), so later steps exchange no metadata. Evaluation runs the
 stages one after another on the whole batch, sending each tensor's metadata just before it.
 
-Loss: the last stage computes ``loss_fn`` on each micro-batch under autocast and differentiates
-``precision.scale(loss / m)``, so the accumulated gradients are those of the mean loss over the batch; the
-step's mean loss is broadcast from the last stage over "pp", so every rank returns the same value.
+Loss: the last stage computes each micro-batch's loss under autocast as the step's ``StepLoss`` says (a token
+total, or a mean) and differentiates ``precision.scale(loss.to_backward(j, value))`` (divided by the global
+batch's token count, or by m: ``plait.parallel.loss_normalization``), so the accumulated gradients are those of
+the loss over the global batch; the sum of the values is broadcast from the last stage over "pp", so every rank
+returns the same value.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from plait.comm import Comm
 from plait.comm.collectives import Pending
 from plait.errors import ScheduleError
 from plait.logging import get_logger
-from plait.models.loss import apply_loss
+from plait.parallel.loss_normalization import StepLoss
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
@@ -112,7 +114,6 @@ class PipelineRunner:
         schedule: Schedule,
         comm: Comm,
         precision: MixedPrecision,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         no_sync: NoSync = contextlib.nullcontext,
         param_scope: ParamScope | None = None,
@@ -121,7 +122,8 @@ class PipelineRunner:
         self.comm = comm
         self.mesh = comm.mesh
         self.precision = precision
-        self.loss_fn = loss_fn
+        self.loss: StepLoss | None = None
+        """The running step's loss normalisation (set by ``run``)."""
         self.no_sync = no_sync
         """The data-parallel strategy's ``no_sync``: every backward of a step accumulates locally; the Engine's
         update reduces the gradients once."""
@@ -277,13 +279,17 @@ class PipelineRunner:
                 t.grad = None
 
     # ----------------------------------------------------------------- training
-    def run(self, micro: Sequence[Micro], update: UpdateFn) -> torch.Tensor:
+    def run(self, micro: Sequence[Micro], update: UpdateFn, loss: StepLoss) -> torch.Tensor:
         """``StepRunner.run``: the step under the strategy's ``no_sync`` (the Engine's update reduces the
         gradients once); a tracer that records gets the runtime's own per-action timeline."""
+        self.loss = loss
         with self.no_sync():
-            mean = self.train_step(micro)
+            total = self.train_step(micro)
         self._trace()
-        return mean
+        return total
+
+    def update_window(self, microbatches: int) -> int:
+        return microbatches
 
     def _trace(self) -> None:
         if self.comm.tracer is not None:
@@ -293,7 +299,8 @@ class PipelineRunner:
         return None
 
     def train_step(self, micro: Sequence[Micro]) -> torch.Tensor:
-        """Forward and backward of every micro-batch as the schedule says; returns the mean loss (every rank).
+        """Forward and backward of every micro-batch as the schedule says; returns the sum of the micro-batches'
+        loss values (``StepLoss.value``, on every rank).
         Gradients accumulate in the stages' ``.grad`` (the caller syncs them over dp and steps)."""
         m = len(micro)
         if m != self.schedule.m:
@@ -333,19 +340,14 @@ class PipelineRunner:
         self._sync_tied_grads()
         if inbox or outbox:  # pragma: no cover - check_schedule guarantees every transfer is matched
             raise ScheduleError(f"pipeline step ended with unmatched transfers: {sorted(inbox) + sorted(outbox)}")
-        mean = loss_sum / m
-        self.comm.broadcast(mean, AXIS, src=self.last_rank_index)
-        return mean
+        self.comm.broadcast(loss_sum, AXIS, src=self.last_rank_index)
+        return loss_sum
 
     def _before_compute(self, action: Action) -> None:
         """Hook: runs before each compute action, after the comm runs before it were posted (nothing here)."""
 
     def _after_actions(self) -> None:
         """Hook: runs after the rank's last action, before the step's sends are waited for (nothing here)."""
-
-    def _loss_divisor(self, m: int) -> int:
-        """The last stage differentiates loss / this: m, so that the step's gradients are the batch mean's."""
-        return m
 
     def _post(
         self,
@@ -435,10 +437,11 @@ class PipelineRunner:
             with self.precision.autocast():
                 out = stage.forward(j, x)
                 if stage.is_last:
-                    loss = apply_loss(self.loss_fn, out, micro[j][1])
+                    assert self.loss is not None, "PipelineRunner.train_step runs inside run(), which sets the loss"
+                    value = self.loss.value(out, micro[j][1])
             if stage.is_last:
-                stage.set_loss(j, self.precision.scale(loss / self._loss_divisor(len(micro))))
-                loss_sum += loss.detach().float()
+                stage.set_loss(j, self.precision.scale(self.loss.to_backward(j, value)))
+                loss_sum += value.detach().float()
             else:
                 self._hand_over(Kind.FORWARD, s, j, out.detach(), inbox, outbox)
         elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):

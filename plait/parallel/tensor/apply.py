@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.errors import LayoutError
 from plait.layout import Layout, TpMode
-from plait.models.loss import lm_loss
+from plait.models.loss import CrossEntropyMean, as_mean_loss
 from plait.parallel.tensor.fields import int_field
 from plait.parallel.tensor.grid import HEAD_AXIS, GridLinear
 from plait.parallel.tensor.grid_plan import apply_grid_plan, default_grid_plan, resolve_grid_plan
 from plait.parallel.tensor.layers import AXIS
-from plait.parallel.tensor.loss import IGNORE_INDEX, GridVocabLoss, VocabParallelLoss
+from plait.parallel.tensor.loss import GridVocabLoss, VocabParallelLoss
 from plait.parallel.tensor.plan import Plan, ResolvedPlan, apply_plan, default_plan, resolve_plan
 from plait.parallel.tensor.sequence import check_sequence_parallel
 
@@ -71,17 +70,10 @@ def _check_grid_layout(layout: Layout) -> None:
 
 
 def cross_entropy_ignore_index(loss_fn: object) -> int | None:
-    """The ignore_index of a loss that is plain mean cross-entropy over logits (None for any other loss)."""
-    if loss_fn is F.cross_entropy or loss_fn is lm_loss:
-        return IGNORE_INDEX
-    if (
-        isinstance(loss_fn, nn.CrossEntropyLoss)
-        and loss_fn.weight is None
-        and loss_fn.label_smoothing == 0.0
-        and loss_fn.reduction == "mean"
-    ):
-        return loss_fn.ignore_index
-    return None
+    """The ignore_index of a loss that is plain mean cross-entropy over logits (``lm_loss``, torch's
+    cross-entropy, a plain ``nn.CrossEntropyLoss``), None for any other loss."""
+    mean = as_mean_loss(loss_fn)
+    return mean.ignore_index if type(mean) is CrossEntropyMean else None
 
 
 def apply_tensor_parallel(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm, loss_fn: LossFn) -> LossFn:

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from plait.comm import Comm, reduce_from
+from plait.models.loss import IGNORE_INDEX, MeanLoss
 from plait.parallel.tensor.grid import batch_block
-
-IGNORE_INDEX = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -92,13 +91,27 @@ def vocab_parallel_cross_entropy(
     return per_token.sum() / counted.to(per_token.dtype)
 
 
-class VocabParallelLoss:
+class VocabParallelLoss(MeanLoss):
     """``loss_fn(logits, targets)`` for the Engine: vocab-parallel cross-entropy on ``axis`` for logits split
     over the vocabulary (training), plain cross-entropy for whole logits (``vocab_size`` wide: evaluation,
-    where the LM head gathers them for metrics)."""
+    where the LM head gathers them for metrics). A token mean (``MeanLoss``): the Engine differentiates its
+    ``total`` over the global batch's token count."""
 
     def __init__(self, comm: Comm, vocab_size: int, axis: str = "tp", ignore_index: int = IGNORE_INDEX) -> None:
         self.comm, self.vocab_size, self.axis, self.ignore_index = comm, vocab_size, axis, ignore_index
+
+    def total(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if logits.shape[-1] == self.vocab_size:
+            return F.cross_entropy(
+                logits.reshape(-1, self.vocab_size).float(),
+                targets.reshape(-1),
+                ignore_index=self.ignore_index,
+                reduction="sum",
+            )
+        return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, self.ignore_index, reduction="sum")
+
+    def count(self, targets: Tensor) -> Tensor:
+        return (targets != self.ignore_index).sum()
 
     def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
         if logits.shape[-1] == self.vocab_size:
@@ -108,12 +121,13 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, targets, self.comm, self.axis, self.ignore_index)
 
 
-class GridVocabLoss:
+class GridVocabLoss(MeanLoss):
     """``loss_fn(logits, targets)`` for an LM head on a 2D / 2.5D / 3D grid, whose logits are cut over the batch
     (``batch_axes``) and the vocabulary (``vocab_axis``): this rank's batch block of the (whole) targets,
     vocab-parallel cross-entropy per token over ``vocab_axis``, the token sum all-reduced over the batch axes
     (identity backward: every rank's loss is the same, each backpropagates 1/n into its own block) and divided by
-    the number of counted tokens of the whole batch. Whole logits (evaluation) take plain cross-entropy."""
+    the number of counted tokens of the whole batch. Whole logits (evaluation) take plain cross-entropy. A token
+    mean (``MeanLoss``): ``total`` is that all-reduced sum."""
 
     def __init__(
         self,
@@ -126,11 +140,11 @@ class GridVocabLoss:
         self.comm, self.vocab_size, self.vocab_axis, self.batch_axes = comm, vocab_size, vocab_axis, batch_axes
         self.ignore_index = ignore_index
 
-    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def total(self, logits: Tensor, targets: Tensor) -> Tensor:
         flat_targets = targets.reshape(-1)
         flat_logits = logits.reshape(-1, logits.shape[-1])
         if flat_logits.shape == (flat_targets.numel(), self.vocab_size):
-            return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=self.ignore_index)
+            return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=self.ignore_index, reduction="sum")
         local_targets = batch_block(targets, self.comm, self.batch_axes, "grid cross-entropy targets").reshape(-1)
         per_token = vocab_parallel_cross_entropy(
             flat_logits, local_targets, self.comm, self.vocab_axis, self.ignore_index, reduction="none"
@@ -138,8 +152,18 @@ class GridVocabLoss:
         total = per_token.sum()
         for axis in self.batch_axes:
             total = reduce_from(total, self.comm, axis)
-        counted = (flat_targets != self.ignore_index).sum()
-        return total / counted.to(total.dtype)
+        return total
+
+    def count(self, targets: Tensor) -> Tensor:
+        return (targets != self.ignore_index).sum()
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        flat_targets = targets.reshape(-1)
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        if flat_logits.shape == (flat_targets.numel(), self.vocab_size):
+            return F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=self.ignore_index)
+        total = self.total(logits, targets)
+        return total / self.count(targets).to(total.dtype)
 
 
 __all__ = ["IGNORE_INDEX", "GridVocabLoss", "VocabParallelLoss", "vocab_parallel_cross_entropy"]
