@@ -12,25 +12,44 @@ This is plait's one local launcher for functions (tests, ``plait calibrate``, be
 ranks). ``plait train`` launches whole programs through torchrun's own launcher instead, and the parameter
 server starts its servers and workers (no process group, restartable one by one) with its own ``LocalCluster``
 (``plait.param_server.launch``).
+
+Ranks die with their launcher (``die_with_parent``). torchrun starts each rank in a session of its own, so a
+launcher killed outright (SIGKILL, the OOM killer) takes nothing with it: its ranks would train on and keep writing
+the run folder, where a resumed job then writes too. So every rank, at start-up, asks the kernel for SIGKILL when
+its parent ends (Linux ``prctl(PR_SET_PDEATHSIG)``) and checks that its parent is still the process that started
+it (the launcher may have died before the request was made); a thread watching the parent's pid does the same on
+other systems. A rank stopped this way is gone within a second, exits non-zero and publishes nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.logging import get_logger
 
+log = get_logger(__name__)
 GRACE_S = 20.0
 """After the first failure, how long the other ranks get to report their own errors before they are killed."""
+LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"
+"""Set by ``plait train``'s launcher for its ranks: the pid of the process that starts them (their parent)."""
+ORPHANED_EXIT_CODE = 125
+"""What a rank exits with when its parent watch (not the kernel's SIGKILL) finds its launcher gone."""
+PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(PlaitError):
@@ -39,6 +58,57 @@ class LaunchError(PlaitError):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Linux: have the kernel send ``sig`` to this process when its parent thread ends; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_orphaned(name: str, parent: int) -> None:
+    log.error(
+        "%s: its launcher (pid %d) is gone; stopping at once (exit code %d) so that nothing more is written "
+        "to the run folder. Fix: start the job again (it resumes from the last published checkpoint).",
+        name,
+        parent,
+        ORPHANED_EXIT_CODE,
+    )
+    sys.stderr.flush()
+    os._exit(ORPHANED_EXIT_CODE)
+
+
+def _watch_parent(name: str, parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    _exit_orphaned(name, parent)
+
+
+def die_with_parent(name: str, parent: int | None = None, poll_s: float = PARENT_POLL_S) -> int:
+    """Make this process end when ``parent`` (default: its current parent) ends; returns the parent's pid.
+
+    SIGKILL from the kernel at the parent's death where Linux offers it, and on every system a daemon thread that
+    exits with ``ORPHANED_EXIT_CODE`` once the parent's pid is no longer this process's parent. If ``parent``
+    is already gone (it died before this call: the process was reparented), this exits at once. Call it first
+    thing in a process started by a launcher (with the launcher's pid from ``LAUNCHER_PID_ENV`` where it is set:
+    the kernel's signal follows whoever is the parent at the time of the call)."""
+    parent = os.getppid() if parent is None else parent
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        _exit_orphaned(name, parent)
+    threading.Thread(target=_watch_parent, args=(name, parent, poll_s), name="plait-parent-watch", daemon=True).start()
+    return parent
+
+
+def launcher_pid() -> int | None:
+    """The pid of ``plait train``'s launcher when this process is one of its ranks (``LAUNCHER_PID_ENV``)."""
+    text = os.environ.get(LAUNCHER_PID_ENV, "")
+    return int(text) if text.isdigit() else None
 
 
 def spawn_context() -> mp.context.ForkServerContext:
@@ -85,6 +155,7 @@ def _worker(
         PLAIT_TIMEOUT_S=str(comm_timeout_s),
     )
     try:
+        die_with_parent(f"rank {rank}")  # the forkserver, which ends when the process that called run_local does
         import torch
         import torch.distributed as dist
 
@@ -179,4 +250,13 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
     return [values[r] for r in range(world_size)]
 
 
-__all__ = ["GRACE_S", "LaunchError", "run_local", "spawn_context"]
+__all__ = [
+    "GRACE_S",
+    "LAUNCHER_PID_ENV",
+    "ORPHANED_EXIT_CODE",
+    "LaunchError",
+    "die_with_parent",
+    "launcher_pid",
+    "run_local",
+    "spawn_context",
+]
