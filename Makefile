@@ -7,6 +7,8 @@
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
 #   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
+# make test-max-torch: the same subset on the newest torch the pin allows (MAX_TORCH: what `pip install plait` picks)
+#   in .venv-max-torch (its CUDA build, ~5.5 GB installed, runs on CPU too; docs/testing.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,10 +17,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml 2>/dev/null | cksum | cut
 DEMO_ARGS := --set layout.tp=2
 MIN_TORCH := 2.11.0
 MIN_VENV := .venv-min-torch
+MAX_TORCH := 2.14.1
+MAX_VENV := .venv-max-torch
 MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
 	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch lint format bench clean
+.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +63,17 @@ test-min-torch: $(MIN_VENV)/.installed-$(MIN_TORCH)
 	$(MIN_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MIN_TORCH)'), torch.__version__"
 	$(MIN_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
 
+$(MAX_VENV)/.installed-$(MAX_TORCH):
+	$(PYTHON) -m venv $(MAX_VENV)
+	$(MAX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MAX_VENV)/bin/python -m pip install --quiet torch==$(MAX_TORCH)
+	$(MAX_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+test-max-torch: $(MAX_VENV)/.installed-$(MAX_TORCH)
+	$(MAX_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MAX_TORCH)'), torch.__version__"
+	$(MAX_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests benchmarks
 	$(BIN)/ruff format --check plait tests benchmarks
@@ -72,4 +87,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) $(MAX_VENV) runs .pytest_cache
