@@ -18,7 +18,9 @@ launcher killed outright (SIGKILL, the OOM killer) takes nothing with it: its ra
 the run folder, where a resumed job then writes too. So every rank, at start-up, asks the kernel for SIGKILL when
 its parent ends (Linux ``prctl(PR_SET_PDEATHSIG)``) and checks that its parent is still the process that started
 it (the launcher may have died before the request was made); a thread watching the parent's pid does the same on
-other systems. A rank stopped this way is gone within a second, exits non-zero and publishes nothing.
+other systems. A rank stopped this way is gone within a second, exits non-zero and publishes nothing. Processes
+that a forkserver starts (``run_local``'s ranks, the parameter server's ``LocalCluster``) are not children of the
+process that asked for them, so they watch that process's pid instead (``die_with_process``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
@@ -105,6 +108,49 @@ def die_with_parent(name: str, parent: int | None = None, poll_s: float = PARENT
     return parent
 
 
+def _identity(pid: int) -> str | None:
+    """Linux: ``pid``'s start time (/proc/PID/stat field 22), which with the pid names one process even after the
+    pid is reused; None for a process that is gone or a zombie, "" where /proc is not available."""
+    if not os.path.isdir("/proc"):
+        return ""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _is_alive(pid: int, identity: str | None) -> bool:
+    if identity:
+        return _identity(pid) == identity
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_process(name: str, pid: int, identity: str | None, poll_s: float) -> None:
+    while _is_alive(pid, identity):
+        time.sleep(poll_s)
+    _exit_orphaned(name, pid)
+
+
+def die_with_process(name: str, pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Make this process end (``ORPHANED_EXIT_CODE``) within ``poll_s`` of the end of ``pid``, a process that is not
+    its parent: the one that asked a forkserver for it (``run_local``, the parameter server's ``LocalCluster``),
+    whose children the kernel's parent-death signal cannot reach (the forkserver outlives its caller as long as any
+    of its children lives). Exits at once if ``pid`` is already gone."""
+    identity = _identity(pid)
+    if identity is None or not _is_alive(pid, identity):
+        _exit_orphaned(name, pid)
+    threading.Thread(
+        target=_watch_process, args=(name, pid, identity, poll_s), name="plait-launcher-watch", daemon=True
+    ).start()
+
+
 def launcher_pid() -> int | None:
     """The pid of ``plait train``'s launcher when this process is one of its ranks (``LAUNCHER_PID_ENV``)."""
     text = os.environ.get(LAUNCHER_PID_ENV, "")
@@ -145,6 +191,7 @@ def _worker(
     results: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    owner: int,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -155,7 +202,7 @@ def _worker(
         PLAIT_TIMEOUT_S=str(comm_timeout_s),
     )
     try:
-        die_with_parent(f"rank {rank}")  # the forkserver, which ends when the process that called run_local does
+        die_with_process(f"rank {rank}", owner)  # the process that called run_local
         import torch
         import torch.distributed as dist
 
@@ -195,7 +242,7 @@ def run_local(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs),
+                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs, os.getpid()),
                 daemon=True,
             )
             for r in range(world_size)
@@ -256,6 +303,7 @@ __all__ = [
     "ORPHANED_EXIT_CODE",
     "LaunchError",
     "die_with_parent",
+    "die_with_process",
     "launcher_pid",
     "run_local",
     "spawn_context",

@@ -16,6 +16,7 @@ The kill -9 of a real training job and its resume run under ``long`` (make test-
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from plait.param_server.keys import LOCAL_KEY_FILE_ENV, local_key, local_key_pat
 from plait.param_server.service import Service
 from plait.param_server.transport import connect, request
 from plait.param_server.wire import ProtocolError
+from plait.train import fault
 from plait.train.fault import LOCK_NAME, RunFolderLock, describe_exit
 
 pytestmark = [pytest.mark.adversarial]
@@ -267,6 +269,61 @@ def test_a_job_killed_mid_training_leaves_its_folder_to_the_resumed_job_alone(tm
     assert steps[-3:] == [last, last + 1, last + 2] and len(steps) == len(set(steps))  # resumed, each step once
 
 
+def _forkserver_children(launcher: int) -> list[int]:
+    """The processes a forkserver started for ``launcher`` (the forkserver is the launcher's child)."""
+    found = []
+    for child in _children(launcher):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in command:
+            found += [child, *_children(child)]
+    return found
+
+
+def _kill_and_expect_all_gone(launcher: subprocess.Popen, processes: list[int]) -> None:
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait(10)
+    try:
+        _wait(lambda: not any(_alive(pid) for pid in processes), 5, f"none of {processes} alive after the launcher")
+    finally:
+        for pid in processes:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+FORKSERVER_JOBS = {
+    "plait ps": (["-m", "plait", "ps", "--servers", "2", "--workers", "2", "--steps", "100000"], 4),
+    "run_local": (["-c", "import time, plait.launch as l; l.run_local(time.sleep, 2, 600, timeout=900)"], 2),
+}
+"""A job whose processes come from a forkserver, and how many it starts (servers and workers, or ranks)."""
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.long
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("job", sorted(FORKSERVER_JOBS))
+def test_forkserver_processes_die_with_the_process_that_asked_for_them(tmp_path, job):
+    """``plait ps``'s servers and workers and ``run_local``'s ranks come from a forkserver, which outlives its
+    caller while any of its children lives: they watch the caller's pid, and all of them (the forkserver too)
+    are gone within seconds of a kill -9 of the caller."""
+    args, count = FORKSERVER_JOBS[job]
+    env = {**ENV, LOCAL_KEY_FILE_ENV: str(tmp_path / "ps-local.key")}
+    with open(tmp_path / "log", "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, *args], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        _wait(lambda: len(_forkserver_children(launcher.pid)) == 1 + count, 120, f"{job}: its processes started")
+        time.sleep(3.0)  # past their start-up: serving and training
+        _kill_and_expect_all_gone(launcher, _forkserver_children(launcher.pid))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "is gone; stopping at once" in (tmp_path / "log").read_text()
+
+
 # ------------------------------------------------------------------------------------------- one job per folder
 @pytest.mark.timeout(120)
 def test_a_second_job_on_a_live_jobs_run_folder_is_refused_before_it_starts(tmp_path, monkeypatch, capsys):
@@ -308,6 +365,18 @@ def test_a_run_folder_that_is_a_file_is_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot use the run folder .*file.*Fix: pass --out with a folder"):
         RunFolderLock.acquire(tmp_path / "file")
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fault.fcntl, "flock", no_locks)
+    logger = logging.getLogger("plait.train.fault")
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="plait.train.fault"), RunFolderLock.acquire(tmp_path / "run"):
+        pass
+    assert "cannot lock the run folder" in caplog.text and "No locks available" in caplog.text
 
 
 # --------------------------------------------------------------------------------- the keyless parameter server
