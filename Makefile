@@ -8,7 +8,7 @@
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
 #   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
 # make test-max-torch: the same subset on the newest torch the pin allows (MAX_TORCH: what `pip install plait` picks)
-#   in .venv-max-torch (its CUDA build, ~5.5 GB installed, runs on CPU too; docs/testing.md).
+#   in .venv-max-torch (its CUDA 13 build and nvidia-* dependencies, 6.2 GB installed, run on CPU too; docs/testing.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -52,27 +52,21 @@ test-adversarial: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda tests/gpu
 
-$(MIN_VENV)/.installed-$(MIN_TORCH):
-	$(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MIN_VENV)/bin/python -m pip install --quiet torch==$(MIN_TORCH)
-	$(MIN_VENV)/bin/python -m pip install --quiet -e '.[test]'
-	touch $@
+# A venv with one torch version and the subset run on it: $(1) the venv, $(2) torch's version, $(3) the target.
+define torch_subset
+$(1)/.installed-$(2):
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet torch==$(2)
+	$(1)/bin/python -m pip install --quiet -e '.[test]'
+	touch $$@
 
-test-min-torch: $(MIN_VENV)/.installed-$(MIN_TORCH)
-	$(MIN_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MIN_TORCH)'), torch.__version__"
-	$(MIN_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
-
-$(MAX_VENV)/.installed-$(MAX_TORCH):
-	$(PYTHON) -m venv $(MAX_VENV)
-	$(MAX_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MAX_VENV)/bin/python -m pip install --quiet torch==$(MAX_TORCH)
-	$(MAX_VENV)/bin/python -m pip install --quiet -e '.[test]'
-	touch $@
-
-test-max-torch: $(MAX_VENV)/.installed-$(MAX_TORCH)
-	$(MAX_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MAX_TORCH)'), torch.__version__"
-	$(MAX_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+$(3): $(1)/.installed-$(2)
+	$(1)/bin/python -c "import torch; assert torch.__version__.startswith('$(2)'), torch.__version__"
+	$(1)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+endef
+$(eval $(call torch_subset,$(MIN_VENV),$(MIN_TORCH),test-min-torch))
+$(eval $(call torch_subset,$(MAX_VENV),$(MAX_TORCH),test-max-torch))
 
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests benchmarks

@@ -45,17 +45,10 @@ from plait.train.fault import LOCK_NAME, RunFolderLock, describe_exit
 pytestmark = [pytest.mark.adversarial]
 LINUX = sys.platform.startswith("linux")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
-JOB = [
-    "--nproc",
-    "2",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.global_batch=8",
-    "--set",
-    "model.n_layer=1",
-    "--set",
-    "model.d_model=32",
+JOB = ["--nproc", "2"] + [
+    arg
+    for setting in ("train.eval_every=0", "train.global_batch=8", "model.n_layer=1", "model.d_model=32")
+    for arg in ("--set", setting)
 ]
 """A tiny two-rank job (dp=2) on the synthetic task; the tests add steps, checkpoints and --out."""
 TASK = AdditionGPT()
