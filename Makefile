@@ -7,6 +7,8 @@
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
 #   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
+# make test-max-torch: the same subset on the newest torch the pin allows (MAX_TORCH: what `pip install plait` picks)
+#   in .venv-max-torch (its CUDA 13 build and nvidia-* dependencies, 6.2 GB installed, run on CPU too; docs/testing.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,10 +17,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml 2>/dev/null | cksum | cut
 DEMO_ARGS := --set layout.tp=2
 MIN_TORCH := 2.11.0
 MIN_VENV := .venv-min-torch
+MAX_TORCH := 2.14.1
+MAX_VENV := .venv-max-torch
 MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
 	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch lint format bench clean
+.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -48,16 +52,21 @@ test-adversarial: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda tests/gpu
 
-$(MIN_VENV)/.installed-$(MIN_TORCH):
-	$(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MIN_VENV)/bin/python -m pip install --quiet torch==$(MIN_TORCH)
-	$(MIN_VENV)/bin/python -m pip install --quiet -e '.[test]'
-	touch $@
+# A venv with one torch version and the subset run on it: $(1) the venv, $(2) torch's version, $(3) the target.
+define torch_subset
+$(1)/.installed-$(2):
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet torch==$(2)
+	$(1)/bin/python -m pip install --quiet -e '.[test]'
+	touch $$@
 
-test-min-torch: $(MIN_VENV)/.installed-$(MIN_TORCH)
-	$(MIN_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(MIN_TORCH)'), torch.__version__"
-	$(MIN_VENV)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+$(3): $(1)/.installed-$(2)
+	$(1)/bin/python -c "import torch; assert torch.__version__.startswith('$(2)'), torch.__version__"
+	$(1)/bin/python -m pytest -q -x $(MIN_TORCH_TESTS)
+endef
+$(eval $(call torch_subset,$(MIN_VENV),$(MIN_TORCH),test-min-torch))
+$(eval $(call torch_subset,$(MAX_VENV),$(MAX_TORCH),test-max-torch))
 
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests benchmarks
@@ -72,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(MIN_VENV) $(MAX_VENV) runs .pytest_cache

@@ -10,7 +10,8 @@
 A local run shows the servers' progress live (version, updates/s, staleness, live workers: a table in a terminal,
 log lines otherwise), each worker logs its own, and it ends with a summary (held-out loss, updates, staleness
 histogram) and writes ``<out>/{ps.png,summary.json,ckpt}`` (a plait checkpoint: ``plait convert`` reads it).
-Servers bind 127.0.0.1 unless told otherwise and refuse any other address without a key (``plait ps keygen``).
+Servers bind 127.0.0.1 unless told otherwise and refuse any other address without a key (``plait ps keygen``);
+on loopback without a key, servers and workers use this user's local key, so only this user's processes connect.
 Bad input is a ``ConfigError``: ``plait`` prints it and exits with 2.
 """
 

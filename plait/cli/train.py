@@ -6,6 +6,11 @@ the training program itself (``plait.train.loop``). So on a cluster the same pro
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
 ``--max-restarts N`` is torchrun's: the agent restarts every worker when one fails, and each resumes from the
 last checkpoint (``plait/train/fault.py``, docs/launching.md).
+
+One job per run folder, and no rank outlives its launcher: the launcher locks the run folder before it starts any
+worker and holds the lock until it exits (``RunFolderLock``; without plait's launcher, rank 0 takes it), and every
+worker dies with the process that started it (``plait.launch.die_with_parent``), so a launcher killed with
+SIGKILL leaves nothing running that could write into the folder a resumed job then uses.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import ConfigError, PlaitError
+
+if TYPE_CHECKING:
+    from plait.train.config import RunConfig
+    from plait.train.fault import RunFolderLock
 
 
 def add_train_command(commands: Any) -> None:
@@ -74,11 +83,15 @@ def _in_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "RANK" in os.environ
 
 
-def worker_args(args: argparse.Namespace) -> list[str]:
+def launch_out(args: argparse.Namespace) -> str:
+    """The run folder a launch writes: --out, else ``runs/<time>``."""
+    return str(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+
+
+def worker_args(args: argparse.Namespace, out: str | None = None) -> list[str]:
     """The ``plait train`` arguments each launched worker runs with (inside torchrun, plait train is the worker
     whatever --nproc says): the run folder, the preset and configuration, tracing and the backend."""
-    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    forwarded = ["train", "--out", out]
+    forwarded = ["train", "--out", out or launch_out(args)]
     if args.preset:
         forwarded += ["--preset", args.preset]
     if args.config:
@@ -93,11 +106,31 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """Re-run this command in ``args.nproc`` processes under torchrun's launcher; returns the exit code."""
+    """Re-run this command in ``args.nproc`` processes under torchrun's launcher, holding the run folder's lock;
+    returns the exit code."""
+    from plait.launch import LAUNCHER_PID_ENV
+    from plait.train.fault import RunFolderLock
+
+    out = launch_out(args)
+    forwarded = worker_args(args, out)
+    lock = RunFolderLock.acquire(out)  # held until the job ends, or this process dies, however it dies
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' parent: they die with it
+    try:
+        return _run_torchrun(args, forwarded)
+    finally:
+        lock.release()
+        if previous is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous
+
+
+def _run_torchrun(args: argparse.Namespace, forwarded: list[str]) -> int:
+    """torchrun's launcher, in this process, running ``forwarded`` on ``args.nproc`` workers; the exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    forwarded = worker_args(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.max_restarts:  # a restart must not read the last attempt's addresses (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -175,18 +208,45 @@ def check_backend(backend: str | None, nproc: int) -> str:
     return chosen
 
 
+def _start_rank() -> None:
+    """A torchrun worker's first act: die with the process that started it (plait's launcher, whose pid it was
+    handed, or torchrun's agent)."""
+    from plait.launch import die_with_parent, launcher_pid
+
+    if _in_torchrun():
+        die_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher_pid())
+
+
+def _lock_run_folder(config: RunConfig) -> RunFolderLock | None:
+    """The run folder's lock, where this process must hold it: plait's launcher holds it for its workers;
+    otherwise rank 0 (of a job torchrun started, or a lone process) does. The folder is fixed here, once."""
+    from plait.launch import launcher_pid
+    from plait.train.fault import RunFolderLock
+    from plait.train.loop import default_run_dir
+
+    config.train.out = config.train.out or str(default_run_dir())  # the folder locked is the folder written
+    if (_in_torchrun() and launcher_pid() == os.getppid()) or os.environ.get("RANK", "0") not in ("", "0"):
+        return None
+    return RunFolderLock.acquire(config.train.out)
+
+
 def _train(args: argparse.Namespace) -> int:
     from plait.distributed import init, shutdown
     from plait.train.config import load_config
     from plait.train.loop import run
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
+    _start_rank()
     config = load_config(args.config, overrides, args.preset)
+    lock = _lock_run_folder(config)
     try:
         run(config, world=init(backend=args.backend), trace=args.trace, trace_steps=args.trace_steps)
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     shutdown()
     return 0
 

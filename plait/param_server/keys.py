@@ -1,8 +1,13 @@
 """The job's shared secret and the bind policy: who may talk to a parameter server.
 
+Every connection is authenticated: there is no keyless mode.
 - A server bound to a loopback address (127.0.0.0/8, ::1, localhost: the default) is reachable from this host
-  only. It may run without a key; it then says so in its log (any local user could connect, none could run code,
-  since nothing received is ever executed).
+  only. Started without a key, it uses this user's *local key* (``local_key``: 32 random bytes, hex, created once
+  in ``~/.cache/plait/ps-local.key``, mode 0600 in a 0700 folder; ``PLAIT_PS_LOCAL_KEY_FILE`` names another
+  file), and so do workers started without a key that connect to a loopback address. So "no key" still
+  authenticates: this user's processes can read the file and join; other local users cannot read it and are
+  refused (and logged) before any request is parsed: no ``stop``, no pull of the shard. The boundary is the user
+  account, as for the process itself (the same user could read its memory anyway).
 - A server bound to any other address refuses to start without a key the user set: ``PLAIT_PS_AUTHKEY`` (at least
   16 characters) or a key file (``plait ps keygen FILE``: 32 random bytes, hex, mode 0600) named by
   ``--key-file`` / ``PLAIT_PS_KEY_FILE``. There is no built-in default key.
@@ -24,6 +29,7 @@ from plait.errors import ConfigError
 
 KEY_ENV = "PLAIT_PS_AUTHKEY"
 KEY_FILE_ENV = "PLAIT_PS_KEY_FILE"
+LOCAL_KEY_FILE_ENV = "PLAIT_PS_LOCAL_KEY_FILE"
 MIN_KEY_CHARS = 16
 KEY_FIX = (
     f"Fix: run `plait ps keygen ps.key` once, copy the file (mode 0600) to every host and pass --key-file ps.key, "
@@ -77,6 +83,43 @@ def resolve_key(key_file: str | None = None) -> bytes | None:
     return text.encode()
 
 
+def local_key_path() -> Path:
+    """Where this user's local key lives: ``PLAIT_PS_LOCAL_KEY_FILE``, else ``~/.cache/plait/ps-local.key``."""
+    named = os.environ.get(LOCAL_KEY_FILE_ENV)
+    return Path(named) if named else Path.home() / ".cache" / "plait" / "ps-local.key"
+
+
+def local_key() -> bytes:
+    """This user's key for loopback jobs started without one: read from ``local_key_path()``, created there
+    first (0600, its folder 0700 when plait creates it) if missing. Refused like any key file that others may
+    read or another user owns."""
+    path = local_key_path()
+    if not path.exists():
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            generate_key_file(path)
+        except ConfigError:
+            pass  # another process of this user created it first: read theirs
+        except OSError as error:
+            raise ConfigError(
+                f"cannot create this user's local parameter-server key {path}: {error.strerror or error}. Fix: "
+                f"set {LOCAL_KEY_FILE_ENV} to a path this user may write, or give the job a key. {KEY_FIX}"
+            ) from None
+    return read_key_file(path)
+
+
+def job_key(key: bytes | None, host: str) -> bytes:
+    """The key a server at (or a connection to) ``host`` uses: ``key`` when set; else, on loopback, this user's
+    local key; elsewhere a ConfigError (a non-loopback job needs a key the user set)."""
+    if key is not None:
+        if len(key) < MIN_KEY_CHARS:
+            raise ConfigError(f"a key of {len(key)} characters is too short (at least {MIN_KEY_CHARS}). {KEY_FIX}")
+        return key
+    if is_loopback(host):
+        return local_key()
+    raise ConfigError(f"no key set for the parameter server at {host}: a non-loopback job needs one. {KEY_FIX}")
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback interface only (a name must resolve to loopback only)."""
     if host in ("localhost", "ip6-localhost"):
@@ -104,9 +147,13 @@ def check_bind(host: str, key: bytes | None) -> None:
 __all__ = [
     "KEY_ENV",
     "KEY_FILE_ENV",
+    "LOCAL_KEY_FILE_ENV",
     "check_bind",
     "generate_key_file",
     "is_loopback",
+    "job_key",
+    "local_key",
+    "local_key_path",
     "read_key_file",
     "resolve_key",
 ]

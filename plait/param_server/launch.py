@@ -2,7 +2,8 @@
 
 Servers start first and report their addresses; workers connect to all of them. `LocalCluster` spawns them
 (forkserver, torch preloaded), can kill a worker (SIGKILL) or start a new one mid-run, and at the end asks every
-server for its final report and shard. On several machines the same entry points run as separate commands
+server for its final report and shard. Its processes die with it (``plait.launch.die_with_process``): a launcher
+killed with SIGKILL leaves no server serving and no worker training. On several machines the same entry points run as separate commands
 (docs/param_server.md): `serve_shard` on each server host, `run_worker` on each worker host.
 """
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from plait.errors import ConfigError
+from plait.launch import die_with_process
 from plait.logging import configure, get_logger
 from plait.param_server.agreement import JobSettings
 from plait.param_server.consistency import Consistency
@@ -217,6 +219,14 @@ class WorkerProgress:
             self._log(self.steps - 1)
 
 
+def _server_entry(
+    config: JobConfig, index: int, host: str, port: int, addresses: Any, key: bytes | None, owner: int
+) -> None:
+    """A `LocalCluster` server: `serve_shard`, ending with the launcher (`owner`) if it dies first."""
+    die_with_process(f"server {index}", owner)
+    serve_shard(config, index, host, port, addresses, key)
+
+
 def _worker_entry(
     config: JobConfig,
     index: int,
@@ -225,7 +235,9 @@ def _worker_entry(
     results: Any,
     step_delay_s: float,
     key: bytes | None,
+    owner: int,
 ) -> None:
+    die_with_process(f"worker {index}", owner)
     try:
         run_worker(config, index, addresses, acked, results, step_delay_s, key)
     except BaseException as error:  # noqa: BLE001 - report to the launcher, then fail the process
@@ -282,8 +294,8 @@ class LocalCluster:
         found = self.ctx.Queue()
         for index, port in ports.items():
             process = self.ctx.Process(
-                target=serve_shard,
-                args=(self.config, index, "127.0.0.1", port, found, self.key),
+                target=_server_entry,
+                args=(self.config, index, "127.0.0.1", port, found, self.key, os.getpid()),
                 name=f"ps-server{index}",
                 daemon=True,
             )
@@ -316,7 +328,7 @@ class LocalCluster:
             target=_worker_entry,
             name=f"ps-worker{index}",
             daemon=True,
-            args=(self.config, index, self.addresses, self.acked, self.results, step_delay_s, self.key),
+            args=(self.config, index, self.addresses, self.acked, self.results, step_delay_s, self.key, os.getpid()),
         )
         start_process(process, "the worker")
         self.workers[index] = process

@@ -121,17 +121,13 @@ class ShardServer:
         clock (a live one, e.g. restored from a checkpoint, keeps its record)."""
         differences = [] if settings is None else self.settings.job.differences(settings)
         if differences:
-            message = mismatch_message(name, differences)
-            log.error("server %d: refused worker %s: %s", self.settings.index, name, message)
-            raise ConfigError(message)
+            raise ConfigError(mismatch_message(name, differences))  # the service logs every refusal
         problem = spec_mismatch(self.spec, tuple(spec))
         if problem:
-            message = (
+            raise ConfigError(
                 f"worker {name!r} has a different model from the servers': {problem}. Fix: build the "
                 f"workers' model with the same configuration as the servers'."
             )
-            log.error("server %d: refused worker %s: %s", self.settings.index, name, message)
-            raise ConfigError(message)
         with self.cond:
             record = self.workers.get(wid)
             if record is None or not record.alive:

@@ -4,7 +4,9 @@ A connection first authenticates (``wire.server_handshake``); then each request 
 ``{"op": OP, "args": {...}}`` (checked against the op's schema below) and whose payload, for a push, holds the
 gradients (checked against this shard's names, shapes and dtypes). Replies are ``{"ok": true, "value": ...}``
 (plus tensors for pulls) or ``{"ok": false, "error": CLASS, "message": ...}``. A request that breaks the protocol
-closes its connection (logged with the peer's address); the server goes on serving the others.
+closes its connection (logged with the peer's address; an authenticated peer is first told why, in one line); the
+server goes on serving the others. Every refused request is logged (peer, worker, op, reason), and so is every
+``stop``, the one request that ends the server and hands out its whole shard.
 
 A connection that reaches EOF (its process died, even by SIGKILL) marks the worker it spoke for dead at once; a
 worker whose heartbeats stop for ``dead_after_s`` is marked dead by the monitor. ``stop`` (sent by the launcher)
@@ -15,6 +17,7 @@ workers an open round lacks) every WAIT_LOG_S.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -26,7 +29,7 @@ import torch
 from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.param_server.agreement import JobSettings
-from plait.param_server.keys import check_bind, is_loopback
+from plait.param_server.keys import check_bind, is_loopback, job_key, local_key_path
 from plait.param_server.server import ShardServer
 from plait.param_server.sharding import ParamSpec
 from plait.param_server.transport import open_socket
@@ -74,17 +77,26 @@ def _flag(value: Any, what: str) -> bool:
     return value
 
 
+def _size(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+        raise ProtocolError("a shape entry must be an integer >= 0")
+    return value
+
+
 def _spec(value: Any) -> tuple[ParamSpec, ...]:
+    """A worker's model spec, ``[[name, [sizes], dtype], ...]``: every element's JSON type checked before use."""
     if not isinstance(value, list) or len(value) > MAX_TENSORS:
         raise ProtocolError("spec must be a list of [name, shape, dtype]")
     spec = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list) and len(item[1]) <= 16):
             raise ProtocolError("a spec entry must be [name, shape, dtype]")
-        name = item[0] if isinstance(item[0], str) and len(item[0]) <= 1024 else None
-        if name is None or item[2] not in DTYPES:
-            raise ProtocolError("a spec entry has a bad name or dtype")
-        spec.append(ParamSpec(name, tuple(_count(size, "a shape entry") for size in item[1]), item[2]))
+        name, shape, dtype = item
+        if not (isinstance(name, str) and 0 < len(name) <= 1024):
+            raise ProtocolError("a spec entry's name must be a string of 1 to 1024 characters")
+        if not (isinstance(dtype, str) and dtype in DTYPES):
+            raise ProtocolError(f"a spec entry's dtype must be one of {sorted(DTYPES)}")
+        spec.append(ParamSpec(name, tuple(_size(size) for size in shape), dtype))
     return tuple(spec)
 
 
@@ -124,7 +136,10 @@ def parse_request(header: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     schema = SCHEMAS[op]
     if not isinstance(args, dict) or set(args) != set(schema):
         raise ProtocolError(f"request {op!r} takes exactly the arguments {sorted(schema)}")
-    return op, {name: check(args[name]) for name, check in schema.items()}
+    try:
+        return op, {name: check(args[name]) for name, check in schema.items()}
+    except ProtocolError as error:
+        raise ProtocolError(f"request {op!r}: {error}") from None
 
 
 class Service:
@@ -140,13 +155,14 @@ class Service:
     ) -> None:
         check_bind(host, key)
         if key is None:
-            log.warning(
-                "server %d: no key set: any local user may connect to %s (none can run code: nothing received "
-                "is executed). Fix: set PLAIT_PS_AUTHKEY or --key-file.",
+            log.info(
+                "server %d: no key set: using this user's local key %s, so only this user's processes may "
+                "connect to %s",
                 server.settings.index,
+                local_key_path(),
                 host,
             )
-        self.server, self.key = server, key
+        self.server, self.key = server, job_key(key, host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -230,13 +246,14 @@ class Service:
                 if not channel.readable(0.2):
                     continue
                 message = channel.receive(0.0)
-                op, args = parse_request(message.header)
+                op, args = self._parse(channel, message)
                 if op == "stop":
-                    self._stop(channel)
+                    self._stop(channel, where)
                     return
                 try:
                     value, staged = self._dispatch(op, args, channel, message, peer)
                 except (ConfigError, TimeoutError, PermissionError, KeyError) as error:
+                    self._refused(op, args, where, error)
                     channel.send({"ok": False, "error": type(error).__name__, "message": str(error)})
                     continue
                 if op in ("join", "beat", "pull", "push"):
@@ -250,6 +267,15 @@ class Service:
             log.warning("server %d: refused a message from %s%s: %s; connection closed", index, where, who, error)
         except (EOFError, OSError, TimeoutError):
             pass
+        except Exception as error:  # noqa: BLE001 - one connection's failure must not end the server
+            log.error(
+                "server %d: internal error serving %s: %s: %s; connection closed, serving the others",
+                index,
+                where,
+                type(error).__name__,
+                error,
+            )
+            log.debug("server %d: the internal error's traceback", index, exc_info=True)
         finally:
             if channel is not None:
                 channel.close()
@@ -259,6 +285,24 @@ class Service:
                 self.connections -= 1
             if speaks_for is not None and not self.stopped.is_set():
                 self.server.lost(speaks_for, "connection closed")
+
+    @staticmethod
+    def _parse(channel: Channel, message: Message) -> tuple[str, dict[str, Any]]:
+        """The request's op and checked arguments; a malformed one (from a peer that holds the key: the MAC was
+        checked) is answered with the reason before its connection is closed."""
+        try:
+            return parse_request(message.header)
+        except ProtocolError as error:
+            with contextlib.suppress(OSError):
+                reason = f"{error}; connection closed. Fix: run the same plait version on every server and worker"
+                channel.send({"ok": False, "error": "ProtocolError", "message": reason})
+            raise
+
+    def _refused(self, op: str, args: dict[str, Any], where: str, error: Exception) -> None:
+        """Log a request refused with a reply (a join whose settings or model differ, a dead worker's push...)."""
+        who = f"worker {args['wid']}'s " if "wid" in args else ""
+        level = log.error if isinstance(error, ConfigError) else log.warning
+        level("server %d: refused %s%s from %s: %s", self.server.settings.index, who, op, where, error)
 
     def _dispatch(
         self, op: str, args: dict[str, Any], channel: Channel, message: Message, peer: Any
@@ -309,8 +353,13 @@ class Service:
         channel.shm_in, channel.shm_out = incoming, outgoing
         return {"shm": True}
 
-    def _stop(self, channel: Channel) -> None:
+    def _stop(self, channel: Channel, where: str) -> None:
         report = self.server.report(with_params=True)
+        log.info(
+            "server %d: stop requested by %s (authenticated): sending the final report and the shard, then stopping",
+            self.server.settings.index,
+            where,
+        )
         params, history = report.pop("params"), report.pop("history")
         tensors: list[tuple[str, torch.Tensor]] = [(f"p/{name}", value) for name, value in params.items()]
         for step, shard in enumerate(history):

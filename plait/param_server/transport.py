@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.param_server.keys import job_key
 from plait.param_server.wire import AuthenticationError, Channel, Message, ProtocolError, Staged, client_handshake
 
 
@@ -51,7 +52,9 @@ def open_socket(sock: socket.socket) -> socket.socket:
 
 
 def connect(address: tuple[str, int], key: bytes | None, timeout_s: float, max_payload: int) -> Channel:
-    """Connect and authenticate to a server, retrying while it is not (yet or again) listening."""
+    """Connect and authenticate to a server, retrying while it is not (yet or again) listening. Without a key,
+    a loopback server is authenticated with this user's local key (keys.py)."""
+    key = job_key(key, address[0])
     deadline = time.monotonic() + timeout_s
     while True:
         sock = None

@@ -25,8 +25,8 @@ but does not hold the job's key. Then:
   own connection (ProtocolError), never the server.
 - Not covered: confidentiality (parameters travel in clear; use a private network or a tunnel for secret
   models) and a peer that holds the key (it is a member of the job and may push any gradient).
-Without a key (allowed on loopback binds only, keys.py) the MACs use an empty key: integrity against accidents,
-no authentication.
+There is no keyless mode: a loopback job started without a key uses this user's local key (keys.py), and an
+empty key is refused on both sides.
 
 Same-host transfers (shm): over a loopback connection the client may offer two shared-memory segments it created
 in /dev/shm with mode 0600 and a random 128-bit name; the server maps them only if they are regular files owned
@@ -124,9 +124,15 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, key: bytes | None) -> bytes:
+def _secret(key: bytes) -> bytes:
+    if not key:
+        raise AuthenticationError("an empty key authenticates nothing; plait never uses one (keys.py)")
+    return key
+
+
+def server_handshake(sock: socket.socket, key: bytes) -> bytes:
     """Prove and check the key (module docstring); the session key. AuthenticationError on a wrong or no key."""
-    secret = key or b""
+    secret = _secret(key)
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     nonce_s = secrets.token_bytes(32)
     sock.sendall(HELLO + nonce_s)
@@ -138,9 +144,9 @@ def server_handshake(sock: socket.socket, key: bytes | None) -> bytes:
     return _tag(secret, b"session", nonce_s, nonce_c)
 
 
-def client_handshake(sock: socket.socket, key: bytes | None) -> bytes:
+def client_handshake(sock: socket.socket, key: bytes) -> bytes:
     """The client's half of the handshake; the session key."""
-    secret = key or b""
+    secret = _secret(key)
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     hello = _recv_bytes(sock, len(HELLO) + 32, deadline)
     if hello[: len(HELLO)] != HELLO:

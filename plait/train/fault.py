@@ -15,13 +15,21 @@ each resumes from ``<run>/ckpt``. Dying is easy to notice; hanging is not, so ev
 first attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), so the restarted job completes. Options:
 ``action=exit`` (``os._exit(code)``, default), ``kill`` (SIGKILL) or ``hang`` (wait forever: the watchdog's
 case); ``code=1``; ``attempt=0`` (the restart attempt it fires on).
+
+One job per run folder (``RunFolderLock``): the process that owns a job (``plait train``'s launcher, else rank 0)
+holds an exclusive ``flock`` on ``<run>/.plait.lock`` for the job's life, and a second job on the same folder (a
+resume started while the old job still runs) is refused before it starts anything, naming the holder's pid. The
+kernel drops the lock when its holder dies, however it dies, so a stale lock never blocks a resume; the ranks of
+a dead launcher die with it (``plait.launch.die_with_parent``), so nothing writes the folder unlocked.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.launch import ORPHANED_EXIT_CODE
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -43,6 +52,7 @@ COLLECTIVE_PATHS = (os.path.join("plait", "comm", ""), os.path.join("torch", "di
 """A main-thread frame from these folders means "inside a collective": its own timeout applies there."""
 _ELASTIC = os.path.join("torch", "distributed", "elastic", "")
 ACTIONS = ("exit", "kill", "hang")
+LOCK_NAME = ".plait.lock"
 
 
 def restart_count(environ: Mapping[str, str] = os.environ) -> int:
@@ -277,10 +287,65 @@ def resume_metrics(path: Path, step: int, total_steps: int) -> int:
     return dropped
 
 
+class RunFolderLock:
+    """An exclusive lock on a run folder for one job's life (module docstring); ``acquire`` or ConfigError."""
+
+    def __init__(self, run_dir: Path, fd: int) -> None:
+        self.run_dir, self.fd = run_dir, fd
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path) -> RunFolderLock:
+        """Lock ``run_dir`` (created if missing) for this process; refuse if another job holds it."""
+        run_dir = Path(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot use the run folder {run_dir}: {error.strerror or error}. Fix: pass --out with a folder "
+                f"this user may write (not a file)."
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise ConfigError(
+                f"the run folder {run_dir} is in use by another plait train job ({holder}): two jobs writing one "
+                f"folder would mix their checkpoints and metrics. Fix: wait for that job to end or stop it, or "
+                f"pass another --out."
+            ) from None
+        except OSError as error:  # a filesystem without locks: train, but say what is not guarded
+            log.warning(
+                "cannot lock the run folder %s (%s): a second job started on it would not be refused",
+                run_dir,
+                error.strerror or error,
+            )
+            return cls(run_dir, fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0
+        )
+        return cls(run_dir, fd)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the descriptor drops the lock
+            self.fd = -1
+
+    def __enter__(self) -> RunFolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def describe_exit(code: int) -> str:
     """``exit code N`` with what it means when plait knows (the watchdog's code, a signal)."""
     if code == WATCHDOG_EXIT_CODE:
         return f"exit code {code}: stopped by the hang watchdog"
+    if code == ORPHANED_EXIT_CODE:
+        return f"exit code {code}: stopped because its launcher died"
     if code < 0:
         try:
             return f"exit code {code}: killed by {signal.Signals(-code).name}"
