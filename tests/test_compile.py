@@ -129,7 +129,11 @@ def _whole_model_compiled_under_zero3() -> None:
 def test_a_model_compiled_whole_is_refused_under_zero3_with_the_fix(monkeypatch):
     with pytest.raises(LayoutError, match="Layout\\(compile=True\\)"):
         _whole_model_compiled_under_zero3()
-    # Without the check, the failure it prevents (reproduced on CPU, as on the H100 of issue 14):
+    # Without the check, the failure it prevents (reproduced on CPU, as on the H100 of issue 14). torch 2.14 no
+    # longer fails here (make test-max-torch, docs/testing.md); plait keeps refusing until a ZeRO-3 parity test of
+    # a whole-model compile exists.
+    if torch.__version__ >= (2, 14):  # TorchVersion compares with tuples
+        return
     monkeypatch.setattr(sys.modules["plait.parallelize"], "check_precompiled", lambda model, layout: None)
     import torch._dynamo
 
