@@ -280,3 +280,37 @@ def test_update_windows_divide_by_their_own_token_counts():
     assert isinstance(opaque, MicroMeanStep) and float(opaque.to_backward(0, one)) == 0.5
     with pytest.raises(ValueError, match="windows"):
         step_loss(lm_loss, engine.comm, targets, window=3)
+
+
+# ----------------------------------------------------------------- the parameter server's BSP rounds
+def ps_gpt() -> torch.nn.Module:
+    """The parameter-server task's model (module level: the launcher hands the recipe to its processes)."""
+    return make_model()[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_parameter_server_bsp_rounds_are_token_means_over_every_worker():
+    """BSP with 2 workers whose batches score different numbers of tokens: each worker pushes its summed gradient
+    with its token count and the round divides their sum by the summed count, so every step equals synchronous
+    training on the union of the batches (before: the mean of the two workers' means)."""
+    from plait.param_server import Consistency, JobConfig, ModelTask, OptimizerSpec, run_local
+
+    _, data = make_model()
+    task = ModelTask(ps_gpt, data, lm_loss, batch=4, seed=0)
+    sgd = OptimizerSpec("SGD", {"lr": 0.5})
+    result = run_local(
+        JobConfig(
+            servers=1, workers=2, steps=3, consistency=Consistency("bsp"), optimizer=sgd, task=task,
+            record_history=True, log_every_s=0, worker_log_every_s=0,
+        )
+    )  # fmt: skip
+    model = task.build_model()
+    opt = sgd.build(list(model.parameters()))
+    for step, shard in enumerate(result.reports[0]["history"]):
+        opt.zero_grad()
+        task.loss(model, task.global_batch(2, step)).backward()
+        opt.step()
+        for name, param in model.named_parameters():
+            # fp32: the two workers' sums are added in another order than one batch's (~1e-7 relative)
+            torch.testing.assert_close(shard[name], param.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")

@@ -75,6 +75,8 @@ class MaskedTask:
         self.task, self.mask = AdditionTask(digits=2, seed=1), mask
 
     def __getattr__(self, name: str) -> object:
+        if name == "task":  # unpickling looks attributes up before __init__'s have been set
+            raise AttributeError(name)
         return getattr(self.task, name)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

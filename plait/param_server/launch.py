@@ -161,10 +161,11 @@ def run_worker(
     )
     losses: list[float] = []
     first_versions = None
+    loss_of = getattr(task, "loss_terms", task.loss)  # (sum, count) of a token mean; else the loss, one item
     progress = WorkerProgress(worker, config.steps, config.worker_log_every_s)
     for step in range(config.steps):
         started = time.perf_counter()
-        loss, _ = worker.step(step, lambda model: task.loss(model, task.batch_of(index, step)))  # noqa: B023 - called within this iteration
+        loss, _ = worker.step(step, lambda model: loss_of(model, task.batch_of(index, step)))  # noqa: B023 - called within this iteration
         losses.append(loss)
         progress.record(step, loss, time.perf_counter() - started)
         first_versions = first_versions or list(worker.versions)

@@ -102,7 +102,7 @@ class ShardServer:
         self.optimizer = settings.optimizer.build(list(self.params.values()))
         self.version = 0
         self.workers: dict[str, WorkerRecord] = {}
-        self.pending: dict[str, tuple[int, dict[str, Tensor]]] = {}
+        self.pending: dict[str, tuple[int, dict[str, Tensor], int]] = {}  # wid -> (seq, gradients, items)
         self.staleness = StalenessStats()
         self.pushes_applied = self.duplicates = self.dropped = self.joined = 0
         self.history: list[dict[str, Tensor]] = []
@@ -228,16 +228,21 @@ class ShardServer:
         timeout_s: float,
         then_pull: bool = False,
         snapshot: Snapshot = clone_params,
+        items: int = 1,
     ) -> dict[str, Any]:
         """Apply (ASP/SSP) or enqueue for the round (BSP) one gradient computed on `version`; exactly once per seq.
+        ``items``: how many items the gradient sums over (a token mean's count; 1 for a mean): a round applies the
+        sum of its gradients divided by the sum of their items.
         With ``then_pull`` the reply also carries what a pull right after it returns ("pulled"): one round trip
         per step instead of two. The gradients may be views of a receive buffer: they are used before returning."""
-        reply = self._push(wid, seq, version, grads, timeout_s)
+        reply = self._push(wid, seq, version, grads, timeout_s, items)
         if then_pull:
             reply["pulled"] = self.pull(wid, timeout_s, snapshot=snapshot)
         return reply
 
-    def _push(self, wid: str, seq: int, version: int, grads: dict[str, Tensor], timeout_s: float) -> dict[str, Any]:
+    def _push(
+        self, wid: str, seq: int, version: int, grads: dict[str, Tensor], timeout_s: float, items: int = 1
+    ) -> dict[str, Any]:
         if set(grads) != set(self.params):
             raise ConfigError(f"push names {sorted(set(grads) ^ set(self.params))[:3]} do not match this shard.")
         with self.cond:
@@ -248,7 +253,7 @@ class ShardServer:
                     return {"applied": True, "duplicate": True, "version": self.version}
             elif self.settings.consistency.mode != "bsp":
                 tau = self.version - version
-                self._apply([(record, seq, version, grads)])
+                self._apply([(record, seq, version, grads, items)])
                 return {"applied": True, "duplicate": False, "version": self.version, "tau": tau}
             elif version != self.version:
                 self.dropped += 1
@@ -256,7 +261,7 @@ class ShardServer:
             else:
                 if not self.pending:
                     self.round_opened = time.monotonic()
-                self.pending[wid] = (seq, grads)
+                self.pending[wid] = (seq, grads, items)
                 self._close_round_if_complete()
             deadline = time.monotonic() + timeout_s
             while record.last_seq < seq:
@@ -280,21 +285,26 @@ class ShardServer:
         live = {wid for wid, record in self.workers.items() if record.alive}
         started = self.joined >= self.settings.min_workers
         if self.settings.consistency.mode == "bsp" and started and self.pending and live <= set(self.pending):
-            entries = [(self.workers[wid], seq, self.version, grads) for wid, (seq, grads) in self.pending.items()]
+            entries = [
+                (self.workers[wid], seq, self.version, grads, items)
+                for wid, (seq, grads, items) in self.pending.items()
+            ]
             self.pending.clear()
             self._apply(entries)
 
-    def _apply(self, entries: list[tuple[WorkerRecord, int, int, dict[str, Tensor]]]) -> None:
-        """One optimizer step on the mean of `entries`' gradients (one entry outside BSP), under the lock."""
+    def _apply(self, entries: list[tuple[WorkerRecord, int, int, dict[str, Tensor], int]]) -> None:
+        """One optimizer step on the sum of `entries`' gradients over the sum of their items (one entry outside
+        BSP; a round of means, one item each, is their mean), under the lock. A round without an item applies
+        its (zero) gradients undivided."""
+        items = max(sum(entry[4] for entry in entries), 1)
         for name, param in self.params.items():
-            param.grad = (
-                torch.stack([grads[name].to(param.dtype) for *_, grads in entries]).mean(dim=0)
-                if len(entries) > 1
-                else entries[0][3][name].to(param.dtype)  # a view of the receive buffer: used before the reply
-            )
+            if len(entries) > 1:
+                param.grad = torch.stack([entry[3][name].to(param.dtype) for entry in entries]).sum(dim=0) / items
+            else:  # a view of the receive buffer, used before the reply: divided into a new tensor
+                param.grad = entries[0][3][name].to(param.dtype) / items
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for record, seq, version, _ in entries:
+        for record, seq, version, *_ in entries:
             self.staleness.record(self.version - version)
             record.last_seq, record.clock, record.applied = seq, record.clock + 1, record.applied + 1
         self.pushes_applied += len(entries)

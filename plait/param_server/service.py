@@ -113,6 +113,7 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "wid": lambda v: _text(v, "wid"),
         "seq": lambda v: _count(v, "seq"),
         "version": lambda v: _count(v, "version"),
+        "items": lambda v: _count(v, "items"),
         "pull": lambda v: _flag(v, "pull"),
     },
     "leave": {"wid": lambda v: _text(v, "wid")},
@@ -327,6 +328,7 @@ class Service:
                 args["version"],
                 grads,
                 REQUEST_TIMEOUT_S,
+                items=max(args["items"], 0),
                 then_pull=args["pull"],
                 snapshot=lambda p: channel.stage(p.items()),
             )

@@ -11,6 +11,12 @@ launcher hands to every process (so its parts must be importable: module-level f
 Worker w's batch at step t is the samples [(t * STRIDE + w) * b, ... + b), so the union of the workers' batches of
 step t is the global batch a synchronous data-parallel run would use at that step (``global_batch``), and a worker
 that joins late under a new index never reads another's samples. Held-out samples start at index 10**9.
+
+A token-mean loss (``plait.models.loss.MeanLoss``: ``lm_loss``, the default) is handed to the workers as its two
+terms (an optional ``loss_terms`` method: the batch's sum and its count of scored items; a task without it is pushed
+as ``loss``, one item), so that BSP's round divides the sum of the
+workers' summed gradients by the sum of their counts: the gradient of the token mean over the union of their
+batches, whatever each batch's loss mask (docs/loss_normalization.md). Any other loss is one item per worker.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import Tensor, nn
 from plait.data import AdditionTask, Dataset
 from plait.models import GPT, GPTConfig
 from plait.models.build import build_model
-from plait.models.loss import LossFn, apply_loss, lm_loss
+from plait.models.loss import LossFn, MeanLoss, apply_loss, apply_total, lm_loss
 
 STRIDE = 1024
 """Worker slots per step in the sample numbering (at most this many workers)."""
@@ -45,6 +51,17 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor: ...
 
     def eval_batch(self, size: int = 256) -> tuple[Tensor, Tensor]: ...
+
+
+LossTerms = tuple[Tensor, Tensor]
+"""(the sum of a batch's per-item losses, the number of items): what a worker differentiates and pushes."""
+
+
+def loss_terms(loss_fn: LossFn, output: Tensor, targets: Tensor) -> LossTerms:
+    """A token-mean loss as (sum, count); any other loss as (its value, 1)."""
+    if isinstance(loss_fn, MeanLoss):
+        return apply_total(loss_fn, output, targets), loss_fn.count(targets)
+    return apply_loss(loss_fn, output, targets), torch.ones((), dtype=torch.int64)
 
 
 def _indices(worker: int, step: int, batch: int) -> range:
@@ -99,6 +116,10 @@ class ModelTask(_Batches):
         inputs, targets = batch
         return apply_loss(self.loss_fn, model(inputs), targets)
 
+    def loss_terms(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> LossTerms:
+        inputs, targets = batch
+        return loss_terms(self.loss_fn, model(inputs), targets)
+
 
 @dataclass(frozen=True)
 class SectionModel:
@@ -150,5 +171,10 @@ class AdditionGPT(_Batches):
         inputs, targets = batch
         return lm_loss(model(inputs), targets)
 
+    @staticmethod
+    def loss_terms(model: nn.Module, batch: tuple[Tensor, Tensor]) -> LossTerms:
+        inputs, targets = batch
+        return loss_terms(lm_loss, model(inputs), targets)
 
-__all__ = ["HELD_OUT", "STRIDE", "AdditionGPT", "ModelTask", "SectionModel", "Task"]
+
+__all__ = ["HELD_OUT", "STRIDE", "AdditionGPT", "LossTerms", "ModelTask", "SectionModel", "Task", "loss_terms"]

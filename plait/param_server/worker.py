@@ -38,6 +38,9 @@ from plait.param_server.sharding import model_spec
 from plait.param_server.transport import ServerUnreachable, as_mapping, call, connect, request
 from plait.param_server.wire import Channel, ProtocolError, SharedBuffer, Staged, dtype_name, shard_bytes
 
+LossOf = Tensor | tuple[Tensor, Tensor]
+"""What a step's loss function returns: the loss, or a token mean's (sum, count) (``plait.param_server.task``)."""
+
 log = get_logger(__name__)
 PUSH_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Pushed = tuple[bool, Any, "dict[str, Tensor] | None"]
@@ -81,6 +84,8 @@ class PSWorker:
         self._uses: dict[str, int] | None = None
         """How many times backward accumulates into each parameter (counted in the first step, for overlap)."""
         self._last_loss = torch.zeros(())
+        self.items = 1
+        """How many items the gradients of the last backward sum over (a token mean's count; 1 for a mean)."""
         self._stop = threading.Event()
         self._io = ThreadPoolExecutor(max_workers=max(1, len(self.addresses)), thread_name_prefix="ps-io")
         try:
@@ -209,7 +214,9 @@ class PSWorker:
 
     def _push_one(self, index: int, seq: int, staged: Staged) -> Pushed:
         """Push shard ``index``'s staged gradients; (applied, the reply's version, the parameters it brought)."""
-        value, tensors = self._call(index, "push", staged, seq=seq, version=self.versions[index], pull=True)
+        value, tensors = self._call(
+            index, "push", staged, seq=seq, version=self.versions[index], items=self.items, pull=True
+        )
         pulled = value.get("pulled")
         if not isinstance(pulled, dict):
             raise ProtocolError(f"server {index} answered a push without parameters")
@@ -217,9 +224,12 @@ class PSWorker:
             self.last_tau.append(value["tau"])
         return value.get("applied") is True, pulled, tensors
 
-    def step(self, seq: int, loss_of: Callable[[nn.Module], Tensor]) -> tuple[float, bool]:
+    def step(self, seq: int, loss_of: Callable[[nn.Module], LossOf]) -> tuple[float, bool]:
         """loss -> backward -> push (each shard as soon as its gradients are ready, with ``overlap``) -> the
         parameters of the next step; returns (loss, applied by every server). Pulls first if it has nothing.
+        ``loss_of`` returns the loss, or (sum, count) for a token mean: the sum is differentiated and pushed with
+        its count (``items``), so a BSP round divides the workers' summed gradients by their summed counts; the
+        loss returned is then sum / count.
 
         A shard whose server refuses the push is recomputed and pushed again as soon as that refusal arrives,
         without waiting for the other shards' replies: under BSP those may wait in rounds that need this
@@ -266,7 +276,7 @@ class PSWorker:
         return first_loss if first_loss is not None else float("nan"), False
 
     def _backward_and_push(
-        self, seq: int, shards: list[int], loss_of: Callable[[nn.Module], Tensor]
+        self, seq: int, shards: list[int], loss_of: Callable[[nn.Module], LossOf]
     ) -> dict[int, Future[Pushed]]:
         """Forward and backward; each shard of ``shards`` is handed to its I/O thread once its gradients are all
         there: during backward with ``overlap`` (after the first step, which counts how many times backward
@@ -305,11 +315,18 @@ class PSWorker:
             ]
         try:
             loss = loss_of(self.model)
-            loss.backward()
+            if isinstance(loss, tuple):  # a token mean's (sum, count)
+                total, count = loss
+                self.items = int(count)
+                total.backward()
+                self._last_loss = total.detach() / self.items  # 0 / 0: NaN for a batch without a scored item
+            else:
+                self.items = 1
+                loss.backward()
+                self._last_loss = loss.detach()
         finally:
             for handle in hooks:
                 handle.remove()
-        self._last_loss = loss.detach()
         if hooks and uses is None:
             self._uses = dict(fired)
         elif hooks and uses is not None and any(count > uses.get(name, 0) for name, count in fired.items()):

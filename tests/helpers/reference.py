@@ -143,6 +143,8 @@ class UnevenMasks:
         self.task = task
 
     def __getattr__(self, name: str) -> object:
+        if name == "task":  # unpickling looks attributes up before __init__'s have been set
+            raise AttributeError(name)
         return getattr(self.task, name)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

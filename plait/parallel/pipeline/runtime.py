@@ -343,6 +343,11 @@ class PipelineRunner:
         self.comm.broadcast(loss_sum, AXIS, src=self.last_rank_index)
         return loss_sum
 
+    def _step_loss(self) -> StepLoss:
+        if self.loss is None:
+            raise ScheduleError("PipelineRunner.train_step runs inside run(), which gives it the step's loss")
+        return self.loss
+
     def _before_compute(self, action: Action) -> None:
         """Hook: runs before each compute action, after the comm runs before it were posted (nothing here)."""
 
@@ -434,13 +439,13 @@ class PipelineRunner:
         stage = self.stages[s]
         if kind == Kind.FORWARD:
             x = micro[j][0] if s == 0 else self._take(inbox, (Kind.FORWARD, s, j))
+            loss = self._step_loss()
             with self.precision.autocast():
                 out = stage.forward(j, x)
                 if stage.is_last:
-                    assert self.loss is not None, "PipelineRunner.train_step runs inside run(), which sets the loss"
-                    value = self.loss.value(out, micro[j][1])
+                    value = loss.value(out, micro[j][1])
             if stage.is_last:
-                stage.set_loss(j, self.precision.scale(self.loss.to_backward(j, value)))
+                stage.set_loss(j, self.precision.scale(loss.to_backward(j, value)))
                 loss_sum += value.detach().float()
             else:
                 self._hand_over(Kind.FORWARD, s, j, out.detach(), inbox, outbox)
