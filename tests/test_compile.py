@@ -132,11 +132,11 @@ def test_a_model_compiled_whole_is_refused_under_zero3_with_the_fix(monkeypatch)
     # Without the check, the failure it prevents (reproduced on CPU, as on the H100 of issue 14). torch 2.14 no
     # longer fails here (make test-max-torch, docs/testing.md); plait keeps refusing until a ZeRO-3 parity test of
     # a whole-model compile exists.
+    import torch._dynamo
+
     if torch.__version__ >= (2, 14):  # TorchVersion compares with tuples
         return
     monkeypatch.setattr(sys.modules["plait.parallelize"], "check_precompiled", lambda model, layout: None)
-    import torch._dynamo
-
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _whole_model_compiled_under_zero3()
