@@ -100,9 +100,15 @@ def load(engine: Engine, root: str | Path) -> int:
     identity.check(engine, folder, meta, metadata, gather)
     load_engine(engine, folder, metadata)
     optimizer = engine.strategy.optimizer
-    if meta.get("optimizer") is not None and optimizer.state:
-        extras.load_param_groups(optimizer, canonical.group_names(engine), meta["optimizer"]["param_groups"])
-    extras.load_scheduler(engine.lr_scheduler, meta.get("lr_scheduler"))
+    try:  # plait.json is the same on every rank: a value that does not fit raises on every rank
+        if meta.get("optimizer") is not None and optimizer.state:
+            extras.load_param_groups(optimizer, canonical.group_names(engine), meta["optimizer"]["param_groups"])
+        extras.load_scheduler(engine.lr_scheduler, meta.get("lr_scheduler"))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(
+            f"checkpoint {folder}: plait.json's optimizer or lr scheduler state does not fit this run's "
+            f"({type(error).__name__}: {error}). Fix: resume with the optimizer and schedule it was trained with."
+        ) from None
     same = meta["layout"] == engine.layout.to_dict() and meta["world_size"] == engine.mesh.world_size
     if same and extras.load_rng(folder, engine.mesh.rank):
         log.info("restored the random generators of rank %d", engine.mesh.rank)
@@ -125,11 +131,20 @@ def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     folder = _choose(root)
     meta = _read_meta(folder)
     metadata = storage.read_metadata(folder)
+    stored_bytes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        stored_bytes[index.fqn] = stored_bytes.get(index.fqn, 0) + info.length
     state = {}
     for key, stored in metadata.state_dict_metadata.items():
         if key.startswith(MODEL):
             if not isinstance(stored, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint entry {key!r} is not a tensor: refusing to load it.")
+            need = stored.size.numel() * stored.properties.dtype.itemsize
+            if need > stored_bytes.get(key, 0):  # before allocating what a crafted .metadata may claim
+                raise CheckpointError(
+                    f"checkpoint entry {key!r} claims shape {tuple(stored.size)} ({need} bytes) but its pieces hold "
+                    f"{stored_bytes.get(key, 0)} bytes: the .metadata is malformed. Fix: restore it from a copy."
+                )
             state[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
     storage.read(state, folder, no_dist=True)
     return {key[len(MODEL) :]: tensor for key, tensor in state.items()}, meta

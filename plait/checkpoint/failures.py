@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -48,17 +49,21 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def first_line(error: BaseException) -> str:
-    """``TypeName: first line of the message``, with torch's advice to unpickle replaced by what it means."""
-    text = str(error)
-    if UNPICKLING.search(text):
-        detail = re.search(r"(Unsupported global|Unsupported operand|Trying to load unsupported)[^\n]*", text)
-        what = f" ({detail.group(0).strip()})" if detail else ""
+    """``TypeName: first line of the message`` of ``error``'s root cause; a refused unpickling (torch's
+    ``weights_only`` loader anywhere in the chain) as what it means, never with torch's advice to unpickle."""
+    chain = causes(error)
+    root = _root(error)
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    detail = lines[0] if lines else type(root).__name__
+    if any(isinstance(e, pickle.UnpicklingError) or UNPICKLING.search(str(e)) for e in chain):
+        if UNPICKLING.search(detail):
+            found = re.search(r"(Unsupported global|Trying to load unsupported)[^\n]*", str(root))
+            detail = found.group(0).strip() if found else "it names what a tensor never needs"
         return (
-            f"a data file holds a pickled object that is not a plain tensor{what}: refused, since unpickling it "
-            f"could run code"
+            f"a data file holds a pickled object that is not a plain tensor ({detail.rstrip('.')}): refused, since "
+            f"unpickling it could run code"
         )
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+    return f"{type(root).__name__}: {detail}"
 
 
 def free_bytes(path: Path) -> int | None:
@@ -104,7 +109,7 @@ def save_failed(error: BaseException, folder: Path, what: str) -> CheckpointErro
             f"checkpoint root), or keep fewer checkpoints (train.keep_checkpoints)."
         )
     plait = next((e for e in causes(error) if isinstance(e, PlaitError)), None)
-    reason = str(plait) if plait is not None else first_line(_root(error))
+    reason = str(plait) if plait is not None else first_line(error)
     return CheckpointError(
         f"{what} failed: {reason}. The previous checkpoint is intact and `latest` still names it; the partial save "
         f"is removed. Fix: check the disk (space, permissions) and the other ranks' errors."
@@ -118,7 +123,7 @@ def read_failed(error: BaseException, folder: Path) -> PlaitError:
     if plait is not None:
         return plait
     return CheckpointError(
-        f"reading checkpoint {folder} failed: {first_line(_root(error))}. Fix: resume from another checkpoint, or "
+        f"reading checkpoint {folder} failed: {first_line(error)}. Fix: resume from another checkpoint, or "
         f"restore its files from a copy (`plait checkpoint verify` checks them)."
     )
 

@@ -42,8 +42,8 @@ def protect(source: Path, out: Path) -> None:
     for folder in guarded:
         if target == folder or folder.is_relative_to(target) or target.is_relative_to(folder):
             raise ConfigError(
-                f"OUT {out} is {'' if target == folder else 'inside or around '}{folder}, which holds what is being "
-                f"converted: writing there could destroy it. Fix: give an OUT outside {folder}."
+                f"OUT {out} {'is' if target == folder else 'holds or lies inside'} {folder}, which holds what is "
+                f"being converted: writing there could destroy it. Fix: give an OUT outside {folder}."
             )
 
 
@@ -77,7 +77,7 @@ def marked_files(folder: Path) -> set[str] | None:
     names = marker.get("files") if isinstance(marker, dict) else None
     if not isinstance(names, list) or any(files.plain_name(name) for name in names):
         return None
-    return set(names)
+    return {*names, MARKER}
 
 
 def check_folder_out(out: Path, overwrite: bool, ours: Callable[[Path], set[str] | None]) -> None:

@@ -55,6 +55,7 @@ def _agree(
     engine.comm.all_reduce(flag, "world", op="max")
     if flag.item() and cleanup is not None:
         cleanup()
+        engine.comm.barrier()  # no rank goes on (or looks) before the cleanup is done
     if problem is not None:
         raise problem
     if flag.item():

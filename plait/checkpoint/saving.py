@@ -116,7 +116,8 @@ class Pending:
     @property
     def others(self) -> str:
         return (
-            f"rank {self.rank}: another rank's save of step {self.step} under {self.root} failed (its error says why)."
+            f"rank {self.rank}: another rank's save of step {self.step} under {self.root} failed; the previous "
+            f"checkpoint is intact. Fix: see that rank's error, which names the cause (a full disk, a permission)."
         )
 
     def discard(self) -> None:
