@@ -260,6 +260,27 @@ def test_resuming_with_another_model_is_refused(tmp_path, changed, named):
     assert engine().load(tmp_path / "ckpt") == 1  # the model it was trained with still resumes
 
 
+def _train_then_resume_with(out: str, *changed: str) -> str:
+    from plait.train.config import load_config
+    from plait.train.loop import run
+
+    settings = ["train.steps=2", "train.global_batch=8", "train.eval_every=0", "train.save_every=2"]
+    settings += ["model.n_layer=2", "model.n_head=4", "model.d_model=16", f"train.out={json.dumps(out)}"]
+    run(load_config(None, settings))
+    before = snapshot(Path(out))
+    try:
+        run(load_config(None, [*settings, "train.steps=4", *changed]))
+    except CheckpointError as error:
+        assert snapshot(Path(out)) == before  # config.toml, metrics.jsonl, the checkpoint: untouched
+        return str(error)
+    return "resumed"
+
+
+def test_plait_train_refuses_to_resume_its_run_with_another_model(tmp_path):
+    (message,) = run_distributed(_train_then_resume_with, 1, str(tmp_path / "run"), "model.n_head=2", timeout=120)
+    one_line(message, "another model", "n_head 4 there, 2 here", r"\[model\] as in the run's config.toml")
+
+
 # ----------------------------------------------------------------- 7 + 14: a full disk
 @contextmanager
 def _full_disk(tmp_path: Path, leave: int):

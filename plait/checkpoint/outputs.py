@@ -40,10 +40,16 @@ def protect(source: Path, out: Path) -> None:
         guarded.append(source.parent.resolve())
     target = out.resolve()
     for folder in guarded:
-        if target == folder or folder.is_relative_to(target) or target.is_relative_to(folder):
+        if target == folder or folder.is_relative_to(target):
+            where = "is" if target == folder else "holds"
             raise ConfigError(
-                f"OUT {out} {'is' if target == folder else 'holds or lies inside'} {folder}, which holds what is "
-                f"being converted: writing there could destroy it. Fix: give an OUT outside {folder}."
+                f"OUT {out} {where} {folder}, which holds what is being converted: writing OUT would replace it. "
+                f"Fix: give an OUT outside {folder}, e.g. a new folder beside it."
+            )
+        if target.is_relative_to(folder):
+            raise ConfigError(
+                f"OUT {out} lies inside {folder}, which holds what is being converted: plait keeps its outputs out "
+                f"of a checkpoint's or model's folder. Fix: give an OUT outside {folder}."
             )
 
 
