@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plait.checkpoint import canonical, catalog, extras, integrity, storage
+from plait.checkpoint import canonical, catalog, extras, failures, identity, integrity, storage
 from plait.checkpoint.canonical import MODEL
 from plait.checkpoint.catalog import LATEST, has_checkpoints, step_dir
 from plait.checkpoint.integrity import FORMAT, META, ChecksumWriter
@@ -49,11 +49,17 @@ def latest(root: str | Path) -> Path:
     """The folder of the newest complete checkpoint under ``root``."""
     root = Path(root)
     pointer = root / LATEST
-    if not pointer.is_file():
+    if not pointer.exists():
         raise CheckpointError(
             f"no checkpoint under {root}: {pointer} is missing. Fix: save one first with engine.save()."
         )
-    folder = root / pointer.read_text().strip()
+    name = catalog.latest_name(root)
+    if name is None:
+        raise CheckpointError(
+            f"{pointer} does not name a step folder of {root} (it must be a regular file holding e.g. "
+            f"step-00000010). Fix: write the newest step folder's name into it."
+        )
+    folder = root / name
     if not (folder / META).is_file():
         raise CheckpointError(f"{pointer} names {folder}, which is not a complete checkpoint.")
     return folder
@@ -90,11 +96,19 @@ def load(engine: Engine, root: str | Path) -> int:
     meta = _read_meta(folder)
     if not integrity.verified(meta):
         log.info("%s was written before plait recorded checksums: its files are not verified", folder)
-    load_engine(engine, folder, storage.read_metadata(folder))
+    metadata = storage.read_metadata(folder)
+    identity.check(engine, folder, meta, metadata, gather)
+    load_engine(engine, folder, metadata)
     optimizer = engine.strategy.optimizer
-    if meta.get("optimizer") is not None and optimizer.state:
-        extras.load_param_groups(optimizer, canonical.group_names(engine), meta["optimizer"]["param_groups"])
-    extras.load_scheduler(engine.lr_scheduler, meta.get("lr_scheduler"))
+    try:  # plait.json is the same on every rank: a value that does not fit raises on every rank
+        if meta.get("optimizer") is not None and optimizer.state:
+            extras.load_param_groups(optimizer, canonical.group_names(engine), meta["optimizer"]["param_groups"])
+        extras.load_scheduler(engine.lr_scheduler, meta.get("lr_scheduler"))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(
+            f"checkpoint {folder}: plait.json's optimizer or lr scheduler state does not fit this run's "
+            f"({type(error).__name__}: {error}). Fix: resume with the optimizer and schedule it was trained with."
+        ) from None
     same = meta["layout"] == engine.layout.to_dict() and meta["world_size"] == engine.mesh.world_size
     if same and extras.load_rng(folder, engine.mesh.rank):
         log.info("restored the random generators of rank %d", engine.mesh.rank)
@@ -117,11 +131,20 @@ def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     folder = _choose(root)
     meta = _read_meta(folder)
     metadata = storage.read_metadata(folder)
+    stored_bytes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        stored_bytes[index.fqn] = stored_bytes.get(index.fqn, 0) + info.length
     state = {}
     for key, stored in metadata.state_dict_metadata.items():
         if key.startswith(MODEL):
             if not isinstance(stored, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint entry {key!r} is not a tensor: refusing to load it.")
+            need = stored.size.numel() * stored.properties.dtype.itemsize
+            if need > stored_bytes.get(key, 0):  # before allocating what a crafted .metadata may claim
+                raise CheckpointError(
+                    f"checkpoint entry {key!r} claims shape {tuple(stored.size)} ({need} bytes) but its pieces hold "
+                    f"{stored_bytes.get(key, 0)} bytes: the .metadata is malformed. Fix: restore it from a copy."
+                )
             state[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
     storage.read(state, folder, no_dist=True)
     return {key[len(MODEL) :]: tensor for key, tensor in state.items()}, meta
@@ -143,18 +166,23 @@ def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dic
         raise TypeError(f"save_model_state takes tensors by name; {bad[:3]} are not tensors")
     writer = ChecksumWriter(partial, 0)
     tensors = {MODEL + name: value.detach().contiguous() for name, value in state.items()}
-    storage.write(tensors, partial, no_dist=True, writer=writer)
-    full = {
-        **meta,
-        "format": FORMAT,
-        "step": step,
-        "layout": meta.get("layout"),
-        "world_size": meta.get("world_size"),
-        "optimizer": None,
-        "lr_scheduler": None,
-        "files": writer.manifest,
-    }
-    publish(root, partial, final, full)
+    try:
+        storage.write(tensors, partial, no_dist=True, writer=writer)
+        full = {
+            **meta,
+            "format": FORMAT,
+            "step": step,
+            "layout": meta.get("layout"),
+            "world_size": meta.get("world_size"),
+            "optimizer": None,
+            "lr_scheduler": None,
+            "files": writer.manifest,
+            "model_tensors": writer.model_tensors,
+        }
+        publish(root, partial, final, full)
+    except failures.WRITE_FAILURES as error:  # DCP's CheckpointException is a BaseException
+        shutil.rmtree(partial, ignore_errors=True)
+        raise failures.save_failed(error, partial, f"the save of a model-only checkpoint under {root}") from None
     log.info("saved model-only checkpoint %s (%d tensors)", final, len(state))
     return final
 

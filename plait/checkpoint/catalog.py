@@ -13,6 +13,9 @@ Retention (``prune``): keep the ``keep`` newest complete checkpoints, every step
 ``keep_every``, the one ``latest`` names and everything newer than the newest intact one; remove the rest, and
 never anything when no checkpoint is intact. Removal renames a folder to ``.deleting`` first (atomic), so a crash
 while deleting never leaves a half-removed ``step-N`` that would look damaged.
+
+Only real folders count: a ``step-N`` that is a symbolic link is not a checkpoint of this root (it may point
+anywhere), and ``latest`` must be a regular file naming a ``step-N`` folder of the root.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait import files
 from plait.checkpoint import integrity
 from plait.checkpoint.integrity import META
 from plait.errors import CheckpointError
@@ -64,17 +68,20 @@ def entries(root: Path) -> list[Entry]:
     found = []
     for path in root.iterdir():
         match = STEP.match(path.name)
-        if match and path.is_dir():
+        if match and path.is_dir() and not path.is_symlink():
             found.append(Entry(path, int(match.group(1)), match.group(2) or ""))
     return sorted(found, key=lambda e: (-e.step, e.kind != "", e.kind))
 
 
 def latest_name(root: Path) -> str | None:
-    """The folder name ``root/latest`` holds, or None."""
+    """The step folder name ``root/latest`` holds (None when it is missing, not a regular file or names no
+    ``step-N``: a pointer never leads outside ``root``)."""
     try:
-        return (root / LATEST).read_text().strip() or None
-    except OSError:
+        name = files.read_text(root / LATEST, LATEST, CheckpointError).strip()
+    except CheckpointError:
         return None
+    match = STEP.match(name)
+    return name if match is not None and not match.group(2) else None
 
 
 def is_checkpoint_folder(path: Path) -> bool:
@@ -102,7 +109,7 @@ class Status:
 
 def folder_bytes(folder: Path) -> int:
     try:
-        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        return sum(p.lstat().st_size for p in folder.iterdir() if not p.is_symlink() and p.is_file())
     except OSError:
         return 0
 

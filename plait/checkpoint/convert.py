@@ -7,22 +7,24 @@
   layout (the optimizer then starts fresh) and ``plait train --out RUN`` resumes from when written to ``RUN/ckpt``.
 
 safetensors is a flat header (JSON) plus raw little-endian tensor bytes: reading one never runs code, unlike a
-pickle. Every file is written to a temporary name and renamed into place, so a crash leaves no half file.
+pickle. Every output is written to a temporary sibling and renamed into place, so a crash leaves no half file,
+and an existing OUT is replaced only with ``overwrite`` and only when it is an earlier output of plait; never the
+checkpoint being converted nor anything else of the user's (``outputs``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from plait.checkpoint import load_full_state, save_model_state
+from plait.checkpoint import load_full_state, outputs, save_model_state
+from plait.checkpoint.outputs import MARKER
 from plait.errors import ConfigError
 from plait.logging import get_logger
+from plait.models.hf_load import load_safetensors, read_config, read_hf_weights
 
 log = get_logger(__name__)
 HF_MODEL_KEY = "hf"
@@ -31,25 +33,47 @@ SAFETENSORS_META = "plait"
 """The safetensors header's ``__metadata__`` key holding the checkpoint's plait.json (string values only)."""
 
 
-def _atomic_file(path: Path) -> Path:
-    """A temporary sibling of ``path`` (renamed onto it once complete)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+def header_meta(path: Path, header: dict[str, str]) -> dict[str, Any]:
+    """The plait.json that ``plait convert`` stored in a safetensors header (``{}`` when there is none)."""
+    if SAFETENSORS_META not in header:
+        return {}
+    try:
+        meta = json.loads(header[SAFETENSORS_META])
+    except (ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise ConfigError(
+            f"{path}'s header holds a malformed 'plait' entry (not a JSON object). Fix: export the file again with "
+            f"plait convert, or remove that entry."
+        )
+    return meta
 
 
-def export_safetensors(checkpoint: str | Path, out: str | Path) -> Path:
+def _is_plait_export(path: Path) -> bool:
+    """Whether the safetensors file ``path`` is one ``export_safetensors`` wrote (its header has plait's entry)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return SAFETENSORS_META in (handle.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        return False
+
+
+def export_safetensors(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the latest checkpoint under ``checkpoint`` as one safetensors file of whole tensors by name."""
     from safetensors.torch import save_file
 
-    state, meta = load_full_state(checkpoint)
     out = Path(out)
-    tmp = _atomic_file(out)
-    save_file(
-        {name: tensor.contiguous() for name, tensor in state.items()},
-        str(tmp),
-        metadata={SAFETENSORS_META: json.dumps(meta)},
-    )
-    os.replace(tmp, out)
+    outputs.protect(Path(checkpoint), out)
+    outputs.check_file_out(out, overwrite, _is_plait_export)
+    state, meta = load_full_state(checkpoint)
+    with outputs.staged(out) as tmp:
+        save_file(
+            {name: tensor.contiguous() for name, tensor in state.items()},
+            str(tmp),
+            metadata={SAFETENSORS_META: json.dumps(meta)},
+        )
     log.info("exported %d tensors (step %s) to %s", len(state), meta.get("step"), out)
     return out
 
@@ -58,16 +82,10 @@ def _hf_config(meta: dict[str, Any], hf_config: str | Path | None) -> dict[str, 
     """The transformers config of the checkpointed model: from ``hf_config`` (a config.json or a folder holding
     one) when given, else from the checkpoint's metadata."""
     if hf_config is not None:
-        path = Path(hf_config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise ConfigError(
-                f"--hf-config {hf_config}: no such config.json. Fix: give the model's config.json "
-                f"(or the folder holding it)."
-            )
-        return json.loads(path.read_text())
-    config = (meta.get("model") or {}).get(HF_MODEL_KEY)
-    if config is None:
+        return read_config(Path(hf_config))
+    recorded = meta.get("model")
+    config = recorded.get(HF_MODEL_KEY) if isinstance(recorded, dict) else None
+    if not isinstance(config, dict):
         raise ConfigError(
             "this checkpoint does not record a Hugging Face model config, so it cannot be written as "
             "an HF folder. Fix: export a single file (OUT ending in .safetensors), or pass "
@@ -87,11 +105,24 @@ def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
             "the Hugging Face config has no model_type. Fix: use the config.json the model was saved "
             'with (it names model_type, e.g. "llama").'
         )
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    try:
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    except (ValueError, TypeError, KeyError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(
+            f"transformers cannot build the recorded model ({reason}). Fix: pass --hf-config with the config.json "
+            f"of the model that was trained."
+        ) from None
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | None = None) -> Path:
-    """Write the latest checkpoint under ``checkpoint`` as a Hugging Face folder (``from_pretrained`` opens it)."""
+def export_hf(
+    checkpoint: str | Path, out: str | Path, hf_config: str | Path | None = None, overwrite: bool = False
+) -> Path:
+    """Write the latest checkpoint under ``checkpoint`` as a Hugging Face folder (``from_pretrained`` opens it),
+    with plait's marker (``outputs``) listing the files written."""
+    out = Path(out)
+    outputs.protect(Path(checkpoint), out)
+    outputs.check_folder_out(out, overwrite, outputs.marked_files)
     state, meta = load_full_state(checkpoint)
     model = build_hf_model(_hf_config(meta, hf_config))
     expected = set(model.state_dict())
@@ -104,65 +135,51 @@ def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | N
             f"of the model that was trained."
         )
     model.load_state_dict(state, strict=False)  # tied names (lm_head -> embed_tokens) share the loaded tensor
-    out = Path(out)
-    tmp = _atomic_file(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    cast(Any, model).save_pretrained(str(tmp), safe_serialization=True)  # a transformers PreTrainedModel
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with outputs.staged(out) as tmp:
+        cast(Any, model).save_pretrained(str(tmp), safe_serialization=True)  # a transformers PreTrainedModel
+        written = sorted(entry.name for entry in tmp.iterdir())
+        marker = {"written_by": "plait convert", "source": str(checkpoint), "step": meta.get("step"), "files": written}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2))
     log.info("exported %s (step %s) as a Hugging Face folder %s", type(model).__name__, meta.get("step"), out)
     return out
 
 
-def _read_hf_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors of an HF folder (model.safetensors, or the shards its index names) and its config."""
-    from safetensors.torch import load_file
+def _imported(root: Path) -> set[str] | None:
+    """What an earlier ``import_weights`` wrote in ``root`` (``latest`` and step 0), or None if not one."""
+    from plait.checkpoint.integrity import read_meta
 
-    config = json.loads((folder / "config.json").read_text())
-    index = folder / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (folder / name).is_file():
-            raise ConfigError(
-                f"{folder} has no {name}. Fix: save the model with save_pretrained(safe_serialization="
-                f"True) (pytorch_model.bin files are pickles, which plait does not load)."
-            )
-        state.update(load_file(str(folder / name)))
-    return state, {"step": 0, "model": {HF_MODEL_KEY: config}}
+    meta, _problems = read_meta(root / "step-00000000") if (root / "step-00000000").is_dir() else (None, [])
+    return {"latest", "step-00000000"} if meta is not None and "imported_from" in meta else None
 
 
-def import_weights(source: str | Path, checkpoint: str | Path) -> Path:
+def import_weights(source: str | Path, checkpoint: str | Path, overwrite: bool = False) -> Path:
     """Write a model-only checkpoint under ``checkpoint`` from a safetensors file or an HF folder."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    source = Path(source)
+    source, root = Path(source), Path(checkpoint)
+    outputs.protect(source, root)
+    outputs.check_folder_out(root, overwrite, _imported)
     if source.is_dir():
-        if not (source / "config.json").is_file():
+        if not (source / "config.json").exists():
             raise ConfigError(
                 f"{source} is a folder without config.json, so not a Hugging Face model folder. Fix: "
                 f"give a .safetensors file or a save_pretrained folder."
             )
-        state, meta = _read_hf_folder(source)
-    elif source.suffix == ".safetensors" and source.is_file():
-        state = load_file(str(source))
-        with safe_open(str(source), framework="pt") as handle:
-            header = handle.metadata() or {}
-        meta = json.loads(header[SAFETENSORS_META]) if SAFETENSORS_META in header else {"step": 0}
+        state, meta = read_hf_weights(source), {"step": 0, "model": {HF_MODEL_KEY: read_config(source)}}
+    elif source.suffix == ".safetensors":
+        state, header = load_safetensors(source)
+        meta = header_meta(source, header) or {"step": 0}
     else:
         raise ConfigError(f"{source}: not a .safetensors file or a Hugging Face folder. Fix: give one of those.")
     # a starting point, not a resumed run: step 0 (the lr schedule starts over); the source's step is kept as a note
-    meta = {"step": 0, "model": meta.get("model"), "imported_from": str(source), "source_step": meta.get("step", 0)}
-    folder = save_model_state(checkpoint, state, meta)
-    log.info("imported %d tensors from %s into %s", len(state), source, folder)
-    return folder
+    step = meta.get("step", 0)
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else None
+    meta = {"step": 0, "model": model, "imported_from": str(source), "source_step": step if type(step) is int else None}
+    with outputs.staged(root) as tmp:
+        folder = save_model_state(tmp, state, meta)
+    log.info("imported %d tensors from %s into %s", len(state), source, root / folder.name)
+    return root / folder.name
 
 
-def convert(source: str | Path, out: str | Path, hf_config: str | Path | None = None) -> Path:
+def convert(source: str | Path, out: str | Path, hf_config: str | Path | None = None, overwrite: bool = False) -> Path:
     """``plait convert SOURCE OUT``: the direction follows from the paths (module docstring)."""
     source, out = Path(source), Path(out)
     if not source.exists():
@@ -177,14 +194,14 @@ def convert(source: str | Path, out: str | Path, hf_config: str | Path | None = 
                     "--hf-config is for exporting a Hugging Face folder, but OUT ends in .safetensors. "
                     "Fix: drop --hf-config, or give OUT as a folder."
                 )
-            return export_safetensors(source, out)
-        return export_hf(source, out, hf_config)
+            return export_safetensors(source, out, overwrite)
+        return export_hf(source, out, hf_config, overwrite)
     if out.suffix == ".safetensors":
         raise ConfigError(
             f"{source} is not a plait checkpoint (no 'latest' pointer or plait.json), so it cannot be "
             f"exported. Fix: give a checkpoint folder written by engine.save (e.g. runs/<id>/ckpt)."
         )
-    return import_weights(source, out)
+    return import_weights(source, out, overwrite)
 
 
-__all__ = ["build_hf_model", "convert", "export_hf", "export_safetensors", "import_weights"]
+__all__ = ["build_hf_model", "convert", "export_hf", "export_safetensors", "header_meta", "import_weights"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from plait import files
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -105,25 +106,32 @@ def save_rng(folder: Path, rank: int) -> None:
 
 
 def load_rng(folder: Path, rank: int) -> bool:
-    """Restore what ``save_rng`` wrote for ``rank``; False when the file is missing."""
-    from safetensors import safe_open
+    """Restore what ``save_rng`` wrote for ``rank``; False (with a warning when it is malformed: one rank must not
+    fail alone) when the file is missing, not a regular file or not a generator state."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = rng_file(folder, rank)
-    if not path.is_file():
+    problem = files.file_problem(path)
+    if problem is not None:
+        if problem != "is missing":
+            log.warning("%s %s: random generators not restored", path, problem)
         return False
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "torch_cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["torch_cuda"])
-    gauss = meta.get("gauss", "None")
-    random.setstate(
-        (
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        gauss = meta.get("gauss", "None")
+        python = (
             int(meta.get("python_version", 3)),
             tuple(int(v) for v in tensors["python"].tolist()),
             None if gauss == "None" else float(gauss),
         )
-    )
+        torch.set_rng_state(tensors["torch_cpu"])
+        if "torch_cuda" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["torch_cuda"])
+        random.setstate(python)
+    except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError) as error:
+        log.warning("%s is not a random generator state (%s): random generators not restored", path, error)
+        return False
     return True

@@ -7,6 +7,7 @@ world (one all-reduce), so a missing entry raises a clear error on every rank in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,17 @@ def init_optimizer_state(strategy: Any) -> None:
         placement.adopt_states(optimizer)
 
 
-def _agree(engine: Any, problem: Exception | None, others: str | None = None) -> None:
+def _agree(
+    engine: Any, problem: Exception | None, others: str | None = None, cleanup: Callable[[], None] | None = None
+) -> None:
     """Raise on every rank when any rank found a problem: its own error, or one saying another rank has one
-    (``others``, by default about the checkpoint's entries)."""
+    (``others``, by default about the checkpoint's entries). ``cleanup`` runs first, on every rank, when one
+    did (once every rank got here: nothing is still writing)."""
     flag = torch.tensor([0.0 if problem is None else 1.0], device=engine.comm.device)
     engine.comm.all_reduce(flag, "world", op="max")
+    if flag.item() and cleanup is not None:
+        cleanup()
+        engine.comm.barrier()  # no rank goes on (or looks) before the cleanup is done
     if problem is not None:
         raise problem
     if flag.item():

@@ -19,11 +19,15 @@ process group of their own (DCP's collectives must not interleave with the train
 At most one save is in flight: ``save`` first waits for the previous one, and ``wait`` (called at the end of
 the job) returns once the last one is published. A failure in the background is raised by the next ``save`` or
 ``wait`` on every rank (agreed over the world), naming the rank and the step.
+
+A failed save (a full disk, a permission, any rank's error in any phase) is agreed over the world and raised on
+every rank as one ``CheckpointError`` line naming its root cause (``failures``: "no space left on device at PATH
+..." rather than torch's "unexpected pos 704 vs 598"); rank 0 removes the ``.partial`` folder, and ``latest``
+still names the previous checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -36,9 +40,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from plait.checkpoint import canonical, catalog, extras, storage
+from plait.checkpoint import canonical, catalog, extras, failures, storage
 from plait.checkpoint.catalog import LATEST, step_dir
 from plait.checkpoint.chunks import Chunked, Piece
+from plait.checkpoint.identity import model_meta
 from plait.checkpoint.integrity import FORMAT, META, ChecksumWriter, seal
 from plait.checkpoint.restore import _agree
 from plait.errors import CheckpointError, LayoutError
@@ -53,11 +58,15 @@ log = get_logger(__name__)
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it and ``os.replace`` it onto ``path``."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary file behind
+        raise
 
 
 def publish(root: Path, partial: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -72,21 +81,6 @@ def publish(root: Path, partial: Path, final: Path, meta: dict[str, Any]) -> Non
 
 def optim_file(folder: Path, rank: int) -> Path:
     return folder / f"optim-rank{rank:05d}.json"
-
-
-def model_meta(engine: Engine) -> dict[str, Any] | None:
-    """What model was trained, for ``plait convert``: ``{"hf": config}`` for a Hugging Face model (its
-    ``config.to_dict()`` as JSON), ``{"config": fields}`` for a model with a dataclass ``config`` (plait's GPT)."""
-    for module in (engine.model, engine.strategy.model):
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_json_string") and hasattr(config, "model_type"):
-            return {"hf": json.loads(config.to_json_string(use_diff=False))}
-        if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            try:
-                return {"config": extras.to_json(dataclasses.asdict(config))}
-            except TypeError:
-                return None
-    return None
 
 
 @dataclass
@@ -112,6 +106,25 @@ class Pending:
     def writer(self) -> ChecksumWriter:
         return ChecksumWriter(self.partial, self.rank, self.rank_files)
 
+    def failed(self, error: BaseException, asynchronous: bool = False) -> CheckpointError:
+        """The one-line error of this save's failure on this rank (``failures.save_failed``)."""
+        kind = "asynchronous save" if asynchronous else "save"
+        return failures.save_failed(
+            error, self.partial, f"rank {self.rank}: the {kind} of step {self.step} under {self.root}"
+        )
+
+    @property
+    def others(self) -> str:
+        return (
+            f"rank {self.rank}: another rank's save of step {self.step} under {self.root} failed; the previous "
+            f"checkpoint is intact. Fix: see that rank's error, which names the cause (a full disk, a permission)."
+        )
+
+    def discard(self) -> None:
+        """Rank 0, after a failed save: remove ``step-N.partial`` (``latest`` still names the previous one)."""
+        if self.rank == 0:
+            shutil.rmtree(self.partial, ignore_errors=True)
+
     def publish(self, writer: ChecksumWriter, keep: int = 0, keep_every: int = 0) -> Path:
         """Rank 0: merge the ranks' param groups, record the manifest, publish, then apply retention."""
         if self.rank != 0:
@@ -121,7 +134,12 @@ class Pending:
             for group in json.loads(optim_file(self.partial, other).read_text()):
                 if group not in merged:
                     merged.append(group)
-        meta = {**self.meta, "optimizer": {"param_groups": merged}, "files": writer.manifest}
+        meta = {
+            **self.meta,
+            "optimizer": {"param_groups": merged},
+            "files": writer.manifest,
+            "model_tensors": writer.model_tensors,
+        }
         publish(self.root, self.partial, self.final, meta)
         log.info("saved checkpoint %s", self.final)
         if keep:
@@ -144,13 +162,21 @@ def prepare(engine: Engine, root: str | Path) -> Pending:
     _agree(engine, problem)
     rank, world = engine.mesh.rank, engine.mesh.world_size
     pending = Pending(root, engine.step, rank, world, entries, {}, [])
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(pending.partial, ignore_errors=True)
-        pending.partial.mkdir()
-    engine.comm.barrier()
-    extras.save_rng(pending.partial, rank)
-    write_text_atomic(optim_file(pending.partial, rank), json.dumps(groups))
+    failed: Exception | None = None
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(pending.partial, ignore_errors=True)
+            pending.partial.mkdir()
+    except OSError as error:
+        failed = pending.failed(error)
+    _agree(engine, failed, pending.others, pending.discard)  # also the barrier: the folder exists for every rank
+    try:
+        extras.save_rng(pending.partial, rank)
+        write_text_atomic(optim_file(pending.partial, rank), json.dumps(groups))
+    except Exception as error:  # noqa: BLE001 - OSError, safetensors' own error: agreed, then raised on every rank
+        failed = pending.failed(error)
+    _agree(engine, failed, pending.others, pending.discard)
     pending.rank_files = [extras.rng_file(pending.partial, rank).name, optim_file(pending.partial, rank).name]
     pending.meta = {
         "format": FORMAT,
@@ -169,9 +195,14 @@ def save(engine: Engine, root: str | Path, keep: int = 0, keep_every: int = 0) -
     collective: every rank calls it, and it returns once the checkpoint is published."""
     pending = prepare(engine, root)
     writer = pending.writer()
-    storage.write(pending.entries, pending.partial, writer=writer)
-    final = pending.publish(writer, keep, keep_every)
-    engine.comm.barrier()
+    problem: Exception | None = None
+    final = pending.final
+    try:
+        storage.write(pending.entries, pending.partial, writer=writer)
+        final = pending.publish(writer, keep, keep_every)
+    except failures.WRITE_FAILURES as error:  # DCP's CheckpointException is a BaseException
+        problem = pending.failed(error)
+    _agree(engine, problem, pending.others, pending.discard)
     return final
 
 
@@ -205,7 +236,7 @@ class Checkpointer:
         self.engine, self.root = engine, Path(root)
         self.keep, self.keep_every, self.async_save = keep, keep_every, async_save
         self.group: dist.ProcessGroup | None = None
-        self._in_flight: tuple[int, Future[Path]] | None = None
+        self._in_flight: tuple[Pending, Future[Path]] | None = None
         self.last_blocking_s = 0.0
         """Seconds the last ``save`` call held the training loop (staging included, waiting for the previous
         save included)."""
@@ -225,7 +256,12 @@ class Checkpointer:
         staged = stage(pending.entries)
         pending.entries = {}
         writer = pending.writer()
-        upload = storage.write_async(staged, writer, self.group)
+        problem: Exception | None = None
+        try:
+            upload = storage.write_async(staged, writer, self.group)
+        except failures.WRITE_FAILURES as error:  # planning failed (a collective: on every rank)
+            problem = pending.failed(error, asynchronous=True)
+        _agree(self.engine, problem, pending.others, pending.discard)
         done: Future[Path] = Future()
 
         def after(upload: Future[Any]) -> None:  # in DCP's executor thread, once every rank's data is written
@@ -236,27 +272,22 @@ class Checkpointer:
                 done.set_exception(error)
 
         upload.add_done_callback(after)
-        self._in_flight = (pending.step, done)
+        self._in_flight = (pending, done)
         self.last_blocking_s = time.perf_counter() - started
 
     def wait(self) -> Path | None:
         """Wait for the save in flight (if any) to be published; every rank calls it. Returns its folder."""
         if self._in_flight is None:
             return None
-        step, done = self._in_flight
+        pending, done = self._in_flight
         self._in_flight = None
         problem: Exception | None = None
         final = None
         try:
             final = done.result()
-        except Exception as error:  # noqa: BLE001 - agreed over the ranks, then raised on every one
-            problem = CheckpointError(
-                f"rank {self.engine.mesh.rank}: the asynchronous save of step {step} under {self.root} failed: "
-                f"{type(error).__name__}: {error}. The previous checkpoint is intact. Fix: check the disk (space, "
-                f"permissions) and the other ranks' errors."
-            )
-        others = f"rank {self.engine.mesh.rank}: another rank's asynchronous save of step {step} failed (its error says why)."
-        _agree(self.engine, problem, others)
+        except failures.WRITE_FAILURES as error:  # DCP's CheckpointException is a BaseException
+            problem = pending.failed(error, asynchronous=True)
+        _agree(self.engine, problem, pending.others, pending.discard)
         return final
 
     @property

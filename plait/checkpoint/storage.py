@@ -3,21 +3,26 @@
 torch.distributed.checkpoint pickles its ``.metadata`` file and would ``torch.load(weights_only=False)`` any
 non-tensor value. plait writes tensors only (everything else goes to JSON, plait.json), and reads:
 
-- ``.metadata`` with ``MetadataUnpickler``: only DCP's metadata dataclasses, ``torch.Size``, torch dtypes /
-  layouts / memory formats and plain builtins may be named; any other global (``os.system``, ...) is refused;
+- ``.metadata`` as plain data (``plait.checkpoint.metadata``): DCP's metadata objects are rebuilt from an
+  allow-list of constructors with validated fields; no class, function or constant the file names is ever handed
+  to the pickle;
+- the files ``.metadata`` names only inside the checkpoint's folder (``_RegularFiles``): each a plain file name
+  that plait.json records (when it records files), a regular file (never a FIFO, a device or a symbolic link),
+  every piece inside its file -- checked before anything is read, and again as each file is opened;
 - tensor payloads with torch's ``weights_only=True`` loader (DCP's own FileSystemReader does that);
 - never byte (pickled object) entries: ``PlaitLoadPlanner`` refuses them before reading anything.
+
+A failure inside DCP (a ``CheckpointException``, a ``BaseException``) comes back as one ``CheckpointError`` line
+(``failures``), never with torch's advice to unpickle.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import importlib
-import pathlib
-import pickle
+import io
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Generator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,82 +31,80 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
+from plait import files
+from plait.checkpoint import failures, integrity
+from plait.checkpoint import metadata as metadata_reader
 from plait.checkpoint.chunks import Chunked
 from plait.errors import CheckpointError
 
-SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
-"""Any class of DCP's metadata module (dataclasses and enums, no side effects) may be named."""
-SAFE_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-"""And these classes of other modules (a piece's file, offset and length); not the module's readers/writers."""
-SAFE_BUILTINS = {
-    "dict",
-    "list",
-    "tuple",
-    "set",
-    "frozenset",
-    "int",
-    "float",
-    "bool",
-    "str",
-    "bytes",
-    "complex",
-    "slice",
-    "object",
-    "bytearray",
-}
+
+class _RegularFiles(FileSystem):
+    """DCP's local file system, reading only plain file names of the folder that are regular files."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if "r" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with files.open_regular(Path(path), "checkpoint file", CheckpointError) as stream:
+            yield stream
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        return files.inside(Path(path), suffix, "the checkpoint's .metadata", CheckpointError)
 
 
-def _layout(name: str) -> torch.layout:
-    """A torch layout by its printed name (what torch pickles a layout as), and nothing else."""
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, torch.layout):
-        raise CheckpointError(f"the checkpoint's .metadata names an unknown tensor layout {name!r}")
-    return value
+def check_storage(folder: Path, metadata: Metadata, recorded: Collection[str] | None) -> None:
+    """Refuse a ``.metadata`` whose pieces lie anywhere but in regular files of ``folder`` that plait.json records
+    (``recorded``; any plain name when it records none), each piece inside its file."""
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        if name not in sizes:
+            path = files.inside(folder, name, "the checkpoint's .metadata", CheckpointError)
+            if recorded is not None and name not in recorded:
+                raise CheckpointError(
+                    f"the checkpoint's .metadata stores pieces in {name!r}, a file plait.json does not record: "
+                    f"refusing to read it. Fix: resume from another checkpoint, or restore this one from a copy."
+                )
+            problem = files.file_problem(path)
+            if problem is not None:
+                raise CheckpointError(
+                    f"the checkpoint's .metadata stores pieces in {path}, which {problem}: plait reads only regular "
+                    f"files inside the checkpoint's folder. Fix: restore the checkpoint from a copy."
+                )
+            sizes[name] = path.stat().st_size
+        if info.offset + info.length > sizes[name]:
+            raise CheckpointError(
+                f"the checkpoint's .metadata places a piece at bytes {info.offset}..{info.offset + info.length} of "
+                f"{name}, which has {sizes[name]} bytes. Fix: restore the checkpoint from a copy."
+            )
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` file, naming only the classes such a file needs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in SAFE_MODULES or (module, name) in SAFE_CLASSES:  # classes only: never a function
-            value = getattr(importlib.import_module(module), name, None)
-            if isinstance(value, type):
-                return value
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return _layout
-        if module in ("pathlib", "posixpath") and name in ("PosixPath", "PurePosixPath"):
-            return getattr(pathlib, name)
-        if module == "torch" and name == "Size":
-            return torch.Size
-        kinds = (torch.dtype, torch.layout, torch.memory_format)
-        if module == "torch" and isinstance(getattr(torch, name, None), kinds):
-            return getattr(torch, name)
-        if module == "builtins" and name in SAFE_BUILTINS:
-            return getattr(builtins, name)
-        if module == "collections" and name == "OrderedDict":
-            import collections
-
-            return collections.OrderedDict
-        raise CheckpointError(
-            f"the checkpoint's .metadata names {module}.{name}, which a DCP metadata file never needs: refusing to "
-            f"load it (unpickling it could run code). Fix: only load checkpoints written by plait / DCP that you trust."
-        )
+def _recorded(folder: Path) -> set[str] | None:
+    """The file names plait.json of ``folder`` records (None when it records none, or cannot be read)."""
+    meta, _problems = integrity.read_meta(folder)
+    return set(meta["files"]) if meta is not None and integrity.verified(meta) else None
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by ``MetadataUnpickler``."""
+    """DCP's file reader with ``.metadata`` read as plain data (``plait.checkpoint.metadata``), its pieces checked
+    to lie in the folder's regular files (``check_storage``), and files opened by ``_RegularFiles``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.fs = _RegularFiles()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        if not Path(path).is_file():
-            raise CheckpointError(f"{path} is missing: not a complete checkpoint.")
-        with self.fs.create_stream(path, "rb") as handle:
-            metadata = MetadataUnpickler(handle).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata.")
+        folder = Path(self.path)
+        with files.open_regular(folder / integrity.DCP_METADATA, "checkpoint metadata", CheckpointError) as handle:
+            metadata = metadata_reader.load(handle)
+        check_storage(folder, metadata, _recorded(folder))
         storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -225,10 +228,13 @@ def read_metadata(folder: Path) -> Metadata:
 def read(state: dict[str, Any], folder: Path, no_dist: bool = False) -> None:
     """Fill ``state``'s tensors / views from ``folder`` (a collective unless ``no_dist``)."""
     check_tensors(read_metadata(folder), state)  # here too: DCP would wrap the planner's error in its own
-    with _quiet():
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(str(folder)),
-            planner=PlaitLoadPlanner(),
-            no_dist=no_dist or not distributed(),
-        )
+    try:
+        with _quiet():
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(folder)),
+                planner=PlaitLoadPlanner(),
+                no_dist=no_dist or not distributed(),
+            )
+    except (CheckpointException, Exception) as error:  # DCP's is a BaseException; one line, never its advice
+        raise failures.read_failed(error, folder) from None

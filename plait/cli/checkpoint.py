@@ -1,17 +1,24 @@
-"""``plait checkpoint verify DIR`` and ``plait checkpoint list RUN``: is a checkpoint intact, and what is there.
+"""``plait checkpoint verify DIR``, ``list RUN``, ``keygen FILE`` and ``sign DIR``: is a checkpoint intact, what
+is there, and signing checkpoints with a key of the user's.
 
     plait checkpoint verify runs/job/ckpt/step-00000300   # one checkpoint: exit 0 intact, 1 damaged
     plait checkpoint verify runs/job                      # every checkpoint of a run (or of a ckpt folder)
     plait checkpoint list runs/job                        # steps, sizes, layout, state, which one latest names
+    plait checkpoint keygen ckpt.key                      # a new key (mode 0600) for PLAIT_CHECKPOINT_KEY_FILE
+    plait checkpoint sign runs/job/ckpt/step-00000300     # sign a checkpoint you trust with that key
 
-Both read every recorded file and compare its size and SHA-256 with plait.json (``plait.checkpoint.integrity``);
-``list --quick`` compares sizes only. A damaged checkpoint prints one line per problem, naming the file and the
-rank that wrote it. Nothing is changed or deleted.
+``verify`` and ``list`` read every recorded file and compare its size and SHA-256 with plait.json
+(``plait.checkpoint.integrity``); ``list --quick`` compares sizes only. A damaged checkpoint prints one line per
+problem, naming the file and the rank that wrote it. Nothing is changed or deleted. Without a checkpoint key
+these checks detect accidents only: anyone who can write the folder can also re-seal plait.json; with a key
+(``plait.checkpoint.signing``) a checkpoint is intact only when signed with it. ``sign`` checks every file first
+and signs only an intact checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,10 @@ def add_checkpoint_command(commands: Any) -> None:
     listing = actions.add_parser("list", help="the checkpoints of a run: step, size, layout, state, latest")
     listing.add_argument("run", help="a run folder (with ckpt/) or a checkpoint root")
     listing.add_argument("--quick", action="store_true", help="compare sizes only (read no file)")
+    keygen = actions.add_parser("keygen", help="write a new random checkpoint key (mode 0600) to FILE")
+    keygen.add_argument("key_path", metavar="FILE", help="where to write the key (never overwritten)")
+    sign = actions.add_parser("sign", help="sign an intact checkpoint you trust with the checkpoint key")
+    sign.add_argument("dir", help="a step folder, or a checkpoint root / run folder (signs every intact one)")
 
 
 def _root(path: Path) -> Path:
@@ -98,7 +109,48 @@ def run_verify(path: Path) -> int:
         else:
             note = "" if found.state == INTACT else " (written before plait recorded checksums: sizes unknown)"
             files = len((found.meta or {}).get("files") or {})
-            print(f"{entry.path}: {found.state}, {files} files, {_size(found.bytes)}{note}")  # noqa: T201
+            print(f"{entry.path}: {found.state}, {files} files, {_size(found.bytes)}{note}{_trust()}")  # noqa: T201
+    return 1 if bad else 0
+
+
+def _trust() -> str:
+    from plait.checkpoint.signing import KEY_FILE_ENV, key
+
+    if key() is not None:
+        return ", signed with the checkpoint key"
+    return f" (no checkpoint key set: checksums detect accidents, not tampering; see {KEY_FILE_ENV})"
+
+
+def _targets(path: Path) -> list[Any]:
+    from plait.checkpoint.catalog import Entry, entries, is_checkpoint_folder
+
+    path = _root(path)
+    found = [Entry(path, -1)] if is_checkpoint_folder(path) else [e for e in entries(path) if not e.kind]
+    if not found:
+        raise ConfigError(f"{path} holds no checkpoint (no plait.json, no step-N folder). Fix: give a run folder.")
+    return found
+
+
+def run_sign(path: Path) -> int:
+    """Sign every intact checkpoint at ``path`` with the checkpoint key (after checking all its files)."""
+    from plait.checkpoint.integrity import META, check_files, read_meta
+    from plait.checkpoint.saving import write_text_atomic
+    from plait.checkpoint.signing import KEY_FIX, key, seal
+
+    secret = key()
+    if secret is None:
+        raise ConfigError(f"no checkpoint key is set, so there is nothing to sign with. {KEY_FIX}")
+    bad = 0
+    for entry in _targets(path):
+        meta, problems = read_meta(entry.path, keyed=False)
+        if meta is not None:
+            problems = check_files(entry.path, meta) or ([] if "files" in meta else ["it records no files"])
+        if problems or meta is None:
+            bad += 1
+            print(f"{entry.path}: not signed: {'; '.join(problems)}", file=sys.stderr)  # noqa: T201 - CLI output
+            continue
+        write_text_atomic(entry.path / META, json.dumps(seal(meta, secret), indent=2))
+        print(f"{entry.path}: signed")  # noqa: T201 - CLI output
     return 1 if bad else 0
 
 
@@ -137,6 +189,15 @@ def run_list(path: Path, quick: bool) -> int:
 def run_checkpoint(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return run_verify(Path(args.dir))
+    if args.action == "keygen":
+        from plait.checkpoint.signing import KEY_FILE_ENV
+        from plait.files import generate_key_file
+
+        written = generate_key_file(args.key_path)
+        print(f"wrote {written} (mode 0600). Use it: export {KEY_FILE_ENV}={written.resolve()}")  # noqa: T201
+        return 0
+    if args.action == "sign":
+        return run_sign(Path(args.dir))
     if args.action == "list":
         return run_list(Path(args.run), args.quick)
     print(f"plait checkpoint: unknown action {args.action!r}", file=sys.stderr)  # noqa: T201

@@ -5,7 +5,9 @@
     plait convert model.safetensors runs/ft/ckpt         # import: a model-only checkpoint (any layout loads it)
     plait convert hf-folder/ runs/ft/ckpt                # import a save_pretrained folder
 
-Bad input is a ``ConfigError``: ``plait`` prints it and exits with 2.
+An existing OUT is never replaced, unless ``--overwrite`` is given and OUT is an earlier output of plait (an
+exported file or folder, an imported checkpoint); never the checkpoint being converted or a folder of the user's
+(``plait.checkpoint.outputs``). Bad input is a ``ConfigError``: ``plait`` prints it and exits with 2.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ def add_convert_command(commands: Any) -> None:
     parser.add_argument(
         "--hf-config", help="exporting an HF folder: the model's config.json, when the checkpoint does not record it"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT when it is an earlier output of plait convert (never anything else)",
+    )
 
 
 def run_convert(args: argparse.Namespace) -> int:
     from plait.checkpoint.convert import convert
 
-    convert(args.source, args.out, args.hf_config)
+    convert(args.source, args.out, args.hf_config, args.overwrite)
     return 0
 
 

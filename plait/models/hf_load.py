@@ -8,6 +8,12 @@ because unpickling runs code. ``[model] hf_config = "PATH"`` builds the model of
 folder holding one) with fresh weights from torch's current random state. Nothing is ever downloaded
 (``local_files_only``; a path that does not exist is an error, never a hub name).
 
+Every file of a folder is read inside it (``weight_files``): the shards a ``model.safetensors.index.json`` names
+must be plain file names of the folder, and every file read (``config.json``, the index, the weights) a regular
+file, not a symbolic link, a FIFO or a device (``plait.files``). ``load_safetensors`` / ``read_hf_weights`` read
+them for plait's own loaders (``plait convert``, ``train.init_from``, ``plait generate``), a corrupt file being one
+``ConfigError`` line.
+
 ``check_fits`` refuses data the model cannot read: token ids beyond its embedding table, samples longer than
 its positions.
 """
@@ -19,8 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from plait import files
 from plait.errors import ConfigError
 from plait.logging import get_logger
 
@@ -29,6 +37,7 @@ HF_KEYS = ("hf", "hf_config", "attn_implementation")
 """The ``[model]`` keys of a Hugging Face model (``attn_implementation``: "eager", "sdpa", ...; default sdpa)."""
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5", "flax_model.msgpack")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _require_transformers() -> Any:
@@ -48,28 +57,90 @@ def check_weights_folder(folder: Path) -> None:
             f"model.hf={str(folder)!r} is not a folder. Fix: give a local folder written by save_pretrained "
             f"(plait never downloads; fetch the model first, e.g. with huggingface-cli download)."
         )
-    if not (folder / "config.json").is_file():
+    config = files.file_problem(folder / "config.json")
+    if config == "is missing":
         raise ConfigError(f"{folder} has no config.json, so it is not a save_pretrained folder. Fix: give one.")
-    has_safetensors = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    if config is not None:
+        raise ConfigError(f"{folder / 'config.json'} {config}: plait reads only regular files. {files.LINK_FIX}")
+    has_safetensors = any(files.file_problem(folder / name) != "is missing" for name in (WEIGHTS, INDEX))
     if not has_safetensors:
         pickles = [name for name in PICKLE_WEIGHTS if (folder / name).exists()]
         what = f"only pickle weights ({', '.join(pickles)})" if pickles else "no model.safetensors"
         raise ConfigError(
-            f"{folder} holds {what}. plait loads safetensors only (unpickling a file can run code). Fix: convert "
-            f"it once where you trust it: AutoModelForCausalLM.from_pretrained(PATH).save_pretrained(PATH, "
-            f"safe_serialization=True)."
+            f"{folder} holds {what}. plait loads safetensors only: pickles, which plait does not load, can run code "
+            f"when read. Fix: convert it once where you trust it: AutoModelForCausalLM.from_pretrained(PATH)"
+            f".save_pretrained(PATH, safe_serialization=True)."
         )
+    weight_files(folder)
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index
+    names; ConfigError unless each is a plain file name of the folder and a regular file there."""
+    index = folder / INDEX
+    names = [WEIGHTS]
+    if files.file_problem(index) != "is missing":
+        try:
+            content = json.loads(files.read_text(index, "the weights index"))
+        except ValueError as error:
+            raise ConfigError(
+                f"{index} is not valid JSON ({error}). Fix: save the model again with save_pretrained."
+            ) from None
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index} has no weight_map of tensor names to files. Fix: save the model again.")
+        names = sorted({files.inside(folder, name, f"{index}'s weight_map").name for name in weight_map.values()})
+    for name in names:
+        problem = files.file_problem(folder / name)
+        if problem is not None:
+            raise ConfigError(
+                f"{folder / name} {problem}: plait reads only the regular files of a model folder (a link may lead "
+                f"anywhere, a FIFO blocks). Fix: save the model again with save_pretrained(safe_serialization=True), "
+                f"or copy the files themselves into the folder (cp -L)."
+            )
+    return names
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the header's string metadata of the safetensors file ``path`` (a regular file, not a
+    link); ConfigError when it is not a valid safetensors file. Reading one never runs code."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    problem = files.file_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{path} {problem}: plait reads only regular files. {files.LINK_FIX}")
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(
+            f"{path} is not a valid safetensors file ({reason}). Fix: export or save it again (plait convert, "
+            f"save_pretrained(safe_serialization=True)), or restore it from a copy."
+        ) from None
+    return tensors, dict(header)
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``save_pretrained`` folder (``check_weights_folder``, then each of ``weight_files``)."""
+    check_weights_folder(folder)
+    state: dict[str, torch.Tensor] = {}
+    for name in weight_files(folder):
+        state.update(load_safetensors(folder / name)[0])
+    return state
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable."""
     path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
+    if files.file_problem(path) == "is missing":
         raise ConfigError(f"model.hf_config: {path} does not exist. Fix: give a Hugging Face config.json.")
     try:
-        fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"model.hf_config: {path} is not valid JSON ({error}). Fix: give a config.json.") from error
+        fields = json.loads(files.read_text(path, "config.json"))
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"model.hf_config: {path} is not valid JSON ({error}). Fix: give a config.json.") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(f"{path} names no model_type. Fix: use a config.json written by save_pretrained.")
     return fields
@@ -132,4 +203,14 @@ def check_fits(model: nn.Module, vocab_size: int, seq_len: int) -> None:
         )
 
 
-__all__ = ["HF_KEYS", "build_hf_model", "check_fits", "check_weights_folder", "model_context", "read_config"]
+__all__ = [
+    "HF_KEYS",
+    "build_hf_model",
+    "check_fits",
+    "check_weights_folder",
+    "load_safetensors",
+    "model_context",
+    "read_config",
+    "read_hf_weights",
+    "weight_files",
+]

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import secrets
 import socket
-import stat
 from pathlib import Path
 
+from plait import files
 from plait.errors import ConfigError
+from plait.files import MIN_KEY_CHARS
 
 KEY_ENV = "PLAIT_PS_AUTHKEY"
 KEY_FILE_ENV = "PLAIT_PS_KEY_FILE"
 LOCAL_KEY_FILE_ENV = "PLAIT_PS_LOCAL_KEY_FILE"
-MIN_KEY_CHARS = 16
 KEY_FIX = (
     f"Fix: run `plait ps keygen ps.key` once, copy the file (mode 0600) to every host and pass --key-file ps.key, "
     f"or export {KEY_ENV}=<a secret of at least {MIN_KEY_CHARS} characters> on every host."
@@ -39,48 +38,17 @@ KEY_FIX = (
 
 def generate_key_file(path: str | Path) -> Path:
     """Write 32 random bytes (hex) to a new file at ``path`` with mode 0600; refuses to overwrite a file."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise ConfigError(f"{path} exists; keygen never overwrites a key. Fix: choose another path.") from None
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_hex(32) + "\n")
-    return path
+    return files.generate_key_file(path)
 
 
 def read_key_file(path: str | Path) -> bytes:
     """The key in ``path``: it must be a regular file of this user with no group/other permission bits."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as error:
-        raise ConfigError(f"cannot read the key file {path}: {error}. {KEY_FIX}") from error
-    with os.fdopen(fd) as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise ConfigError(f"key file {path} is not a regular file owned by this user. {KEY_FIX}")
-        if info.st_mode & 0o077:
-            raise ConfigError(
-                f"key file {path} has mode {stat.S_IMODE(info.st_mode):o}: others may read it. Fix: chmod 600 {path}."
-            )
-        key = handle.read(4096).strip().encode()
-    if len(key) < MIN_KEY_CHARS:
-        raise ConfigError(f"key file {path} holds {len(key)} characters, fewer than {MIN_KEY_CHARS}. {KEY_FIX}")
-    return key
+    return files.read_key_file(path, KEY_FIX)
 
 
 def resolve_key(key_file: str | None = None) -> bytes | None:
     """The key the user set: ``key_file`` (or ``PLAIT_PS_KEY_FILE``), else ``PLAIT_PS_AUTHKEY``, else None."""
-    key_file = key_file or os.environ.get(KEY_FILE_ENV) or None
-    if key_file:
-        return read_key_file(key_file)
-    text = os.environ.get(KEY_ENV)
-    if text is None or text == "":
-        return None
-    if len(text) < MIN_KEY_CHARS:
-        raise ConfigError(f"{KEY_ENV} has {len(text)} characters, fewer than {MIN_KEY_CHARS}. {KEY_FIX}")
-    return text.encode()
+    return files.resolve_key(key_file, KEY_FILE_ENV, KEY_ENV, KEY_FIX)
 
 
 def local_key_path() -> Path:

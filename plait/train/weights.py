@@ -16,7 +16,6 @@ ties it to another (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,8 @@ def _is_checkpoint(path: Path) -> bool:
 
 def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Whole tensors by name and what is known of the model that wrote them (``{"model": ...}``, module docstring)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    from plait.checkpoint.convert import header_meta
+    from plait.models.hf_load import load_safetensors, read_config, read_hf_weights
 
     path = Path(path)
     if not path.exists():
@@ -49,21 +48,11 @@ def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, A
 
         return load_full_state(path)
     if path.is_dir():
-        from plait.models.hf_load import check_weights_folder
-
-        check_weights_folder(path)
-        index = path / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
-        state: dict[str, torch.Tensor] = {}
-        for name in files or ["model.safetensors"]:
-            state.update(load_file(str(path / name)))
-        return state, {"model": {"hf": json.loads((path / "config.json").read_text())}}
+        state = read_hf_weights(path)
+        return state, {"model": {"hf": read_config(path)}}
     if path.suffix == ".safetensors":
-        state = load_file(str(path))
-        with safe_open(str(path), framework="pt") as handle:
-            header = handle.metadata() or {}
-        meta = json.loads(header["plait"]) if "plait" in header else {}
-        return state, meta
+        state, header = load_safetensors(path)
+        return state, header_meta(path, header)
     raise ConfigError(
         f"{path} is neither a plait checkpoint, a .safetensors file nor a Hugging Face folder. Fix: give one of those."
     )
@@ -143,8 +132,18 @@ def model_from_checkpoint(checkpoint: Path, section: dict[str, Any] | None, voca
 
     state, meta = read_weights(checkpoint)
     recorded = meta.get("model") or {}
+    if not isinstance(recorded, dict):
+        raise ConfigError(
+            f"{checkpoint} records its model as a {type(recorded).__name__}, not an object. Fix: give the run folder."
+        )
     if "config" in recorded:
-        model: nn.Module = GPT(GPTConfig.from_dict(recorded["config"]))
+        try:
+            model: nn.Module = GPT(GPTConfig.from_dict(recorded["config"]))
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ConfigError(
+                f"{checkpoint} records a model config plait cannot build ({error}). Fix: give the run folder (its "
+                f"config.toml), or a checkpoint written by plait."
+            ) from None
     elif "hf" in recorded:
         from plait.checkpoint.convert import build_hf_model
 
