@@ -38,8 +38,8 @@ from plait.parallel.runner import PlainRunner, StepRunner
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
-from plait.parallel.whole_tensor import check_layout as check_whole_tensors
 from plait.parallel.tensor.sequence import hand_stage_positions
+from plait.parallel.whole_tensor import check_layout as check_whole_tensors
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 

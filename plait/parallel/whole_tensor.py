@@ -392,13 +392,16 @@ def slot_flats(slots: Sequence[WholeSlot]) -> list[SlotFlat]:
 # ----------------------------------------------------------------------------------------------- checks
 def _probe(factory: Any, model: nn.Module) -> torch.optim.Optimizer | None:
     """The optimizer a plain factory builds, tried on meta copies of the model's parameters (no memory, no
-    communication); None when the factory does not accept them."""
+    communication), then of its matrices alone (torch.optim.Muon refuses anything but 2-D); None when the factory
+    accepts neither."""
     params = [nn.Parameter(torch.empty(p.shape, device="meta")) for p in model.parameters() if p.requires_grad]
-    try:
-        built = factory(params)
-    except Exception:  # noqa: BLE001 - a factory that needs real tensors is simply not probed
-        return None
-    return built if isinstance(built, torch.optim.Optimizer) else None
+    for trial in (params, [p for p in params if p.dim() == 2]):
+        try:
+            built = factory(trial)
+        except Exception:  # noqa: BLE001, S112 - a factory that needs real tensors is simply not probed
+            continue
+        return built if isinstance(built, torch.optim.Optimizer) else None
+    return None
 
 
 def check_layout(layout: Any, optimizer: Any, model: nn.Module) -> None:

@@ -53,8 +53,8 @@ from plait.parallel.param_groups import GroupOf, order_by_group
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
-from plait.parallel.zero.fsdp_pipeline import StageScopes
 from plait.parallel.zero.flat import OwnedLayout, owned_layout
+from plait.parallel.zero.fsdp_pipeline import StageScopes
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 from plait.parallel.zero.shard_buckets import master_dtype
 

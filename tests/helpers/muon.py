@@ -1,0 +1,120 @@
+"""Muon parity helpers: the hybrid optimizer (Muon on the hidden matrices, AdamW on the rest) on the composition
+matrix's tiny GPT, trained by plait under a layout and on one device.
+
+Tolerances. ``torch.optim.Muon`` orthogonalises each update with Newton-Schulz iterations run in **bf16**. A layout
+computes the same gradient as one device up to fp32 reordering (a few ulps); rounded to bf16 (8 bits of mantissa,
+2^-9 = 2e-3 relative) such an ulp flips the rounding of some elements, and five Newton-Schulz iterations carry that
+into every element of the update. Measured on CPU (3 steps, lr 0.02 with Moonlight's RMS matching, so each step moves
+a 64x16 matrix by up to 0.032): the parameters of every layout differ from one device by at most 1.6e-3 (3.2e-3 with
+tp=2); with the Newton-Schulz iterations run in fp32 instead (``fp32_newton_schulz``), by at most 5e-7. So the
+distribution is exact and bf16 is the only source: the tests compare with fp32 iterations at fp32 tolerances, and
+with torch's own bf16 iterations at ``BF16_PARAM_ATOL``, which a shard-wise orthogonalisation (the bug this replaces)
+exceeds by an order of magnitude (``test_slice_orthogonalisation_is_caught``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+import torch.optim._muon as torch_muon
+from helpers.composition import GLOBAL_BATCH, make_model, whole_gradients, whole_parameters
+from helpers.reference import Trajectory, snapshot_grads, snapshot_params
+
+import plait
+from plait import Layout
+from plait.data import ShardedBatches
+from plait.models.loss import apply_loss
+from plait.parallel.whole_tensor import WholeSlot, WholeTensorOptimizer
+
+STEPS = 3
+CLIP = 0.05
+MUON_LR = 0.02
+BF16_PARAM_ATOL = 6e-3
+"""Parameters with torch's bf16 Newton-Schulz: measured worst 3.2e-3 (tp=2), 1.6e-3 (others) after 3 steps; a step
+moves a parameter by up to 0.032. Slice-wise orthogonalisation under tp=2 is off by more than 1e-2."""
+BF16_LOSS_RTOL = 1e-4
+"""Losses with bf16 Newton-Schulz: measured 1.2e-5 relative at step 2 (the parameters' difference above)."""
+
+
+def muon_spec() -> WholeTensorOptimizer:
+    """Muon (Moonlight's update-RMS matching, so that it takes AdamW-sized steps) on the hidden matrices, AdamW (eps
+    1e-5 as the composition matrix) on embeddings, head and norms."""
+    return WholeTensorOptimizer(
+        whole=lambda p: torch.optim.Muon(p, lr=MUON_LR, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
+        rest=lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-5, weight_decay=0.1),
+    )
+
+
+def _newton_schulz_fp32(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float):  # noqa: ANN201
+    """torch.optim.Muon's iteration (torch/optim/_muon.py), in fp32 instead of bf16."""
+    a, b, c = coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def fp32_newton_schulz(on: bool = True) -> Iterator[None]:
+    """Run torch.optim.Muon's Newton-Schulz iterations in fp32 inside (on every rank that enters it)."""
+    original = torch_muon._zeropower_via_newtonschulz
+    if on:
+        torch_muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
+def reference(fp32: bool, clip: float | None = CLIP) -> Trajectory:
+    """One device, the whole global batch, the same hybrid optimizer (``WholeTensorOptimizer.build``): the loop of
+    ``helpers.reference.train_reference``."""
+    model, task = make_model()
+    loader = ShardedBatches(task, GLOBAL_BATCH)
+    optimizer = muon_spec().build(model)
+    out = Trajectory()
+    with fp32_newton_schulz(fp32):
+        for step in range(STEPS):
+            inputs, targets = loader.global_batch_at(step)
+            loss = apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets)
+            loss.backward()
+            if clip:
+                out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            out.losses.append(float(loss.detach()))
+            out.grads.append(snapshot_grads(model))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            out.params.append(snapshot_params(model))
+    return out
+
+
+def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = False) -> dict:
+    """One rank's run: losses, the step-0 synchronised gradients, the whole parameters after the last step, and
+    the traffic of each step. ``mutant``: tp slices are stepped as they are (Muon orthogonalises each rank's slice:
+    what plait did before whole-tensor optimizers)."""
+    model, task = make_model()
+    slices = mock.patch.object(WholeSlot, "sliced", property(lambda _: False)) if mutant else contextlib.nullcontext()
+    with fp32_newton_schulz(fp32), slices:
+        engine = plait.parallelize(model, layout, optimizer=muon_spec(), max_grad_norm=clip)
+        grads: list[dict[str, torch.Tensor]] = []
+        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
+        loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+        stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
+    return {
+        "losses": [s.loss for s in stats],
+        "grads": grads[0],
+        "params": whole_parameters(engine),
+        "comm": [s.comm.to_dict() for s in stats],
+    }
+
+
+def train_many(cases: dict[str, tuple[Layout, bool, float | None, bool]]) -> dict[str, dict]:
+    """Several runs in one process group (one spawn): name -> ``(layout, fp32, clip, mutant)`` -> results."""
+    return {name: train(*case) for name, case in cases.items()}
