@@ -17,7 +17,17 @@ import pytest
 import torch
 from helpers.composition import GRAD_TOL, LOSS_RTOL, PARAM_TOL, ChecksPassed, check_in_one_process, make_model
 from helpers.harness import run_distributed
-from helpers.muon import BF16_LOSS_RTOL, BF16_PARAM_ATOL, CLIP, muon_spec, reference, train_many
+from helpers.muon import (
+    BF16_LOSS_RTOL,
+    BF16_PARAM_ATOL,
+    CLIP,
+    RESHARD_PAIRS,
+    SAVE_AT,
+    muon_spec,
+    reference,
+    reshard,
+    train_many,
+)
 from helpers.reference import assert_tensors_close
 
 from plait import Layout
@@ -245,3 +255,28 @@ def test_owned_layout_is_balanced_and_atomic() -> None:
     for rank in range(2):
         for piece in layout.slices(rank):
             assert piece.start == 0 and piece.end == sizes[piece.index], "every tensor whole in one shard"
+
+
+# ----------------------------------------------------------------- checkpoints reshard Muon's state
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory) -> dict:  # noqa: ANN001
+    root = tmp_path_factory.mktemp("muon")
+    kept = run_distributed(reshard, 2, str(root / "kept"))
+    dropped = run_distributed(reshard, 2, str(root / "dropped"), True)
+    return {"kept": kept, "dropped": dropped}
+
+
+@pytest.mark.parametrize("pair", [f"{a}->{b}" for a, b in RESHARD_PAIRS])
+def test_muon_state_reshards(resharded: dict, pair: str) -> None:
+    """Saved under A after 2 steps, loaded under B, trained 2 more: B's losses and parameters equal A's own steps
+    2..3 (Muon's momentum by parameter name, whole: ZeRO-1's owner shards, DDP's parameters, tp's gathered whole
+    tensors). Without the loaded state (the control) the losses differ."""
+    a = pair.split("->")[0]
+    kept, dropped = resharded["kept"], resharded["dropped"]
+    want = kept[0][a]["losses"][SAVE_AT:]
+    for loss, expected in zip(kept[0][pair]["losses"], want):
+        assert abs(loss - expected) <= LOSS_RTOL * abs(expected), f"{pair}: {loss} != {expected}"
+    final = {name: t for rank in kept for name, t in rank[pair]["final"].items()}
+    assert_tensors_close(final, {n: t for r in kept for n, t in r[a]["final"].items()}, pair, PARAM_TOL)
+    lost = dropped[0][pair]["losses"][-1]
+    assert abs(lost - want[-1]) > LOSS_RTOL * abs(want[-1]), f"{pair}: the control did not see the lost state"

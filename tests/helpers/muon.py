@@ -118,3 +118,42 @@ def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = 
 def train_many(cases: dict[str, tuple[Layout, bool, float | None, bool]]) -> dict[str, dict]:
     """Several runs in one process group (one spawn): name -> ``(layout, fp32, clip, mutant)`` -> results."""
     return {name: train(*case) for name, case in cases.items()}
+
+
+RESHARD_LAYOUTS = {
+    "zero1": Layout(dp=2, zero=1),
+    "ddp": Layout(dp=2),
+    "tp2": Layout(tp=2),
+    "zero3": Layout(dp=2, zero=3),
+}
+RESHARD_PAIRS = [("zero1", "ddp"), ("zero1", "tp2"), ("tp2", "zero1"), ("zero1", "zero3")]
+SAVE_AT, RESHARD_STEPS = 2, 4
+
+
+def reshard(root: str, drop_state: bool = False) -> dict:
+    """Muon's state across layouts (world 2, fp32 Newton-Schulz): each A trains 4 steps saving after 2; each B
+    loads A's checkpoint and trains steps 2..3. ``drop_state``: B forgets the loaded optimizer state (a control:
+    the comparison must see a lost momentum)."""
+    out: dict = {}
+    with fp32_newton_schulz(True):
+        for name in sorted({a for a, _ in RESHARD_PAIRS}):
+            engine, loader = _engine(RESHARD_LAYOUTS[name])
+            losses = [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT)]
+            engine.save(f"{root}/{name}")
+            losses += [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT, RESHARD_STEPS)]
+            out[name] = {"losses": losses, "final": whole_parameters(engine)}
+        for a, b in RESHARD_PAIRS:
+            engine, loader = _engine(RESHARD_LAYOUTS[b])
+            assert engine.load(f"{root}/{a}") == SAVE_AT
+            if drop_state:
+                engine.strategy.optimizer.state.clear()
+            losses = [engine.train_step(loader.batch_at(step)).loss for step in range(SAVE_AT, RESHARD_STEPS)]
+            out[f"{a}->{b}"] = {"losses": losses, "final": whole_parameters(engine)}
+    return out
+
+
+def _engine(layout: Layout) -> tuple[plait.Engine, ShardedBatches]:
+    model, task = make_model()
+    engine = plait.parallelize(model, layout, optimizer=muon_spec(), max_grad_norm=CLIP)
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+    return engine, loader
