@@ -280,3 +280,42 @@ def test_muon_state_reshards(resharded: dict, pair: str) -> None:
     assert_tensors_close(final, {n: t for r in kept for n, t in r[a]["final"].items()}, pair, PARAM_TOL)
     lost = dropped[0][pair]["losses"][-1]
     assert abs(lost - want[-1]) > LOSS_RTOL * abs(want[-1]), f"{pair}: the control did not see the lost state"
+
+
+# ----------------------------------------------------------------- plait train --set train.optimizer=muon
+@pytest.mark.cli
+def test_plait_train_with_muon_under_zero1_x_tp(tmp_path) -> None:  # noqa: ANN001
+    """``plait train --set train.optimizer=muon`` on 4 ranks (dp=2 x tp=2, ZeRO-1): it trains and learns; the run's
+    traffic has the tp all-gather of the hidden matrices' slices (values and gradients)."""
+    from test_cli import plait, records
+
+    out = tmp_path / "run"
+    sets = ["train.optimizer=muon", "train.steps=30", "train.eval_every=0", "layout.tp=2", "layout.zero=1"]
+    result = plait("train", "--nproc", "4", "--out", str(out), *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in records(out) if r["kind"] == "train"]
+    assert len(train) == 30
+    assert sum(r["loss"] for r in train[-5:]) < 0.8 * sum(r["loss"] for r in train[:5])  # it learns
+    assert train[-1]["comm_bytes"]["tp"] > 0
+
+
+def test_muon_config_builds_the_hybrid() -> None:
+    """train.optimizer=muon: Muon (Moonlight's RMS matching, momentum 0.95, lr and weight decay from [train] unless
+    muon_* say otherwise) on the hidden matrices, AdamW on the rest; bad Muon settings are refused with the fix."""
+    from plait.errors import ConfigError
+    from plait.train.config import RunConfig
+    from plait.train.optim import muon_optimizer
+
+    config = RunConfig.from_dict({"train": {"optimizer": "muon", "lr": 1e-3, "muon_lr": 0.02}})
+    model, _ = make_model()
+    hybrid = muon_optimizer(config.train).build(model)
+    muon, adamw = hybrid.parts
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    group = muon.param_groups[0]
+    assert group["lr"] == 0.02 and group["momentum"] == 0.95 and group["adjust_lr_fn"] == "match_rms_adamw"
+    assert group["weight_decay"] == config.train.weight_decay and adamw.param_groups[0]["lr"] == 1e-3
+    assert {id(p) for p in muon.param_groups[0]["params"]} == {
+        id(p) for n, p in model.named_parameters() if n in hidden_matrices(model)
+    }
+    with pytest.raises(ConfigError, match="muon_momentum"):
+        RunConfig.from_dict({"train": {"optimizer": "muon", "muon_momentum": 1.5}})
