@@ -6,7 +6,8 @@ so it may step any piece of a parameter: a tensor-parallel slice, a flat ZeRO sh
 update with Newton-Schulz iterations, Shampoo/SOAP keep per-dimension preconditioners, Adafactor factors the second
 moment into row and column means, LAMB scales by the tensor's norm. On a piece it is a different algorithm.
 
-**Declaring it.** ``needs_whole_tensors(optimizer_or_class)`` is True for ``torch.optim.Muon`` (built in), for a class
+**Declaring it.** ``needs_whole_tensors(optimizer_or_class)`` is True for ``torch.optim.Muon`` and
+``torch.optim.Adafactor`` (built in), for a class
 registered with ``register_whole_tensor`` and for a class with the attribute ``needs_whole_tensors = True``::
 
     class MyShampoo(torch.optim.Optimizer):
@@ -57,8 +58,9 @@ TP_AXIS = "tp"
 Factory = Callable[[Any], torch.optim.Optimizer]
 Select = Callable[[str, nn.Parameter], bool]
 
-_REGISTERED: set[type] = {torch.optim.Muon}
-"""Optimizer classes known to need whole tensors (subclasses included)."""
+_REGISTERED: set[type] = {torch.optim.Muon, torch.optim.Adafactor}
+"""Optimizer classes known to need whole tensors (subclasses included): Muon orthogonalises each matrix, Adafactor
+factors each matrix's second moment into row and column means (``plait.parallel.zero.optimizers``)."""
 
 
 def register_whole_tensor(cls: type) -> type:
@@ -298,7 +300,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             raise ValueError("HybridOptimizer: tensor-parallel slots need the Comm that gathers them")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
