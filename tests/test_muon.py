@@ -47,6 +47,8 @@ WORLD2 = {
     "tp2": Layout(tp=2),
     "tp2-sp": Layout(tp=2, sequence_parallel=True),
     "pp2": Layout(pp=2, microbatches=2),
+    "zero1-offload": Layout(dp=2, zero=1, offload="cpu"),
+    "zero3-offload": Layout(dp=2, zero=3, offload="cpu"),
 }
 WORLD4 = {
     "dp2-tp2": Layout(dp=2, tp=2),

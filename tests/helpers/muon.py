@@ -15,19 +15,18 @@ exceeds by an order of magnitude (``test_slice_orthogonalisation_is_caught``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from unittest import mock
 
 import torch
 import torch.optim._muon as torch_muon
 from helpers.composition import GLOBAL_BATCH, make_model, whole_gradients, whole_parameters
-from helpers.reference import Trajectory, snapshot_grads, snapshot_params
+from helpers.reference import Trajectory, train_reference
 
 import plait
 from plait import Layout
 from plait.data import ShardedBatches
-from plait.models.loss import apply_loss
-from plait.parallel.whole_tensor import WholeSlot, WholeTensorOptimizer
+from plait.parallel.whole_tensor import HybridOptimizer, WholeSlot, WholeTensorOptimizer, hidden_matrices
 
 STEPS = 3
 CLIP = 0.05
@@ -74,25 +73,22 @@ def fp32_newton_schulz(on: bool = True) -> Iterator[None]:
 
 
 def reference(fp32: bool, clip: float | None = CLIP) -> Trajectory:
-    """One device, the whole global batch, the same hybrid optimizer (``WholeTensorOptimizer.build``): the loop of
-    ``helpers.reference.train_reference``."""
+    """One device, the whole global batch, the same hybrid optimizer (Muon on the parameters ``hidden_matrices``
+    names, AdamW on the others), through ``helpers.reference.train_reference``."""
     model, task = make_model()
     loader = ShardedBatches(task, GLOBAL_BATCH)
-    optimizer = muon_spec().build(model)
-    out = Trajectory()
+    hidden = hidden_matrices(model)
+    mask = [name in hidden for name, _ in model.named_parameters()]
+    spec = muon_spec()
+
+    def hybrid(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)  # the reference's copy of the model, in the same order
+        whole = spec.whole([p for p, m in zip(params, mask) if m])
+        assert spec.rest is not None
+        return HybridOptimizer([whole, spec.rest([p for p, m in zip(params, mask) if not m])])
+
     with fp32_newton_schulz(fp32):
-        for step in range(STEPS):
-            inputs, targets = loader.global_batch_at(step)
-            loss = apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets)
-            loss.backward()
-            if clip:
-                out.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-            out.losses.append(float(loss.detach()))
-            out.grads.append(snapshot_grads(model))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            out.params.append(snapshot_params(model))
-    return out
+        return train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], hybrid, max_grad_norm=clip)
 
 
 def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = False) -> dict:
