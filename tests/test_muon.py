@@ -130,10 +130,8 @@ def test_slice_orthogonalisation_is_caught(world2: list[dict], references: dict)
         assert_tensors_close(params, expected.params[-1], case, {"rtol": 0.0, "atol": BF16_PARAM_ATOL})
 
 
-@pytest.mark.long
 def test_muon_dp_x_tp_x_pp() -> None:
-    """dp x tp x pp (8 ranks, marker long: outside CI on this 2-core machine): stages hold whole tensors; tp slices
-    are gathered; fp32 Newton-Schulz, exact."""
+    """dp x tp x pp (8 ranks, ~6 s): stages hold whole tensors; tp slices are gathered; fp32 Newton-Schulz, exact."""
     cases = {"dp2-tp2-pp2-fp32ns": (WORLD4["dp2-tp2-pp2"], True, CLIP, False)}
     per_rank = run_distributed(train_many, 8, cases)
     _check(per_rank, "dp2-tp2-pp2-fp32ns", {(True, True): reference(True, CLIP)})
@@ -327,3 +325,21 @@ def test_muon_config_builds_the_hybrid() -> None:
     }
     with pytest.raises(ConfigError, match="muon_momentum"):
         RunConfig.from_dict({"train": {"optimizer": "muon", "muon_momentum": 1.5}})
+
+
+def test_hybrid_state_dict_round_trip() -> None:
+    """torch's state_dict / load_state_dict on the HybridOptimizer: the parts keep one shared state and their
+    groups' settings (what an lr scheduler or a user's own save relies on)."""
+    model, task = make_model()
+    first = muon_spec().build(model)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    first.step()
+    first.param_groups[0]["lr"] = 0.5
+    second = muon_spec().build(model)
+    second.load_state_dict(first.state_dict())
+    assert second.parts[0].param_groups[0]["lr"] == 0.5
+    assert all(part.state is second.state for part in second.parts)
+    for param, state in first.state.items():
+        for key, value in state.items():
+            assert torch.equal(second.state[param][key], value), key
