@@ -29,8 +29,10 @@ per bucket), so any torch.optim optimizer works, with two limits:
   hands the factory one view of the shard per group (``plait.parallel.param_groups``). An optimizer already
   built on ``model.parameters()`` is refused (it would hold the full parameters).
 - elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) take exactly the step of single-device
-  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) would compute them per
-  shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``).
+  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo, Muon) would compute them per
+  shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``) unless passed as a
+  ``WholeTensorOptimizer``, whose parameters go into tensor-atomic buckets (``owned_buckets``: each parameter whole
+  on one owner, docs/optimizers.md).
 
 Gradient accumulation: inside ``no_sync()`` backward accumulates full gradients in ``param.grad`` without
 communication (under ZeRO-2 too, as DeepSpeed does: accumulating sharded gradients would need a
