@@ -39,6 +39,7 @@ from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
 from plait.parallel.tensor.sequence import hand_stage_positions
+from plait.parallel.whole_tensor import check_layout as check_whole_tensors
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
 
@@ -199,6 +200,7 @@ def parallelize(
     cuts = pipeline_cuts if pipeline_cuts is not None else (list(layout.pipeline_cuts) or None)
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
+    check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend

@@ -462,17 +462,18 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_optimizers_that_cannot_run_are_refused(stage):
     """LBFGS needs a closure (refused at every stage); under ZeRO, torch.optim's optimizers that are not
-    elementwise (Adafactor, SparseAdam; Muon refuses 1-D shards itself) are refused when parallelize builds them."""
+    elementwise are refused: SparseAdam when parallelize builds it; those that need whole tensors (Adafactor,
+    Muon) before any collective, naming WholeTensorOptimizer (docs/optimizers.md)."""
     with pytest.raises(TypeError, match=r"LBFGS.step\(closure\) needs a closure.*Fix: use an optimizer whose closure"):
         plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: torch.optim.LBFGS(params))
     if stage == 0:
         return  # DDP steps whole parameters: the optimizers below are fine there
     refused = {"Adafactor": torch.optim.Adafactor, "SparseAdam": torch.optim.SparseAdam, "Muon": torch.optim.Muon}
     for name, optimizer in refused.items():
-        pattern = (
+        pattern = (  # optimizers that need whole tensors are refused before any collective, naming the way to run them
             f"zero={stage} cannot run torch.optim.{name}.*Fix: use zero=0"
-            if name != "Muon"
-            else f"factory failed on this rank's zero={stage} master shards.*only supports 2D.*Fix: use zero=0"
+            if name == "SparseAdam"
+            else f"{name} needs whole tensors.*zero={stage}.*Fix: pass optimizer=.*WholeTensorOptimizer"
         )
         with pytest.raises(plait.LayoutError, match=pattern):
             plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params, o=optimizer: o(params))
@@ -480,7 +481,7 @@ def test_optimizers_that_cannot_run_are_refused(stage):
     class MyAdafactor(torch.optim.Adafactor):  # a subclass is still factored
         pass
 
-    with pytest.raises(plait.LayoutError, match="cannot run torch.optim.Adafactor"):
+    with pytest.raises(plait.LayoutError, match="MyAdafactor needs whole tensors"):
         plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: MyAdafactor(params))
 
 

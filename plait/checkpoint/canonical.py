@@ -60,6 +60,13 @@ def flats(strategy: Any) -> list[Flat]:
     return []
 
 
+def whole_flats(strategy: Any) -> list[Flat]:
+    """Tensors a whole-tensor optimizer steps that are not the model's parameters (``plait.parallel.whole_tensor``:
+    views of ZeRO master shards, tp slices gathered whole), one flat each: their optimizer state only."""
+    wholes = getattr(strategy, "whole_flats", None)
+    return [Flat(f.layout, f.rank, f.master, list(f.params)) for f in wholes()] if wholes is not None else []
+
+
 def check_layout(engine: Any) -> None:
     """Refuse what the canonical form cannot describe yet (the same answer on every rank)."""
     if engine.layout.tp > 1 and engine.layout.tp_mode != TpMode.ONE_D:
@@ -88,6 +95,8 @@ class EngineState:
         self.optimizer: torch.optim.Optimizer = strategy.optimizer
         self.tp_rank, self.tp = self.engine.mesh.index("tp"), self.engine.mesh.size("tp")
         self.flats = flats(strategy)
+        self.wholes = whole_flats(strategy)
+        """Whole-tensor optimizer's stepped tensors: optimizer state only (the values live in ``flats``/the model)."""
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.aliases: dict[str, str] = {}
         """model state key -> the key holding the same values (itself, unless tied)."""
@@ -147,7 +156,7 @@ class EngineState:
             param = flat.params[piece.index]
             self.entries[key(flat.layout.names[piece.index])].pieces.extend(
                 flat_pieces(
-                    tensor,
+                    tensor.detach().reshape(-1),  # a whole tensor stepped as it is (Muon's state) is read flat
                     piece.at,
                     flat.layout.shapes[piece.index],
                     piece.start,
@@ -160,11 +169,9 @@ class EngineState:
 
     # ----------------------------------------------------------------- optimizer
     def add_optimizer(self, for_load: bool = False) -> None:
-        if self.flats:
-            for flat in self.flats:
-                for key, value in self.optimizer.state.get(flat.master, {}).items():
-                    self._add_flat_state(flat, key, value, for_load)
-            return
+        for flat in self.flats + self.wholes:
+            for key, value in self.optimizer.state.get(flat.master, {}).items():
+                self._add_flat_state(flat, key, value, for_load)
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 name = self.names.get(id(param))
@@ -233,7 +240,7 @@ def save_state(engine: Any) -> dict[str, Chunked]:
 def group_names(engine: Any) -> list[list[str]]:
     """Parameter names per optimizer param group (under ZeRO, the names of the flat buffers a group steps)."""
     strategy = engine.strategy
-    by_master = {id(f.master): f.names for f in flats(strategy)}
+    by_master = {id(f.master): f.names for f in flats(strategy) + whole_flats(strategy)}
     names = {id(p): n for n, p in strategy.model.named_parameters()}
     out = []
     for group in strategy.optimizer.param_groups:

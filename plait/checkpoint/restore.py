@@ -154,23 +154,21 @@ def _reset_missing_states(state: EngineState, stored: dict[str, Any]) -> None:
     a whole parameter; zeros inside a ZeRO shard (logged)."""
     optimizer = state.optimizer
     fresh = []
-    if state.flats:
-        for flat in state.flats:
-            keys = list(optimizer.state.get(flat.master, {}))
-            absent = [n for n in flat.names if any(f"{OPTIM}{n}/{k}" not in stored for k in keys)]
-            if len(absent) == len(flat.names):
-                optimizer.state.pop(flat.master, None)  # its entries, still built, fill unused tensors
-            elif absent:
-                for value in optimizer.state[flat.master].values():
-                    if isinstance(value, torch.Tensor) and value.dim():
-                        value.zero_()
-            fresh += absent
-    else:
-        for param, values in list(optimizer.state.items()):
-            name = state.names.get(id(param))
-            if name is not None and any(f"{OPTIM}{name}/{k}" not in stored for k in values):
-                optimizer.state.pop(param)
-                fresh.append(name)
+    for flat in state.flats + state.wholes:
+        keys = list(optimizer.state.get(flat.master, {}))
+        absent = [n for n in flat.names if any(f"{OPTIM}{n}/{k}" not in stored for k in keys)]
+        if len(absent) == len(flat.names):
+            optimizer.state.pop(flat.master, None)  # its entries, still built, fill unused tensors
+        elif absent:
+            for value in optimizer.state[flat.master].values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    value.zero_()
+        fresh += absent
+    for param, values in list(optimizer.state.items()):  # the model's own parameters (zero=0)
+        name = state.names.get(id(param))
+        if name is not None and any(f"{OPTIM}{name}/{k}" not in stored for k in values):
+            optimizer.state.pop(param)
+            fresh.append(name)
     if fresh and any(k.startswith(OPTIM) for k in stored):
         log.warning(
             "the checkpoint has no optimizer state for %d parameter(s) (%s ...): they start fresh",

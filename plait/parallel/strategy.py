@@ -29,6 +29,7 @@ from plait.layout import Layout
 from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import cast_for_reduction, gradient_reduce_dtype
 from plait.parallel.tensor.sequence import sum_over_tp
+from plait.parallel.whole_tensor import SlotFlat, WholeSlot, WholeTensorOptimizer, build_hybrid, make_slot, slot_flats
 
 GRAD_AXIS = "dp_cp"
 """Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""
@@ -111,15 +112,48 @@ class DataParallelStrategy:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         groups = None
+        options, ids = assign_groups(named, param_groups)
         if param_groups is not None:  # plait.parallel.param_groups: the factory gets torch.optim param groups
-            options, ids = assign_groups(named, param_groups)
             groups = torch_groups(
                 options, [[p for p, g in zip(self.params, ids) if g == i] for i in range(len(options))]
             )
-        self.optimizer = build_optimizer(optimizer, self.params, groups)
+        self.whole_slots: list[WholeSlot] = []
+        """``WholeTensorOptimizer``: the parameters stepped whole (tp slices gathered at each step)."""
+        if isinstance(optimizer, WholeTensorOptimizer):
+            self.optimizer: torch.optim.Optimizer = self._build_whole(
+                optimizer, named, ids, options if param_groups is not None else None
+            )
+        else:
+            self.optimizer = build_optimizer(optimizer, self.params, groups)
         self.reduce_dtype = gradient_reduce_dtype(self.layout)
         """The dtype gradients are reduced in when not their own (``Layout.reduce_dtype="compute"``), else None."""
         self._sync = True
+
+    def _build_whole(
+        self,
+        spec: WholeTensorOptimizer,
+        named: list[tuple[str, nn.Parameter]],
+        ids: list[int],
+        options: list[dict[str, Any]] | None,
+    ) -> torch.optim.Optimizer:
+        """Replicated parameters are whole on every rank already: ``spec.whole`` steps the selected ones (a tp slice
+        through a ``WholeSlot`` that gathers it over tp at each step), ``spec.rest`` the others."""
+        chosen = spec.chosen(self.model)
+        tp, tp_rank = self.comm.size("tp"), self.comm.mesh.index("tp")
+        whole, rest = [], []
+        for (name, param), group in zip(named, ids):
+            if id(param) in chosen:
+                slot = make_slot(name, param, param, None, param.shape, tp, tp_rank)
+                self.whole_slots.append(slot)
+                whole.append((slot, group))
+            else:
+                rest.append((param, group))
+        rest_names = [name for name, p in named if id(p) not in chosen]
+        return build_hybrid(spec, whole, rest, options, self.comm, self.whole_slots, rest_names)
+
+    def whole_flats(self) -> list[SlotFlat]:
+        """The tensors stepped whole that are not the model's parameters (gathered tp slices), for checkpoints."""
+        return slot_flats(self.whole_slots)
 
     # ----------------------------------------------------------------- backward
     @contextlib.contextmanager

@@ -85,7 +85,15 @@ class TrainConfig:
     global_batch: int = 64
     lr: float = 3e-3
     optimizer: str = "adamw"
-    """adamw, adam, sgd, nadam, radam, adamax, rmsprop or adagrad (torch.optim's, elementwise: ZeRO runs all)."""
+    """adamw, adam, sgd, nadam, radam, adamax, rmsprop or adagrad (torch.optim's, elementwise: ZeRO runs all), or
+    muon: torch.optim.Muon on the hidden matrices, AdamW (lr, betas, eps, weight_decay) on the rest, under every
+    layout (``plait.train.optim``, docs/optimizers.md)."""
+    muon_lr: float | None = None
+    """Muon's lr (default: lr; Muon's update is scaled to AdamW's RMS, Moonlight's "match_rms_adamw")."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (Keller Jordan's, Moonlight's and torch's default)."""
+    muon_weight_decay: float | None = None
+    """Muon's decoupled weight decay (default: weight_decay, as Moonlight)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.0

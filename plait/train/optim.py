@@ -2,7 +2,8 @@
 
 - ``optimizer_factory``: ``train.optimizer`` ("adamw", "adam", "sgd", "nadam", "radam", "adamax", "rmsprop",
   "adagrad": torch.optim's elementwise optimizers, so every one also runs under ZeRO) with ``lr``,
-  ``weight_decay``, ``betas``, ``eps`` and ``momentum`` where the optimizer has them.
+  ``weight_decay``, ``betas``, ``eps`` and ``momentum`` where the optimizer has them; "muon" (``muon_optimizer``):
+  Muon on the hidden matrices and AdamW on the rest, a ``WholeTensorOptimizer`` that every layout runs exactly.
 - ``lr_factor``: the multiplier of ``lr`` at each step: a linear warm-up over ``warmup_steps`` (step s gets
   (s+1)/warmup), then ``lr_schedule`` from 1 down to the floor r = min_lr / lr at ``steps``: "cosine"
   r + (1-r)(1 + cos(pi p))/2 (Loshchilov & Hutter 2017, without restarts), "linear" r + (1-r)(1-p), or
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.parallel.kernels import fast_optimizer_kwargs
 from plait.parallel.param_groups import GroupOf
+from plait.parallel.whole_tensor import WholeTensorOptimizer
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -61,9 +64,34 @@ def optimizer_kwargs(train: Any) -> dict[str, Any]:
     return kwargs
 
 
-def optimizer_factory(train: Any, device: torch.device | str = "cpu") -> Callable[[Any], torch.optim.Optimizer]:
+def muon_optimizer(train: Any, device: torch.device | str = "cpu") -> WholeTensorOptimizer:
+    """``train.optimizer = "muon"``: torch.optim.Muon on the hidden matrices (the 2-D weights inside the model's
+    blocks: attention and MLP), AdamW on embeddings (tied or not), the output head, norms and biases, as Moonlight
+    and modded-nanogpt. Muon takes ``muon_lr`` (default ``lr``), ``muon_momentum`` (0.95, Nesterov) and
+    ``muon_weight_decay`` (default ``weight_decay``) with ``adjust_lr_fn="match_rms_adamw"``: its update is scaled
+    to 0.2 sqrt(max(A, B)), the RMS of an AdamW update, so AdamW's lr and weight decay carry over (Liu et al. 2025,
+    "Muon is Scalable for LLM Training"). Every layout hands Muon whole matrices (``plait.parallel.whole_tensor``)."""
+    adamw = {**optimizer_kwargs(replace(train, optimizer="adamw")), **fast_optimizer_kwargs(torch.optim.AdamW, device)}
+    muon = {
+        "lr": train.lr if train.muon_lr is None else train.muon_lr,
+        "momentum": train.muon_momentum,
+        "weight_decay": train.weight_decay if train.muon_weight_decay is None else train.muon_weight_decay,
+        "nesterov": True,
+        "adjust_lr_fn": "match_rms_adamw",
+    }
+    return WholeTensorOptimizer(
+        whole=lambda params: torch.optim.Muon(params, **muon), rest=lambda params: torch.optim.AdamW(params, **adamw)
+    )
+
+
+def optimizer_factory(
+    train: Any, device: torch.device | str = "cpu"
+) -> Callable[[Any], torch.optim.Optimizer] | WholeTensorOptimizer:
     """``params_or_groups -> optimizer`` for ``plait.parallelize`` (a list of tensors, or torch.optim groups); on
-    CUDA with the fused kernel where torch has one for the class (``plait.parallel.kernels``)."""
+    CUDA with the fused kernel where torch has one for the class (``plait.parallel.kernels``). "muon": the hybrid
+    ``muon_optimizer``."""
+    if train.optimizer == "muon":
+        return muon_optimizer(train, device)
     cls = OPTIMIZERS[train.optimizer]
     kwargs = {**optimizer_kwargs(train), **fast_optimizer_kwargs(cls, device)}
 
@@ -137,8 +165,16 @@ def decay_groups(model: nn.Module, skip: list[str] | tuple[str, ...]) -> GroupOf
 
 def check_optim_config(train: Any) -> None:
     """ConfigError (with the fix) for an optimizer, schedule or decay setting that cannot work."""
-    if train.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"train.optimizer={train.optimizer!r} is unknown. Fix: use one of {sorted(OPTIMIZERS)}.")
+    if train.optimizer not in (*OPTIMIZERS, "muon"):
+        raise ConfigError(
+            f"train.optimizer={train.optimizer!r} is unknown. Fix: use one of {sorted((*OPTIMIZERS, 'muon'))}."
+        )
+    if not 0.0 <= train.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum={train.muon_momentum!r} must be in [0, 1). Fix: e.g. 0.95.")
+    if train.muon_lr is not None and not train.muon_lr > 0:
+        raise ConfigError(f"train.muon_lr={train.muon_lr!r} must be positive (or unset: lr). Fix: e.g. 0.02.")
+    if train.muon_weight_decay is not None and not train.muon_weight_decay >= 0:
+        raise ConfigError(f"train.muon_weight_decay={train.muon_weight_decay!r} must be >= 0 (or unset).")
     if train.lr_schedule not in SCHEDULES:
         raise ConfigError(f"train.lr_schedule={train.lr_schedule!r} is unknown. Fix: use one of {list(SCHEDULES)}.")
     betas = train.betas
@@ -169,6 +205,7 @@ __all__ = [
     "decay_groups",
     "lr_factor",
     "lr_scheduler_factory",
+    "muon_optimizer",
     "optimizer_factory",
     "optimizer_kwargs",
     "parameter_kinds",

@@ -287,7 +287,7 @@ class ChecksPassed(Exception):
     """Raised in place of building the mesh: ``plait.parallelize`` accepted the layout."""
 
 
-def check_in_one_process(world: int, layout: Layout) -> None:
+def check_in_one_process(world: int, layout: Layout, optimizer=optimizer) -> None:  # noqa: ANN001
     """Run ``plait.parallelize``'s checks in this one process as if it were a rank of ``world``: returns when the
     layout is accepted (parallelize reached ``Mesh.build``, where the first process groups would be created),
     raises its LayoutError when refused. A refusal thus provably comes before any collective."""

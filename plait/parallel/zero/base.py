@@ -30,7 +30,8 @@ from plait.layout import Layout
 from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import gradient_reduce_dtype
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
-from plait.parallel.zero.flat import FlatLayout, GroupLayout
+from plait.parallel.whole_tensor import SlotFlat, WholeSlot, WholeTensorOptimizer, build_hybrid, make_slot, slot_flats
+from plait.parallel.zero.flat import FlatLayout, GroupLayout, OwnedLayout
 from plait.parallel.zero.offload import Placement, is_file_backed
 from plait.parallel.zero.optimizers import check_elementwise, factory_failed_on_shards
 
@@ -137,6 +138,11 @@ class ShardedStrategy(DataParallelStrategy):
         self.group_views: list[GroupView] = []
         """With ``param_groups``: what the optimizer steps, one view per (flat buffer, group); else empty."""
         self._owners: list[nn.Parameter] = []
+        self._spec = optimizer if isinstance(optimizer, WholeTensorOptimizer) else None
+        self._whole_ids: set[int] = self._spec.chosen(model) if self._spec is not None else set()
+        """The parameters a ``WholeTensorOptimizer`` steps whole: laid out tensor-atomically (``OwnedLayout``)."""
+        self.whole_slots: list[WholeSlot] = []
+        """The parameters this rank owns in ``OwnedLayout`` buffers, each stepped whole (``plait.parallel.whole_tensor``)."""
         self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
         self.stage = layout.zero
         self.world = comm.size(axis)
@@ -166,6 +172,8 @@ class ShardedStrategy(DataParallelStrategy):
         ``buffers``, whose masters are ``masters``); check that the optimizer holds exactly them, steps without a
         closure and is elementwise (``plait.parallel.zero.optimizers``)."""
         self._owners = list(masters)
+        if self._spec is not None:
+            return self._build_hybrid(buffers or [])
         stepped: list[nn.Parameter] | list[dict[str, Any]] = masters
         if self._group_of is not None:
             assert buffers is not None, "param_groups: the strategy must describe its flat buffers"
@@ -189,6 +197,47 @@ class ShardedStrategy(DataParallelStrategy):
                 f"parameter groups, pass param_groups=group_of to plait.parallelize instead."
             )
         return optimizer
+
+    def _build_hybrid(self, buffers: list[FlatBuffer]) -> torch.optim.Optimizer:
+        """``WholeTensorOptimizer``: the parameters this rank owns in ``OwnedLayout`` buffers become ``WholeSlot``s
+        (views of the master shard shaped like the parameter; a tp slice gathered whole at each step), stepped by
+        ``whole`` when selected and by ``rest`` otherwise; evenly sharded buffers step as always, in ``rest``."""
+        assert self._spec is not None
+        options = self._group_options if self._group_of is not None else None
+        even = [b for b in buffers if not isinstance(b.layout, OwnedLayout)]
+        rest: list[tuple[torch.Tensor, int]] = [(b.master, 0) for b in even]
+        if self._group_of is not None:
+            self.group_views = [view for buffer in even for view in group_views(buffer, self._group_id)]
+            rest = [(view.master, view.group) for view in self.group_views]
+        tp, tp_rank = self.comm.size("tp"), self.comm.mesh.index("tp")
+        whole: list[tuple[WholeSlot, int]] = []
+        rest_names = [name for b in even for name in b.layout.names]
+        for buffer in buffers:
+            layout = buffer.layout
+            if not isinstance(layout, OwnedLayout):
+                continue
+            base = layout.shard_range(buffer.rank)[0]
+            for index in layout.owned(buffer.rank):
+                param, name = buffer.params[index], layout.names[index]
+                start = layout.offsets[index] - base
+                span = (start, start + layout.numels()[index])
+                selected = id(param) in self._whole_ids
+                slot = make_slot(name, param, buffer.master, span, layout.shapes[index], tp if selected else 1, tp_rank)
+                self.whole_slots.append(slot)
+                group = self._group_id.get(id(param), 0)
+                if selected:
+                    whole.append((slot, group))
+                else:
+                    rest.append((slot.stepped, group))
+                    rest_names.append(name)
+        optimizer = build_hybrid(self._spec, whole, rest, options, self.comm, self.whole_slots, rest_names)
+        if even and len(optimizer.parts) > int(bool(whole)):
+            check_elementwise(optimizer.parts[-1], self.stage)
+        return optimizer
+
+    def whole_flats(self) -> list[SlotFlat]:
+        """The tensors stepped whole, one flat each, for checkpoints (``plait.checkpoint.canonical``)."""
+        return slot_flats(self.whole_slots)
 
     def _receive_grad(self, master: nn.Parameter, reduced: torch.Tensor) -> None:
         """Hand a reduced gradient shard to its master: moved to the master's place (non-blocking into pinned

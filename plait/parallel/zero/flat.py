@@ -128,3 +128,52 @@ class GroupLayout:
             for piece in self.base.slices(rank)
             if self.first <= piece.index < self.last
         ]
+
+
+@dataclass(frozen=True)
+class OwnedLayout(FlatLayout):
+    """Tensor-atomic sharding (docs/optimizers.md): every parameter lies whole in the shard of one rank, its
+    ``owner``, so that the owner can step it with an optimizer that needs whole tensors. Shards have ``shard``
+    elements each (the largest owner's load; the others are padded with zeros), and each FlatLayout operation
+    (flatten, views, slices, reduce-scatter and all-gather of the padded buffer) works unchanged on it."""
+
+    shard: int = 0
+    owners: tuple[int, ...] = ()
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard
+
+    def owned(self, rank: int) -> list[int]:
+        """The indices of the parameters that ``rank`` owns, in layout order."""
+        return [index for index, owner in enumerate(self.owners) if owner == rank]
+
+
+def owned_layout(named_params: list[tuple[str, nn.Parameter]], shards: int) -> OwnedLayout:
+    """Assign each parameter whole to one of ``shards`` ranks, greedy largest first onto the least-loaded rank
+    (ties: the lowest rank; as Megatron-Core's layer-wise distributed optimizer balances whole tensors), then lay
+    each rank's parameters out in registration order from the start of its shard. The maximal load is at most the
+    mean plus the largest parameter (Graham's LPT bound: at most 4/3 of the best possible)."""
+    if shards < 1:
+        raise ValueError(f"shards={shards} must be >= 1")
+    numels = [param.numel() for _, param in named_params]
+    loads = [0] * shards
+    owners = [0] * len(named_params)
+    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        owner = min(range(shards), key=lambda r: (loads[r], r))
+        owners[index] = owner
+        loads[owner] += numels[index]
+    shard = max(loads) if numels else 0
+    offsets, used = [], [0] * shards
+    for index, numel in enumerate(numels):
+        offsets.append(owners[index] * shard + used[owners[index]])
+        used[owners[index]] += numel
+    return OwnedLayout(
+        names=tuple(name for name, _ in named_params),
+        shapes=tuple(param.shape for _, param in named_params),
+        offsets=tuple(offsets),
+        numel=sum(numels),
+        shards=shards,
+        shard=shard,
+        owners=tuple(owners),
+    )

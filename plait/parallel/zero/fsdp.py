@@ -53,6 +53,7 @@ from plait.parallel.param_groups import GroupOf, order_by_group
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
+from plait.parallel.zero.flat import OwnedLayout, owned_layout
 from plait.parallel.zero.fsdp_pipeline import StageScopes
 from plait.parallel.zero.fsdp_unit import FlatUnit, UnitState
 from plait.parallel.zero.shard_buckets import master_dtype
@@ -139,7 +140,7 @@ class FullyShardedStrategy(ShardedStrategy):
         }
         modules = {"": model, **dict(blocks)}
         self.units = [
-            FlatUnit(name or "root", modules[name], params, comm, axis, self._record)
+            FlatUnit(name or "root", modules[name], params, comm, axis, self._record, self._unit_layout(params))
             for name, params in groups.items()
             if params or not name
         ]
@@ -178,6 +179,13 @@ class FullyShardedStrategy(ShardedStrategy):
             sum(u.shard.numel() for u in self.units),
             self.layout.offload,
         )
+
+    def _unit_layout(self, params: NamedParams) -> OwnedLayout | None:
+        """A unit holding parameters that a ``WholeTensorOptimizer`` steps whole is sharded tensor-atomically (each
+        parameter whole on one rank, owners balanced by size); other units split evenly (None)."""
+        if not any(id(p) in self._whole_ids for _, p in params):
+            return None
+        return owned_layout(params, self.world)
 
     def _record(self, *event: str) -> None:
         if self.trace is not None:

@@ -55,7 +55,10 @@ class FlatUnit:
         comm: Comm,
         axis: str,
         record: Record,
+        layout: FlatLayout | None = None,
     ) -> None:
+        """``layout``: how the flat buffer is sharded (default: N equal shards cutting across tensors; an
+        ``OwnedLayout`` keeps each parameter whole on one rank, for optimizers that need whole tensors)."""
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -67,7 +70,7 @@ class FlatUnit:
         self.module = module
         self.params = [p for _, p in named_params]
         self.comm, self.axis, self._record = comm, axis, record
-        self.layout = FlatLayout.of(named_params, comm.size(axis))
+        self.layout = layout or FlatLayout.of(named_params, comm.size(axis))
         self.rank = comm.mesh.index(axis) if comm.size(axis) > 1 else 0
         device = self.params[0].device if self.params else comm.device
         dtype = self.params[0].dtype if self.params else torch.float32

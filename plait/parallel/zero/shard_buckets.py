@@ -16,6 +16,7 @@ Padding is per bucket: sum over buckets of padded sizes is at most P + (N - 1) x
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from plait.comm.collectives import Pending
 from plait.parallel.buckets import check_reducible  # noqa: F401 - re-exported for the ZeRO strategy
 from plait.parallel.param_groups import order_by_group
-from plait.parallel.zero.flat import FlatLayout
+from plait.parallel.zero.flat import FlatLayout, owned_layout
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -149,3 +150,22 @@ def plan_buckets(
             ShardBucket(index, [n for n, _ in named], [p for _, p in named], FlatLayout.of(named, shards), rank)
         )
     return buckets
+
+
+def owned_buckets(named_params: list[tuple[str, nn.Parameter]], strategy: Any, first: int) -> list[ShardBucket]:
+    """One tensor-atomic bucket per dtype (``owned_layout``: each parameter whole on one rank of the strategy's data
+    axis, owners balanced by size), indexed from ``first``: the reduce-scatter of its padded flat gradient hands
+    each owner the whole gradients of its parameters, and the all-gather of the stepped shards returns them."""
+    by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in named_params:
+        by_dtype.setdefault(param.dtype, []).append((name, param))
+    return [
+        ShardBucket(
+            first + index,
+            [n for n, _ in named],
+            [p for _, p in named],
+            owned_layout(named, strategy.world),
+            strategy.index,
+        )
+        for index, named in enumerate(by_dtype.values())
+    ]

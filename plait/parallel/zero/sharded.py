@@ -29,8 +29,10 @@ per bucket), so any torch.optim optimizer works, with two limits:
   hands the factory one view of the shard per group (``plait.parallel.param_groups``). An optimizer already
   built on ``model.parameters()`` is refused (it would hold the full parameters).
 - elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) take exactly the step of single-device
-  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo) would compute them per
-  shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``).
+  training; optimizers with per-tensor statistics (LAMB, LARS, Adafactor, Shampoo, Muon) would compute them per
+  shard, a different algorithm: torch.optim's are refused (``plait.parallel.zero.optimizers``) unless passed as a
+  ``WholeTensorOptimizer``, whose parameters go into tensor-atomic buckets (``owned_buckets``: each parameter whole
+  on one owner, docs/optimizers.md).
 
 Gradient accumulation: inside ``no_sync()`` backward accumulates full gradients in ``param.grad`` without
 communication (under ZeRO-2 too, as DeepSpeed does: accumulating sharded gradients would need a
@@ -62,7 +64,7 @@ from plait.parallel.param_groups import GroupOf
 from plait.parallel.precision import cast_for_reduction
 from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
-from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, plan_buckets
+from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, owned_buckets, plan_buckets
 
 log = get_logger(__name__)
 
@@ -94,7 +96,13 @@ class ShardedOptimizerStrategy(ShardedStrategy):
 
         cap = None if self.stage == 1 else layout.bucket_mb * 2**20
         group_ids = self._plan_groups(named)
-        self.buckets: list[ShardBucket] = plan_buckets(named, self.world, self.index, cap, group_ids)
+        even = [i for i, (_, p) in enumerate(named) if id(p) not in self._whole_ids]
+        self.buckets: list[ShardBucket] = plan_buckets(
+            [named[i] for i in even], self.world, self.index, cap, [group_ids[i] for i in even]
+        )  # a WholeTensorOptimizer's parameters: tensor-atomic buckets, one per dtype, each owned whole by one rank
+        self.buckets += owned_buckets(
+            [item for item in named if id(item[1]) in self._whole_ids], self, len(self.buckets)
+        )
         for bucket in self.buckets:
             bucket.master = self._make_master(bucket.shard_values(master_dtype(bucket.dtype)), f"master{bucket.index}")
             if self.world == 1 and not self.placement.offloaded and bucket.master.dtype == bucket.dtype:
