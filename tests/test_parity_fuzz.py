@@ -1,4 +1,4 @@
-"""Randomised parity: seeded draws of layout x loss-mask pattern x optimizer x clipping, each trained with plait and
+"""Randomised parity: seeded draws of layout x loss-mask pattern x optimizer (AdamW, SGD, Muon) x clipping, each trained with plait and
 compared with one device on the same global batches (losses, step-0 gradients, final parameters, the gradient
 norm before clipping). The fixed matrices test what someone thought of; this searches the space around them, so
 the next class of silent difference (like the mean of per-micro-batch means under uneven masks, issue 24) is found
@@ -29,12 +29,14 @@ from helpers.composition import (
     whole_parameters,
 )
 from helpers.harness import run_distributed
+from helpers.muon import fp32_newton_schulz, muon_spec
 from helpers.reference import assert_tensors_close, train_reference, uneven_mask
 
 import plait
 from plait import Layout, LayoutError
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
+from plait.parallel.whole_tensor import HybridOptimizer, hidden_matrices
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -43,7 +45,7 @@ CI_DRAWS = 2
 LONG_DRAWS = 24
 FIRST_SEED = int(os.environ.get("PLAIT_FUZZ_SEED", "0"))
 MASKS = ("prompt", "uneven", "sparse", "one-row")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,30 @@ def make_model(mask: str) -> tuple[GPT, MaskedTask]:
 
 
 def optimizer_for(name: str):  # noqa: ANN201 - a factory, as users pass it
-    """AdamW with eps 1e-5 (tests/helpers/composition.py says why) or SGD with momentum."""
+    """AdamW with eps 1e-5 (tests/helpers/composition.py says why), SGD with momentum, or Muon on the hidden
+    matrices with AdamW on the rest (``helpers.muon.muon_spec``; run with fp32 Newton-Schulz iterations, so fp32
+    tolerances hold: tests/helpers/muon.py measures why)."""
     if name == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
+    if name == "muon":
+        return muon_spec()
     return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference_optimizer(name: str, model: torch.nn.Module):  # noqa: ANN201 - a factory of the reference's copy
+    """``optimizer_for(name)`` for ``train_reference``, which calls it on a copy's parameters in model order."""
+    if name != "muon":
+        return optimizer_for(name)
+    spec, hidden = muon_spec(), hidden_matrices(model)
+    mask = [name in hidden for name, _ in model.named_parameters()]
+
+    def hybrid(params):  # noqa: ANN001, ANN202
+        params = list(params)
+        assert spec.rest is not None
+        rest = spec.rest([p for p, m in zip(params, mask) if not m])
+        return HybridOptimizer([spec.whole([p for p, m in zip(params, mask) if m]), rest])
+
+    return hybrid
 
 
 # ----------------------------------------------------------------- draws
@@ -166,13 +188,14 @@ def draws(world: int, count: int, first_seed: int = FIRST_SEED) -> list[Draw]:
 # ----------------------------------------------------------------- one draw on this rank, and the reference
 def train_draw(draw: Draw) -> dict:
     model, task = make_model(draw.mask)
-    engine = plait.parallelize(
-        model, Layout(**draw.layout), optimizer=optimizer_for(draw.optimizer), max_grad_norm=draw.clip
-    )
-    grads: list[dict[str, torch.Tensor]] = []
-    engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
-    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
-    stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
+    with fp32_newton_schulz(draw.optimizer == "muon"):
+        engine = plait.parallelize(
+            model, Layout(**draw.layout), optimizer=optimizer_for(draw.optimizer), max_grad_norm=draw.clip
+        )
+        grads: list[dict[str, torch.Tensor]] = []
+        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
+        loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
+        stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
     return {
         "losses": [s.loss for s in stats],
         "norms": [s.grad_norm for s in stats],
@@ -189,7 +212,9 @@ def check(draw: Draw, per_rank: list[dict]) -> None:
     model, task = make_model(draw.mask)
     loader = ShardedBatches(task, GLOBAL_BATCH)
     batches = [loader.global_batch_at(step) for step in range(STEPS)]
-    expected = train_reference(model, batches, optimizer_for(draw.optimizer), max_grad_norm=draw.clip)
+    with fp32_newton_schulz(draw.optimizer == "muon"):
+        optimizer = reference_optimizer(draw.optimizer, model)
+        expected = train_reference(model, batches, optimizer, max_grad_norm=draw.clip)
     losses = per_rank[0]["losses"]
     assert all(r["losses"] == losses for r in per_rank), f"{draw}: ranks report different losses"
     for step, (actual, wanted) in enumerate(zip(losses, expected.losses)):
