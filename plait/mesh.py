@@ -157,6 +157,8 @@ class Mesh:
         self.world_size = self.grid.world_size
         self.coords = self.grid.coords(rank)
         self._groups = groups
+        self._ranks: dict[str, list[int]] = {}  # per axis: this rank's group (the mesh never changes: computed once)
+        self._sizes: dict[str, int] = {}
 
     @classmethod
     def build(cls, layout: Layout, timeout: datetime.timedelta | None = None) -> Mesh:
@@ -189,15 +191,23 @@ class Mesh:
 
     def size(self, axis: str) -> int:
         """The number of ranks along ``axis``."""
-        return self.grid.size(axis)
+        if axis not in self._sizes:
+            self._sizes[axis] = self.grid.size(axis)
+        return self._sizes[axis]
 
     def index(self, axis: str) -> int:
         """This rank's position in its ``axis`` group."""
-        return self.ranks(axis).index(self.rank)
+        return self._group_ranks(axis).index(self.rank)
 
     def ranks(self, axis: str) -> list[int]:
         """The global ranks of this rank's ``axis`` group, in order."""
-        return self.grid.group_of(self.rank, axis)
+        return list(self._group_ranks(axis))
+
+    def _group_ranks(self, axis: str) -> list[int]:
+        """``ranks(axis)`` without the copy (hot paths call it per collective and per pipeline action)."""
+        if axis not in self._ranks:
+            self._ranks[axis] = self.grid.group_of(self.rank, axis)
+        return self._ranks[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         axis_members(axis)
@@ -209,7 +219,7 @@ class Mesh:
 
     def peer(self, axis: str, offset: int) -> int:
         """The global rank ``offset`` steps along ``axis`` from this one (wrapping around)."""
-        ranks = self.ranks(axis)
+        ranks = self._group_ranks(axis)
         return ranks[(ranks.index(self.rank) + offset) % len(ranks)]
 
     def describe(self) -> str:

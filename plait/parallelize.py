@@ -106,14 +106,18 @@ def make_runner(
     elif layout.sequence_parallel:  # Megatron-SP x pp: later stages' positions
         checks.append(hand_stage_positions([(stage.module, stage.is_first) for stage in stages], layout.tp))
     strategy.attach_pipeline({stage.index: stage.module for stage in stages})  # ZeRO-3: units per stage
+    # only ZeRO-3 does something around each action: the others' runners enter no scope at all
+    scope = (
+        strategy.pipeline_scope if type(strategy).pipeline_scope is not DataParallelStrategy.pipeline_scope else None
+    )
     if layout.schedule == PipelineSchedule.PIPEDREAM:
         return PipeDreamRunner(
             stages, pipeline.schedule, comm, precision, pipedream,
-            no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
+            no_sync=strategy.no_sync, param_scope=scope, input_checks=checks,
         )  # fmt: skip
     return PipelineRunner(
         stages, pipeline.schedule, comm, precision,
-        no_sync=strategy.no_sync, param_scope=strategy.pipeline_scope, input_checks=checks,
+        no_sync=strategy.no_sync, param_scope=scope, input_checks=checks,
     )  # fmt: skip
 
 

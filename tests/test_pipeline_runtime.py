@@ -328,8 +328,9 @@ def _peak_first_stage(schedule: str) -> int:
     engine = plait.parallelize(
         model, Layout(pp=4, dp=1, microbatches=8, schedule=schedule), optimizer=OPTIMIZERS["sgd"]
     )
-    engine.train_step(ShardedBatches(task, 16).global_batch_at(0))
     assert engine.pipeline is not None
+    engine.pipeline.count_activations()
+    engine.train_step(ShardedBatches(task, 16).global_batch_at(0))
     return engine.pipeline.peak_activation_bytes().get(0, 0)
 
 

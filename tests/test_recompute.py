@@ -288,6 +288,8 @@ def _train_composed(recompute: str) -> dict[str, dict]:
         grads: list = []
         engine.before_optimizer_step.append(lambda e, g=grads: g.append(whole_gradients(e)) if not g else None)
         batches = _cell_batches(kind, task, engine.mesh.index("dp"), engine.mesh.size("dp"))
+        if engine.pipeline is not None:
+            engine.pipeline.count_activations()
         losses = [engine.train_step(batch).loss for batch in batches]
         peaks = engine.pipeline.peak_activation_bytes() if engine.pipeline is not None else {}
         out[name] = {

@@ -60,6 +60,8 @@ DTYPES = (
 """Dtypes a stage may pass on (index = their code in metadata messages)."""
 
 ParamScope = Callable[[int, str], contextlib.AbstractContextManager[None]]
+_NO_SCOPE: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+"""Entered around each action when the strategy has no per-stage scope (reusable: it holds no state)."""
 
 
 @dataclass(frozen=True)
@@ -150,11 +152,14 @@ class PipelineRunner:
         self.step_start = 0.0
         self.step_end = 0.0
         self.tied = self._tied_copies()
+        for stage in self.stages.values():
+            stage.refresh_params()  # the tied copies are trainable now
+        self._pp_ranks = self.mesh.ranks(AXIS)  # global ranks of this pp group: looked up once, not per action
         self.input_checks: tuple[Callable[[torch.Tensor], None], ...] = tuple(input_checks)
         """Called with each step's (and evaluation's) first-stage input on every rank before any message, so that
         an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
         split over cp), instead of leaving the later stages waiting for it."""
-        self.param_scope: ParamScope = param_scope or (lambda stage, kind: contextlib.nullcontext())
+        self.param_scope: ParamScope = param_scope or (lambda stage, kind: _NO_SCOPE)
         """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; given
         by ``plait.parallelize`` as the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
         parameter units there and frees them after)."""
@@ -166,7 +171,7 @@ class PipelineRunner:
 
     def _peer(self, stage: int) -> int:
         """Global rank holding ``stage`` in this rank's pp group."""
-        return self.mesh.ranks(AXIS)[self.schedule.rank_of(stage)]
+        return self._pp_ranks[self.schedule.rank_of(stage)]
 
     @property
     def device(self) -> torch.device:
@@ -470,8 +475,19 @@ class PipelineRunner:
             output, _ = self._chain(inputs, with_data=True)
         return output
 
+    def count_activations(self, on: bool = True) -> None:
+        """Count the activation bytes each local stage holds from now on (``peak_activation_bytes``): off by
+        default, since counting hooks every tensor autograd saves (a host cost per forward action)."""
+        for stage in self.stages.values():
+            stage.count_activations = on
+
     def peak_activation_bytes(self) -> dict[int, int]:
-        """Per local stage: the most activation bytes it held at once (since the stages were built)."""
+        """Per local stage: the most activation bytes it held at once while counting (``count_activations``)."""
+        if not all(stage.count_activations for stage in self.stages.values()):
+            raise ScheduleError(
+                "peak_activation_bytes: activation bytes are counted only once asked for. Fix: call "
+                "engine.pipeline.count_activations() before the steps to measure."
+            )
         return {s: stage.peak_bytes for s, stage in self.stages.items()}
 
 

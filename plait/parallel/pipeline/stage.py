@@ -14,8 +14,14 @@
   weight used twice) the stage falls back to ``W`` = a second backward restricted to the parameters, which is
   exact but repeats the activation-gradient work. Either way the gradients equal those of ``B``.
 
-Activation bytes: every tensor autograd saves during ``F`` (not parameters; each storage once) plus the input
-is counted while the micro-batch is held; ``held_bytes`` / ``peak_bytes`` report it (1F1B vs GPipe memory).
+Activation bytes (``count_activations``, off unless asked for: ``PipelineRunner.count_activations``): every tensor
+autograd saves during ``F`` (not parameters; each storage once) plus the input is counted while the micro-batch
+is held; ``held_bytes`` / ``peak_bytes`` report it (1F1B vs GPipe memory). Counting hooks every saved tensor, a
+host cost per action that the runtime does not pay when nothing reads the figures.
+
+Per-action host work is kept to what torch.distributed.pipelining does: the stage's trainable tensors are looked
+up once (``params``: ZeRO-3 swaps their ``.data``, never the Parameter objects; ``refresh_params`` after replacing
+modules or buffers), not by walking the module tree at every action.
 """
 
 from __future__ import annotations
@@ -57,15 +63,25 @@ class PipelineStage:
         self._held: dict[int, _Held] = {}
         self.held_bytes = 0
         self.peak_bytes = 0
+        self.count_activations = False
+        """Count the activation bytes each micro-batch holds (``held_bytes`` / ``peak_bytes``; module docstring)."""
+        self._params: list[torch.Tensor] | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:
         """What the stage trains: its parameters and the buffers that require grad (the last stage's copy of a
-        tied parameter, ``split.tie_copy``), looked up now (moving a module to a device replaces its buffers)."""
-        return [
-            *(p for p in self.module.parameters() if p.requires_grad),
-            *(b for b in self.module.buffers() if b.requires_grad),
-        ]
+        tied parameter, ``split.tie_copy``), looked up at the first action and kept (``refresh_params``)."""
+        if self._params is None:
+            self._params = [
+                *(p for p in self.module.parameters() if p.requires_grad),
+                *(b for b in self.module.buffers() if b.requires_grad),
+            ]
+        return self._params
+
+    def refresh_params(self) -> None:
+        """Look ``params`` up again at the next action: after moving the module to a device (which replaces its
+        buffers) or making a buffer trainable."""
+        self._params = None
 
     @property
     def is_first(self) -> bool:
@@ -85,16 +101,20 @@ class PipelineStage:
             raise ScheduleError(f"stage {self.index}: {self.index}F{microbatch} ran twice without its backward.")
         if not self.is_first and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
-        params = self.params
-        with SavedActivations(exclude=params) as saved:  # the input, then what autograd keeps
-            saved.add(inputs)
+        held_bytes = 0
+        if self.count_activations:
+            with SavedActivations(exclude=self.params) as saved:  # the input, then what autograd keeps
+                saved.add(inputs)
+                output = self.module(inputs)
+            held_bytes = saved.bytes
+        else:
             output = self.module(inputs)
         if not isinstance(output, torch.Tensor):
             raise TypeError(
                 f"pipeline stage {self.index} returned {type(output).__name__}; stages must pass one tensor to the next. "
                 f"Fix: make each chunk's forward return a single tensor."
             )
-        held = _Held(inputs if inputs.requires_grad else None, output, saved.bytes)
+        held = _Held(inputs if inputs.requires_grad else None, output, held_bytes)
         self._held[microbatch] = held
         self.held_bytes += held.bytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
