@@ -60,9 +60,11 @@ class DataConfig:
         _integer("data.seed", self.seed, 0)
         _number("data.corpus_mb", self.corpus_mb, lambda v: v >= 0, "be >= 0 (0: the whole corpus)", "1")
         if not isinstance(self.name, str) or not isinstance(self.path, str):
-            raise ConfigError(f"data.name={self.name!r} and data.path={self.path!r} must be strings.")
+            raise ConfigError(
+                f"data.name={self.name!r} and data.path={self.path!r} must be strings. Fix: quote them in TOML."
+            )
         if not isinstance(self.verify, bool):
-            raise ConfigError(f"data.verify={self.verify!r} must be true or false.")
+            raise ConfigError(f"data.verify={self.verify!r} must be true or false. Fix: data.verify=true.")
 
     def dataset_kwargs(self) -> dict[str, Any]:
         if self.name == "addition":
@@ -176,7 +178,7 @@ class TrainConfig:
         for name in ("async_save", "tensorboard"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "tensorboard" and value is None):
-                raise ConfigError(f"train.{name}={value!r} must be true or false.")
+                raise ConfigError(f"train.{name}={value!r} must be true or false. Fix: train.{name}=true.")
         from plait.train.optim import check_optim_config
 
         check_optim_config(self)
@@ -185,7 +187,7 @@ class TrainConfig:
 def _integer(where: str, value: Any, low: int, note: str = "") -> None:
     """ConfigError unless ``value`` is an integer >= ``low`` (TOML's 1e8 is a float: refused too)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{where}={value!r} must be an integer >= {low}{note}.")
+        raise ConfigError(f"{where}={value!r} must be an integer >= {low}{note}. Fix: e.g. {where}={max(low, 1)}.")
 
 
 def _real(value: Any) -> bool:
