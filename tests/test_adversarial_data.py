@@ -32,6 +32,7 @@ ENV = {
     **os.environ,
     "OMP_NUM_THREADS": "1",
     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    "CUDA_VISIBLE_DEVICES": "",  # CPU ranks: the cases are about the host (and a memory limit breaks CUDA's start)
 }
 TINY_RUN = ["--nproc", "1", "--set", "train.steps=2", "--set", "train.samples=0", "--set", "train.eval_every=0"]
 
@@ -174,10 +175,13 @@ def test_prepare_never_overwrites_a_folder_plait_did_not_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "mine"]  # no staging folder left either
 
 
-def test_overwrite_replaces_only_plaits_own_files(tmp_path, capsys):
+def test_overwrite_replaces_only_plaits_own_files(tmp_path):
     docs = write_docs(tmp_path / "in")
     out = tmp_path / "out"
-    prepare([docs], out, val_fraction=0.2, progress=False)
+    out.mkdir()  # an empty folder is taken as it is, through a link too
+    (tmp_path / "link").symlink_to(out)
+    prepare([docs], tmp_path / "link", val_fraction=0.2, progress=False)
+    assert (tmp_path / "link").is_symlink() and (out / "meta.json").is_file()
     (out / "notes.txt").write_text("the user's notes")
     with pytest.raises(DataError) as error:
         prepare([docs], out, progress=False)
@@ -319,6 +323,20 @@ def test_sizes_that_cannot_fit_are_refused_before_allocation(tmp_path, nproc, ov
     args = ["train", *TINY_RUN, "--nproc", nproc, "--out", str(tmp_path / "run"), "--set", override]
     result = run_plait(*args, memory_gib=8)  # before the check: a MemoryError traceback at 8 GiB, not a refusal
     refused(result, "GiB per rank", "host RAM is", words)
+
+
+def test_on_a_gpu_the_estimate_is_compared_with_its_memory(monkeypatch):
+    import torch
+
+    from plait.train import fits
+
+    config = load_config(None, ["model.n_layer=100000"])
+    layout = config.layout.resolve(1)
+    monkeypatch.setattr(fits, "available", lambda device, ranks: (80 * fits.GIB, 1, "NVIDIA H100's memory"))
+    with pytest.raises(ConfigError) as error:
+        fits.check_memory(config, layout, 12, 8, torch.device("cuda", 0), 1)
+    one_line(error, "GiB per rank", "NVIDIA H100's memory is 80.0 GiB")
+    fits.check_memory(load_config(None, []), layout, 12, 8, torch.device("cuda", 0), 1)  # the tiny default fits
 
 
 def test_a_global_batch_larger_than_the_data_is_refused(tmp_path):

@@ -94,7 +94,10 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def check_out(out: Path, inputs: Sequence[str | Path], overwrite: bool) -> OutFolder:
-    """Refuse an ``--out`` that would lose a user's file or read its own output (module doc), before any work."""
+    """Refuse an ``--out`` that would lose a user's file or read its own output (module doc), before any work.
+    A symbolic link is followed (the folder it names is written; the link stays)."""
+    if out.is_symlink():
+        out = out.resolve()
     ancestor = out
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent

@@ -82,7 +82,7 @@ def check_step(stats: StepStats) -> None:
         what = ", ".join(f"{name} {value}" for name, value in bad.items())
         raise PlaitError(
             f"step {stats.step}: {what}: training diverged and the weights are no longer finite. Fix: a smaller "
-            f"train.lr (or longer train.warmup_steps), gradient clipping (train.max_grad_norm, e.g. 1.0), bf16 "
+            f"train.lr or a longer train.warmup_steps, gradient clipping on (train.max_grad_norm, e.g. 1.0), bf16 "
             f"rather than fp16, and check the data; resume from a checkpoint before step {stats.step}."
         )
 
