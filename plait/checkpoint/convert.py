@@ -87,7 +87,7 @@ def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
             "the Hugging Face config has no model_type. Fix: use the config.json the model was saved "
             'with (it names model_type, e.g. "llama").'
         )
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), trust_remote_code=False)
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, hf_config: str | Path | None = None) -> Path:
