@@ -434,3 +434,25 @@ def test_seq_len_is_checked_for_the_addition_task_too():
     with pytest.raises(ConfigError) as error:
         load_config(None, ["data.name=addition", "data.seq_len=0"])
     one_line(error, "data.seq_len=0")
+
+
+def test_the_planners_model_config_reader_is_one_line_on_hostile_files(tmp_path):
+    """``plait plan --model config.json`` (``from_hf_config``): not UTF-8, nested past the recursion limit, a FIFO
+    (which would block an open), missing: one ConfigError each, no traceback, no hang."""
+    from plait.planner.hf_config import from_hf_config
+
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, reason in (
+        (binary, "not UTF-8"),
+        (nested, "nested too deeply"),
+        (fifo, "FIFO"),
+        (tmp_path / "no.json", "does not exist"),
+    ):
+        with pytest.raises(ConfigError, match="Fix") as caught:
+            from_hf_config(path)
+        assert reason.lower() in str(caught.value).lower() and "\n" not in str(caught.value), str(caught.value)
