@@ -215,7 +215,11 @@ class Layout:
                 raise LayoutError(f"{name}={value!r} must be an integer >= {low}. Fix: set {name}={low} or more.")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r} is not a ZeRO stage. Fix: use 0 (off), 1, 2 or 3.")
-        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
+        if (
+            not isinstance(self.bucket_mb, (int, float))
+            or isinstance(self.bucket_mb, bool)
+            or not 0 < self.bucket_mb < float("inf")  # NaN fails both comparisons
+        ):
             raise LayoutError(f"bucket_mb={self.bucket_mb!r} must be a positive size in MiB. Fix: e.g. bucket_mb=25.")
 
     def _coerce_choices(self) -> None:

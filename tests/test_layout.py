@@ -31,6 +31,8 @@ def test_minus_one_takes_the_rest():
         ({"recompute": "some"}, ["recompute='some'", "block indices"]),
         ({"recompute": (1, -1)}, ["block indices"]),
         ({"bucket_mb": 0}, ["bucket_mb=0", "positive"]),
+        ({"bucket_mb": float("inf")}, ["bucket_mb=inf", "positive"]),
+        ({"bucket_mb": float("nan")}, ["bucket_mb=nan", "positive"]),
         ({"virtual_stages": 2}, ["virtual_stages=2", "interleaved"]),
         ({"sequence_parallel": True}, ["sequence_parallel", "tp >= 2"]),
         ({"tp": 2.5}, ["tp=2.5", "whole number"]),

@@ -106,7 +106,7 @@ def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
             'with (it names model_type, e.g. "llama").'
         )
     try:
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), trust_remote_code=False)
     except (ValueError, TypeError, KeyError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(

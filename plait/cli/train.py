@@ -187,6 +187,12 @@ def _check_before_launch(args: argparse.Namespace) -> None:
     from plait.models.build import check_model_section
 
     check_model_section(config.model, dataset.vocab_size, dataset.seq_len)
+    import torch
+
+    from plait.train.fits import check_run_fits
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    check_run_fits(config, config.layout.resolve(args.nproc), dataset, device, args.nproc)
     if config.train.init_from and not os.path.exists(config.train.init_from):
         raise ConfigError(
             f"train.init_from={config.train.init_from!r} does not exist. Fix: give a plait checkpoint folder, a "

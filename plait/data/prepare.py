@@ -18,8 +18,10 @@ of the other documents), and at least one document is held out whenever ``val_fr
 Work happens in passes that never hold the corpus in memory: ``scan`` (every input read once: sha256, counts,
 every record checked, so bad input fails before any token is written), BPE training for ``bpe:V`` (on the training
 documents only, streamed), then tokenization in ``workers`` processes fed batches of about 1 MiB of text (at most
-two batches per worker in flight) and written in document order. The files are written under ``.partial`` names
-and renamed when complete; ``meta.json`` comes last, so a folder with a ``meta.json`` is a complete one.
+two batches per worker in flight) and written in document order. Everything is written into a hidden temporary
+sibling of ``--out`` and renamed into place when complete, ``meta.json`` last, so a folder with a ``meta.json`` is a
+complete one and an interrupted prepare leaves ``--out`` as it was. An existing ``--out`` must be empty or a plait
+token folder (replaced with ``--overwrite``, and then only plait's own files): ``plait.data.output``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +40,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from plait.data.loader import index_hash
+from plait.data.output import FORMAT, INPUTS_FILE, META_FILE, OutFolder, check_out
 from plait.data.sources import InputStats, iter_all_documents, resolve_inputs, scan, sha256_of
 from plait.data.tokenizer import (
+    MIN_BPE_VOCAB,
     AnyTokenizer,
     concatenate,
     describe,
@@ -55,9 +60,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-META_FILE = "meta.json"
-INPUTS_FILE = "inputs.jsonl"
-FORMAT = "plait-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 SPLIT_STREAM = 0x5B17
@@ -238,15 +240,11 @@ def _encoded_batches(
         yield pending.popleft().result()
 
 
-def _check_arguments(out: Path, val_fraction: float, workers: int, overwrite: bool) -> None:
+def _check_arguments(val_fraction: float, workers: int) -> None:
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1). Fix: e.g. --val-fraction 0.01.")
     if workers < 1:
         raise DataError(f"--workers {workers} must be at least 1. Fix: e.g. --workers {os.cpu_count() or 1}.")
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file. Fix: name a folder (it is created).")
-    if (out / META_FILE).exists() and not overwrite:
-        raise DataError(f"{out} already holds prepared data. Fix: --overwrite to replace it, or another --out.")
 
 
 def _entropy(counts: np.ndarray) -> float:
@@ -272,45 +270,39 @@ def prepare(
     """Tokenize ``inputs`` into the folder ``out`` (see the module doc); returns its ``meta.json`` as a dict.
 
     Raises ``DataError`` naming the file (and line) and the fix for bad input, before anything is written."""
-    out = Path(out).expanduser()
-    _check_arguments(out, val_fraction, workers, overwrite)
+    _check_arguments(val_fraction, workers)
+    target = check_out(Path(out).expanduser(), inputs, overwrite)
     bpe_vocab = parse_bpe_vocab(tokenizer)
     sources = resolve_inputs(inputs)
     chosen = None if bpe_vocab else load_tokenizer(tokenizer, eos)
     pool = worker_pool(workers) if workers > 1 else None
+    staging: Path | None = None
     try:
         with _Progress(progress, console) as bars:
             scanning = bars.add("scan", len(sources))
             stats = scan(sources, field, on_file=lambda s: bars.update(scanning, advance=1, info=s.path[-40:]))
             is_val = _split_rule(sum(s.documents for s in stats), val_fraction)
             if bpe_vocab:
-                training = bars.add(f"train BPE {bpe_vocab}", None)
-                chosen = train_bpe(_training_documents(sources, field, is_val), bpe_vocab)
-                bars.update(training, total=1, completed=1)
+                chosen = _train_bpe(sources, stats, field, is_val, bpe_vocab, bars)
             assert chosen is not None
-            out.mkdir(parents=True, exist_ok=True)
-            (out / META_FILE).unlink(missing_ok=True)  # --overwrite: the folder is incomplete until the end
-            tokenizer_file = chosen.save(out)
+            staging = target.stage()
+            tokenizer_file = chosen.save(staging)
             record = describe(chosen, tokenizer, tokenizer_file)
-            meta = _tokenize(sources, stats, chosen, record, out, (pool, workers), field, is_val, bars)
+            meta = _tokenize(sources, stats, chosen, record, staging, (pool, workers), field, is_val, bars)
+        meta.update(extra_meta or {})
+        meta["val_fraction"] = val_fraction
+        _write_records(staging, meta, stats, tokenizer_file)
+        target.install(staging)
+        staging = None
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    meta.update(extra_meta or {})
-    meta["val_fraction"] = val_fraction
-    with open(out / INPUTS_FILE, "w") as stream:  # one line per input: meta.json stays small for many inputs
-        stream.writelines(json.dumps(s.record()) + "\n" for s in stats)
-    for name in (tokenizer_file, INPUTS_FILE):
-        if name:
-            path = out / name
-            meta["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-    partial = out / f"{META_FILE}.partial"
-    partial.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(partial, out / META_FILE)
+        if staging is not None:
+            OutFolder.discard(staging)
     val = meta["splits"]["val"]
     log.info(
         "%s: %d documents, %s tokens (validation: %d documents, %s tokens), vocabulary %d, %s",
-        out,
+        target.path,
         meta["documents"],
         f"{meta['tokens']:,}",
         val["documents"],
@@ -319,6 +311,17 @@ def prepare(
         meta["dtype"],
     )
     return meta
+
+
+def _write_records(folder: Path, meta: dict[str, Any], stats: list[InputStats], tokenizer_file: str | None) -> None:
+    """``inputs.jsonl`` (one line per input: meta.json stays small for many inputs), then ``meta.json``."""
+    with open(folder / INPUTS_FILE, "w") as stream:
+        stream.writelines(json.dumps(s.record()) + "\n" for s in stats)
+    for name in (tokenizer_file, INPUTS_FILE):
+        if name:
+            path = folder / name
+            meta["files"][name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _split_rule(documents: int, val_fraction: float) -> Any:
@@ -336,13 +339,48 @@ def _split_rule(documents: int, val_fraction: float) -> Any:
     return is_val
 
 
-def _training_documents(sources: Sequence[Any], field: str, is_val: Any) -> Iterator[str]:
-    """The documents that the validation split does not hold, streamed (what the BPE is trained on)."""
+def _training_documents(sources: Sequence[Any], field: str, is_val: Any, on_batch: Any) -> Iterator[str]:
+    """The documents that the validation split does not hold, streamed (what the BPE is trained on);
+    ``on_batch(characters)`` after each batch read (held-out documents included), and ``on_batch(None)`` at the end."""
     first = 0
     for batch in _batches(iter_all_documents(sources, field)):
         held = is_val(np.arange(first, first + len(batch)))
         yield from (text for text, out in zip(batch, held.tolist()) if not out)
         first += len(batch)
+        on_batch(sum(map(len, batch)))
+    on_batch(None)
+
+
+def _train_bpe(
+    sources: Sequence[Any], stats: list[InputStats], field: str, is_val: Any, vocab: int, bars: _Progress
+) -> Any:
+    """``train_bpe`` on the training documents, with progress: one bar counts the characters handed to the trainer,
+    a second one shows it at work after that (counting the pieces it has buffered, then learning merges: the
+    trainer reports nothing while it does, so the bar shows the elapsed time); log lines say the same for a program
+    whose logger is configured (the ranks of plait train preparing the stdlib corpus)."""
+    total, started = sum(s.characters for s in stats), time.perf_counter()
+    reading = bars.add(f"train BPE {vocab}: read", total)
+    merging: list[Any] = []
+    log.info("training a byte-level BPE of %d tokens on %s characters", vocab, f"{total:,}")
+
+    def on_batch(characters: int | None) -> None:
+        if characters is not None:
+            bars.update(reading, advance=characters)
+            return
+        bars.update(reading, completed=total)
+        merging.append(bars.add(f"train BPE {vocab}: merges", None))
+        bars.update(merging[0], info=f"counting pieces, learning {vocab - MIN_BPE_VOCAB} merges")
+        log.info(
+            "BPE: text read in %.1f s; counting pieces and learning %d merges",
+            time.perf_counter() - started,
+            vocab - MIN_BPE_VOCAB,
+        )
+
+    chosen = train_bpe(_training_documents(sources, field, is_val, on_batch), vocab)
+    for task in merging:
+        bars.update(task, total=1, completed=1, info="")
+    log.info("BPE of %d tokens trained in %.1f s", vocab, time.perf_counter() - started)
+    return chosen
 
 
 def _tokenize(

@@ -126,6 +126,11 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 raise DataError(
                     f"{path} line {number} is not JSON ({error}). Fix: one JSON object per line (JSON Lines)."
                 ) from error
+            except RecursionError as error:  # json's parser recurses once per level of nesting
+                raise DataError(
+                    f"{path} line {number} nests JSON deeper than Python can parse. Fix: one flat JSON object per "
+                    f"line, its text in a top-level field."
+                ) from error
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
                 keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__

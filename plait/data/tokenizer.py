@@ -5,9 +5,12 @@
 * ``bytes``: the 256 byte values of the UTF-8 text, plus an end-of-document id 256 (vocabulary 257);
 * ``bpe:VOCAB``: a byte-level BPE (GPT-2's scheme: bytes mapped to printable symbols, merges learned greedily by
   pair frequency, Sennrich et al. 2016) trained by the Hugging Face ``tokenizers`` library on the data itself, with
-  ``<|endoftext|>`` as its end-of-document token;
+  ``<|endoftext|>`` as its end-of-document token. GPT-2's pre-tokenizer keeps a run of letters as one piece; its
+  pieces are then cut to at most ``MAX_PIECE`` byte symbols (``train_bpe`` says why);
 * a local Hugging Face tokenizer: a ``tokenizer.json`` file, or a folder saved by ``save_pretrained`` (read by
-  ``transformers.AutoTokenizer`` with ``local_files_only=True``: nothing is ever downloaded).
+  ``transformers.AutoTokenizer`` with ``local_files_only=True`` and ``trust_remote_code=False``: nothing is ever
+  downloaded, and no code from the folder ever runs; a folder whose ``tokenizer_config.json`` or ``config.json``
+  asks for its own Python classes (``auto_map``) is refused before transformers reads it, so nothing prompts).
 
 Every kind but ``bytes`` is a ``tokenizers.Tokenizer`` in the end, saved as ``tokenizer.json`` in the prepared
 folder, so a later program (``plait generate``) decodes exactly what was trained on. Documents are encoded without
@@ -17,6 +20,7 @@ document id after each document, as nanoGPT and Megatron-LM do.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,11 +33,15 @@ from torch import Tensor
 from plait.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+FOLDER_CONFIGS = ("tokenizer_config.json", "config.json")
+"""The files of a ``save_pretrained`` folder in which transformers looks for ``auto_map`` (the folder's own code)."""
 BPE_EOS = "<|endoftext|>"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 """End-of-document tokens recognised in a bare ``tokenizer.json`` (first found wins; ``--eos`` overrides)."""
 MIN_BPE_VOCAB = 257
 """A byte-level BPE starts from the 256 byte symbols plus its end-of-document token."""
+MAX_PIECE = 64
+"""The longest pre-tokenized piece (byte symbols) a trained BPE sees, and so its longest token (``train_bpe``)."""
 
 
 def _tokenizers() -> Any:
@@ -146,8 +154,33 @@ def load_tokenizer(spec: str, eos: str | None = None) -> AnyTokenizer:
     )
 
 
+def refuse_remote_code(path: Path) -> None:
+    """``DataError`` when a file of the tokenizer folder ``path`` names classes of the folder's own Python files
+    (``auto_map``): transformers would import them (after a prompt, or silently with ``trust_remote_code``), and
+    plait never runs code from a folder. Checked before transformers opens the folder."""
+    for name in FOLDER_CONFIGS:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            fields = json.loads(file.read_bytes())
+        except (OSError, ValueError, RecursionError) as error:
+            raise DataError(
+                f"{file} is not a JSON file ({error}). Fix: a folder written by save_pretrained, or pass its "
+                f"tokenizer.json file."
+            ) from error
+        if isinstance(fields, dict) and fields.get("auto_map"):
+            raise DataError(
+                f"{file} asks for the folder's own Python code (auto_map {sorted(fields['auto_map'])[:3]}); plait "
+                f"never runs code from a folder. Fix: use a tokenizer class transformers has built in (drop auto_map "
+                f"and tokenizer_class there, or pass the folder's {TOKENIZER_FILE} file)."
+            )
+
+
 def _load_pretrained_folder(path: Path, eos: str | None) -> HFTokenizer:
-    """A ``save_pretrained`` folder through ``transformers.AutoTokenizer`` (local files only)."""
+    """A ``save_pretrained`` folder through ``transformers.AutoTokenizer``: local files only, no code from the folder
+    (``refuse_remote_code`` first, then ``trust_remote_code=False``, which also answers transformers' prompt)."""
+    refuse_remote_code(path)
     try:
         from transformers import AutoTokenizer
     except ImportError as error:  # pragma: no cover - transformers ships with the test extra
@@ -156,7 +189,7 @@ def _load_pretrained_folder(path: Path, eos: str | None) -> HFTokenizer:
             f"its tokenizer.json file instead."
         ) from error
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as error:  # transformers raises many types for a folder it cannot read
         raise DataError(
             f"{path} is not a Hugging Face tokenizer folder ({type(error).__name__}: {error}). Fix: a folder "
@@ -172,14 +205,29 @@ def _load_pretrained_folder(path: Path, eos: str | None) -> HFTokenizer:
     return HFTokenizer(backend, str(eos_token), "hf")
 
 
+def bpe_pre_tokenizer(tk: Any) -> Any:
+    """GPT-2's byte-level pre-tokenizer, then every piece cut into runs of at most ``MAX_PIECE`` byte symbols."""
+    return tk.pre_tokenizers.Sequence(
+        [
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False),
+            tk.pre_tokenizers.Split(tk.Regex(f".{{1,{MAX_PIECE}}}"), behavior="isolated"),
+        ]
+    )
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """Train a byte-level BPE of ``vocab_size`` tokens (incl. ``<|endoftext|>``) on ``texts`` with ``tokenizers``.
 
-    The trainer counts words in one pass over the iterator, so memory grows with the number of distinct
-    pre-tokenized words, not with the corpus."""
+    The trainer counts the distinct pre-tokenized pieces in one pass over the iterator (memory grows with their
+    number, not with the corpus), then learns merges: each merge rewrites every distinct piece holding the pair, at
+    a cost proportional to the piece's length. GPT-2's pre-tokenizer alone keeps a run of letters whole, so text
+    without whitespace (a 1 MiB document of one line) is one piece of a million symbols holding nearly every pair,
+    and training costs (merges x corpus bytes): a 1 MB line of random letters took 463 s for ``bpe:2000``. Cut to
+    ``MAX_PIECE`` symbols, pieces stay short and repeat as in ordinary text; words of ordinary text are shorter and
+    unchanged (the same cut applies when the tokenizer later encodes, as it is part of its ``tokenizer.json``)."""
     tk = _tokenizers()
     backend = tk.Tokenizer(tk.models.BPE())
-    backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = bpe_pre_tokenizer(tk)
     backend.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -197,10 +245,19 @@ def load_saved(folder: Path, record: dict[str, Any]) -> AnyTokenizer:
         return ByteTokenizer()
     name = record.get("file") or TOKENIZER_FILE
     path = folder / Path(str(name)).name  # a file in the folder, whatever meta.json says
+    redo = f"Fix: prepare {folder} again with plait data prepare."
     if not path.is_file():
-        raise DataError(f"{path} is missing (meta.json names it). Fix: prepare {folder} again with plait data prepare.")
-    backend = _tokenizers().Tokenizer.from_file(str(path))
-    return HFTokenizer(backend, str(record["eos_token"]), str(record.get("kind", "hf")))
+        raise DataError(f"{path} is missing (meta.json names it). {redo}")
+    try:
+        backend = _tokenizers().Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises its own Exception type
+        raise DataError(f"{path} is not a tokenizer.json that can be read ({error}). {redo}") from error
+    tokenizer = HFTokenizer(backend, str(record.get("eos_token")), str(record.get("kind", "hf")))
+    if tokenizer.vocab_size != record.get("vocab_size", tokenizer.vocab_size):
+        raise DataError(
+            f"{path} has {tokenizer.vocab_size} tokens but meta.json says {record.get('vocab_size')}. {redo}"
+        )
+    return tokenizer
 
 
 class TextCodec:

@@ -14,7 +14,10 @@ over the split (not just its first documents), and every run evaluates on the sa
 
 The files are opened with ``np.memmap``: nothing is read until a batch touches it, and every rank of a node shares
 the page cache. Opening checks the files against ``meta.json``: sizes always, sha256 when asked (``verify``) or
-when cheap (all files together under ``CHEAP_VERIFY_BYTES``).
+when cheap (all files together under ``CHEAP_VERIFY_BYTES``). ``meta.json`` itself is checked for consistency (a
+vocabulary its dtype can hold, an eos id inside it), and token ids against the vocabulary: the whole split when the
+sha256 is checked, and every batch as it is read (a model sized by a lying ``meta.json`` would otherwise index past
+its embedding table).
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ class TokenFolder:
                 f"preparation did not finish). Fix: plait data prepare INPUT... --out {self.path}."
             )
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = json.loads(meta_path.read_bytes())
             if not isinstance(meta, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise DataError(f"{meta_path} is not valid JSON ({error}). {_redo(self.path)}") from error
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise DataError(
@@ -73,6 +76,7 @@ class TokenFolder:
         except (KeyError, TypeError, ValueError) as error:
             raise DataError(f"{meta_path} lacks or mangles {error}. {_redo(self.path)}") from error
         self.meta = meta
+        self._check_vocabulary(meta_path)
         try:
             self._check_files(files, verify)
         except (KeyError, TypeError, ValueError) as error:
@@ -80,6 +84,23 @@ class TokenFolder:
                 raise
             raise DataError(f"{meta_path} lacks or mangles {error}. {_redo(self.path)}") from error
         self._codec: TextCodec | None = None
+
+    def _check_vocabulary(self, meta_path: Path) -> None:
+        """DataError when ``meta.json``'s vocabulary, eos id and dtype contradict each other."""
+        limit = 1 << (8 * self.dtype.itemsize)
+        if not 1 <= self.vocab_size <= limit or not 0 <= self.eos_id < self.vocab_size:
+            raise DataError(
+                f"{meta_path} says vocab_size {self.vocab_size} and eos_id {self.eos_id} in {self.dtype.name} files, "
+                f"which cannot be (ids are < vocab_size <= {limit:,}). {_redo(self.path)}"
+            )
+
+    def check_ids(self, ids: np.ndarray, where: str) -> None:
+        """DataError when a token id of ``ids`` is not below the vocabulary of ``meta.json``."""
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise DataError(
+                f"{where} of {self.path} holds token id {int(ids.max())}, but {META_FILE} says the vocabulary has "
+                f"{self.vocab_size} ids: the folder is corrupt or its {META_FILE} wrong. {_redo(self.path)}"
+            )
 
     def _check_files(self, files: dict[str, Any], verify: bool) -> None:
         total = 0
@@ -111,6 +132,8 @@ class TokenFolder:
                         f"{self._file(name)} does not match the sha256 in {META_FILE}: the file is corrupt. "
                         f"{_redo(self.path)}"
                     )
+            for split in SPLITS:  # read in full anyway: the ids too
+                self.check_ids(self.tokens(split), f"the {split} split")
 
     def _file(self, name: str) -> Path:
         """A file of the folder by its name in meta.json (a bare name: a hostile meta.json cannot point outside)."""
@@ -135,7 +158,16 @@ class TokenFolder:
     def codec(self) -> TextCodec:
         """The folder's tokenizer (``encode`` / ``decode``), loaded on first use."""
         if self._codec is None:
-            self._codec = TextCodec(load_saved(self.path, self.meta["tokenizer"]))
+            record = self.meta.get("tokenizer")
+            if not isinstance(record, dict):
+                raise DataError(f"{META_FILE} of {self.path} has no tokenizer record. {_redo(self.path)}")
+            codec = TextCodec(load_saved(self.path, record))
+            if codec.vocab_size != self.vocab_size:
+                raise DataError(
+                    f"the tokenizer of {self.path} has {codec.vocab_size} tokens but {META_FILE} says vocab_size "
+                    f"{self.vocab_size}. {_redo(self.path)}"
+                )
+            self._codec = codec
         return self._codec
 
 
@@ -214,6 +246,7 @@ class TokenDataset:
         """Inputs [N, T] and next-token targets [N, T] (int64) of the samples ``indices``."""
         starts = self.windows(indices) * self._seq_len
         rows = self.data[starts[:, None] + np.arange(self._seq_len + 1)].astype(np.int64)
+        self.folder.check_ids(rows, f"the {self.split} split")
         windows = torch.from_numpy(rows)
         return windows[:, :-1].clone(), windows[:, 1:].clone()
 

@@ -2,7 +2,8 @@
 
 ``[model] hf = "PATH"`` fine-tunes a folder written by ``save_pretrained``: transformers builds the class its
 ``config.json`` names (any causal LM that ships with transformers; ``trust_remote_code`` stays off, so no code from
-the folder runs) and loads its weights from ``model.safetensors`` (or the shards an index names). Only safetensors
+the folder runs, and a ``config.json`` naming the folder's own classes, ``auto_map``, is refused before transformers
+reads it) and loads its weights from ``model.safetensors`` (or the shards an index names). Only safetensors
 are read: a folder holding only ``pytorch_model.bin`` / ``*.pt`` pickles is refused with the way to convert it,
 because unpickling runs code. ``[model] hf_config = "PATH"`` builds the model of a ``config.json`` (or of a
 folder holding one) with fresh weights from torch's current random state. Nothing is ever downloaded
@@ -62,6 +63,7 @@ def check_weights_folder(folder: Path) -> None:
         raise ConfigError(f"{folder} has no config.json, so it is not a save_pretrained folder. Fix: give one.")
     if config is not None:
         raise ConfigError(f"{folder / 'config.json'} {config}: plait reads only regular files. {files.LINK_FIX}")
+    read_config(folder, "model.hf")  # its auto_map is refused before transformers reads the folder
     has_safetensors = any(files.file_problem(folder / name) != "is missing" for name in (WEIGHTS, INDEX))
     if not has_safetensors:
         pickles = [name for name in PICKLE_WEIGHTS if (folder / name).exists()]
@@ -132,17 +134,24 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable."""
+def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:
+    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable, or when it asks
+    for the folder's own code (``auto_map``: plait never runs code from a folder)."""
     path = path / "config.json" if path.is_dir() else path
     if files.file_problem(path) == "is missing":
-        raise ConfigError(f"model.hf_config: {path} does not exist. Fix: give a Hugging Face config.json.")
+        raise ConfigError(f"{key}: {path} does not exist. Fix: give a Hugging Face config.json.")
     try:
         fields = json.loads(files.read_text(path, "config.json"))
     except (ValueError, RecursionError) as error:
-        raise ConfigError(f"model.hf_config: {path} is not valid JSON ({error}). Fix: give a config.json.") from None
+        raise ConfigError(f"{key}: {path} is not valid JSON ({error}). Fix: give a config.json.") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(f"{path} names no model_type. Fix: use a config.json written by save_pretrained.")
+    if fields.get("auto_map"):
+        raise ConfigError(
+            f"{key}: {path} asks for the folder's own Python code (auto_map {sorted(fields['auto_map'])[:3]}); plait "
+            f"never runs code from a folder. Fix: use a model class transformers has built in (a model_type it ships, "
+            f"without auto_map)."
+        )
     return fields
 
 

@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from plait import files
 from plait.errors import ConfigError
 from plait.planner.models import ModelSpec
 
@@ -52,10 +53,13 @@ def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (module docstring); ``seq`` is the sequence length to plan at (needed
     when the config has no context length, as ALiBi models)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"cannot read model config {path}: {error}. Fix: give a Hugging Face config.json.") from error
+    if files.file_problem(path) == "is missing":
+        raise ConfigError(f"model config {path} does not exist. Fix: give a Hugging Face config.json.")
+    try:  # a regular file only (a FIFO would block), UTF-8, JSON of bounded depth: one line otherwise
+        data = json.loads(files.read_text(path, "model config"))
+    except (json.JSONDecodeError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ConfigError(f"cannot read model config {path}: {reason}. Fix: give a Hugging Face config.json.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not an object. Fix: give a config.json.")
     return spec_from_hf_dict(data, str(path), path.parent.name or path.stem, seq)

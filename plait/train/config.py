@@ -14,6 +14,7 @@ a plain string (``--set data.path=notes.txt``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,20 @@ class DataConfig:
     vocab: int = 4096
     corpus_mb: float = 0.0
     verify: bool = False
+
+    def __post_init__(self) -> None:
+        """Every field checked whatever the dataset (``seq_len`` too, which the addition task takes from
+        ``digits``), so a bad value is refused rather than ignored."""
+        for name in ("digits", "seq_len", "vocab"):
+            _integer(f"data.{name}", getattr(self, name), 1)
+        _integer("data.seed", self.seed, 0)
+        _number("data.corpus_mb", self.corpus_mb, lambda v: v >= 0, "be >= 0 (0: the whole corpus)", "1")
+        if not isinstance(self.name, str) or not isinstance(self.path, str):
+            raise ConfigError(
+                f"data.name={self.name!r} and data.path={self.path!r} must be strings. Fix: quote them in TOML."
+            )
+        if not isinstance(self.verify, bool):
+            raise ConfigError(f"data.verify={self.verify!r} must be true or false. Fix: data.verify=true.")
 
     def dataset_kwargs(self) -> dict[str, Any]:
         if self.name == "addition":
@@ -134,10 +149,10 @@ class TrainConfig:
     its picture next to it (same name, .png); "" turns it off."""
 
     def __post_init__(self) -> None:
+        """Every number checked before anything runs: integers in range, and every real hyper-parameter finite
+        (``--set train.lr=inf`` is a valid TOML float: it would train NaNs) and in its range."""
         for name in ("steps", "global_batch", "eval_batches", "log_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"train.{name}={value!r} must be an integer >= 1.")
+            _integer(f"train.{name}", getattr(self, name), 1)
         for name in (
             "eval_every",
             "save_every",
@@ -147,18 +162,51 @@ class TrainConfig:
             "samples",
             "sample_tokens",
         ):
+            _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
+        _integer("train.seed", self.seed, 0)
+        _number("train.lr", self.lr, lambda v: v > 0, "be positive", "3e-4")
+        _number("train.eps", self.eps, lambda v: v > 0, "be positive", "1e-8")
+        _number("train.momentum", self.momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
+        _number("train.weight_decay", self.weight_decay, lambda v: v >= 0, "be >= 0", "0.1")
+        _number("train.max_grad_norm", self.max_grad_norm, lambda v: v >= 0, "be >= 0 (0: no clipping)", "1.0")
+        _number("train.sample_temperature", self.sample_temperature, lambda v: v >= 0, "be >= 0 (0: greedy)", "0.8")
+        if self.min_lr is not None:
+            _number(
+                "train.min_lr",
+                self.min_lr,
+                lambda v: 0 <= v <= self.lr,
+                f"lie in [0, lr={self.lr}]",
+                f"{self.lr / 10:g}",
+            )
+        betas = self.betas
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_real(b) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(
+                f"train.betas={betas!r} must be two numbers in [0, 1). Fix: e.g. train.betas=[0.9, 0.95]."
+            )
+        for name in ("async_save", "tensorboard"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"train.{name}={value!r} must be an integer >= 0 (0 turns it off).")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr!r} must be positive.")
-        if not isinstance(self.async_save, bool):
-            raise ConfigError(f"train.async_save={self.async_save!r} must be true or false.")
-        if not self.sample_temperature >= 0:
-            raise ConfigError(f"train.sample_temperature={self.sample_temperature!r} must be >= 0 (0: greedy).")
+            if not isinstance(value, bool) and not (name == "tensorboard" and value is None):
+                raise ConfigError(f"train.{name}={value!r} must be true or false. Fix: train.{name}=true.")
         from plait.train.optim import check_optim_config
 
         check_optim_config(self)
+
+
+def _integer(where: str, value: Any, low: int, note: str = "") -> None:
+    """ConfigError unless ``value`` is an integer >= ``low`` (TOML's 1e8 is a float: refused too)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{where}={value!r} must be an integer >= {low}{note}. Fix: e.g. {where}={max(low, 1)}.")
+
+
+def _real(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(where: str, value: Any, ok: Any, rule: str, example: str) -> None:
+    """ConfigError unless ``value`` is a finite real number for which ``ok(value)`` holds."""
+    if not (_real(value) and ok(value)):
+        raise ConfigError(f"{where}={value!r} must {rule} (a finite number). Fix: e.g. {where}={example}.")
 
 
 @dataclass
@@ -238,6 +286,31 @@ def merge_sections(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of the TOML file ``path``; ConfigError (one line, with the fix) for a file that is not UTF-8
+    TOML text: a binary file, a syntax error, nesting deeper than the parser's recursion, an unreadable file."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path} is not a text file (byte {error.start} is not UTF-8). Fix: give a TOML run configuration "
+            f"(plait train writes one as <run>/config.toml)."
+        ) from error
+    except OSError as error:
+        raise ConfigError(f"cannot read {path} ({error.strerror or error}). Fix: give a readable TOML file.") from error
+    try:
+        tables = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as error:
+        raise ConfigError(f"{path} is not valid TOML: {type(error).__name__}: {error}. Fix: correct it.") from error
+    keys = sorted(key for key, value in tables.items() if not isinstance(value, dict))
+    if keys:
+        raise ConfigError(
+            f"{path} sets {keys} outside a section. Fix: put every setting in a section: [layout], [model], [data] "
+            f"or [train]."
+        )
+    return tables
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, preset: str | None = None
 ) -> RunConfig:
@@ -252,10 +325,7 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist. Fix: give the path of a TOML file.")
-        try:
-            data = merge_sections(data, tomllib.loads(path.read_text()))
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"{path} is not valid TOML: {error}") from error
+        data = merge_sections(data, read_toml(path))
     try:
         return RunConfig.from_dict(apply_overrides(data, overrides or []))
     except LayoutError:

@@ -33,7 +33,8 @@ from plait.parallelize import parallelize
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import EVAL_OFFSET, eval_text, evaluation_batches, evaluation_record
 from plait.train.fault import RankGuard, resume_metrics
-from plait.train.metrics import MetricsWriter, StepMeter, plot_metrics, step_record
+from plait.train.fits import check_run_fits, local_world_size
+from plait.train.metrics import MetricsWriter, StepMeter, check_step, dumps, plot_metrics, step_record
 from plait.train.optim import decay_groups, lr_scheduler_factory, optimizer_factory
 from plait.train.samples import write_samples
 from plait.train.tensorboard import open_tensorboard
@@ -103,6 +104,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
         )
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
     check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
+    check_run_fits(config, layout, dataset, world.device, local_world_size())  # before any weight is allocated
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
     model_config = model.config  # what the run's FLOP count reads
@@ -199,7 +201,9 @@ class _Records:
     between steps; the loop flushes every ``log_every`` steps, before an evaluation, a checkpoint or the end, and
     when the run fails (a rank killed outright loses at most the records since the last flush, steps that a
     restart from the last checkpoint trains and records again). On the CPU reading a loss waits for nothing, so
-    every step's record is written at once, as before."""
+    every step's record is written at once, as before. Every rank keeps the records and reads their losses at the
+    same flushes (rank 0 also writes them): a loss that is not finite stops every rank there, at the same step
+    (``plait.train.metrics.check_step``), after its record is written."""
 
     def __init__(self, writer: MetricsWriter | None) -> None:
         self.writer = writer
@@ -208,8 +212,7 @@ class _Records:
         """The progress line of the last flushed step."""
 
     def add(self, stats: StepStats, lr: float, observed: dict[str, Any]) -> None:
-        if self.writer is not None:
-            self.pending.append((stats, lr, observed))
+        self.pending.append((stats, lr, observed))
 
     def flush_after_failure(self) -> None:
         """Write what can still be written when the run is failing (a device error may make a loss unreadable)."""
@@ -219,14 +222,16 @@ class _Records:
             log.warning("could not write the last %d step record(s): %s", len(self.pending), error)
 
     def flush(self) -> None:
-        for stats, lr, observed in self.pending:
-            assert self.writer is not None
-            self.writer.write({**step_record(stats, lr), **observed})
-        if self.pending:
-            stats, _, observed = self.pending[-1]
+        pending, self.pending = self.pending, []
+        if self.writer is not None:
+            for stats, lr, observed in pending:
+                self.writer.write({**step_record(stats, lr), **observed})
+        if pending:
+            stats, _, observed = pending[-1]
             mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
             self.info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
-        self.pending = []
+        for stats, _, _ in pending:
+            check_step(stats)
 
 
 def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
@@ -348,7 +353,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     if writer:
         writer.write(evaluation_record(engine.step, result, held_out))
         writer.close()
-        (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        (run_dir / "summary.json").write_text(dumps(summary.__dict__, indent=2))  # NaN as null: strict JSON
         plot_metrics(
             writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks"
         )

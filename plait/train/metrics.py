@@ -13,11 +13,17 @@ excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalog
 for the GPU named by ``torch.cuda.get_device_name`` at the layout's precision (fp32: TF32), times the world
 size; on CPU it is ``plait calibrate``'s measured matmul FLOP/s of the whole machine, times the number of
 hosts; otherwise MFU is null and one log line names ``plait calibrate``.
+
+Every file is strict JSON (RFC 8259, which has no NaN or Infinity): a non-finite number (a NaN loss, an undefined
+entropy) is written as ``null`` (``json_safe``). A training step whose loss or gradient norm is not finite, and
+whose update the optimizer applied, stops the run (``check_step``): its record is written first, then every rank
+raises the same ``PlaitError`` (the loss is the same on every rank), so ``plait train`` exits non-zero.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 from plait.engine import Engine, EvalStats, StepStats
+from plait.errors import PlaitError
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -46,6 +53,38 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
         "loss_scale": stats.loss_scale,
         "comm_bytes": {axis: int(b) for axis, b in stats.comm.wire_by_axis().items()},
     }
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-inf) replaced by None, in nested dicts, lists and tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """Strict JSON of ``value``: non-finite floats as null (``json_safe``), never a bare NaN."""
+    return json.dumps(json_safe(value), allow_nan=False, **options)
+
+
+def check_step(stats: StepStats) -> None:
+    """``PlaitError`` when a step's loss or gradient norm is NaN or infinite and the optimizer stepped anyway (a
+    step that fp16 loss scaling skipped left the weights alone: the scaler's own remedy, not an error)."""
+    if stats.skipped:
+        return
+    values = {"loss": stats.loss, "gradient norm": stats.grad_norm}
+    bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
+    if bad:
+        what = ", ".join(f"{name} {value}" for name, value in bad.items())
+        raise PlaitError(
+            f"step {stats.step}: {what}: training diverged and the weights are no longer finite. Fix: a smaller "
+            f"train.lr or a longer train.warmup_steps, gradient clipping on (train.max_grad_norm, e.g. 1.0), bf16 "
+            f"rather than fp16, and check the data; resume from a checkpoint before step {stats.step}."
+        )
 
 
 def model_flops_per_token(model: Any, seq: int) -> float:
@@ -152,7 +191,7 @@ class MetricsWriter:
         self.also = also
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")
         if self.also is not None:
             self.also.write(record)
 
@@ -166,6 +205,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _number(value: float | None) -> float:
+    """A plotted value: null (a non-finite number, ``json_safe``) as NaN, which matplotlib leaves out."""
+    return float("nan") if value is None else float(value)
+
+
 def plot_metrics(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     """Draw training loss (and evaluation loss/accuracy when present) against the step."""
     import matplotlib
@@ -177,9 +221,10 @@ def plot_metrics(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue", lw=1)
+    ax.plot([r["step"] for r in train], [_number(r["loss"]) for r in train], label="train loss", color="tab:blue", lw=1)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval loss", color="tab:orange")
+        losses = [_number(r["loss"]) for r in evals]
+        ax.plot([r["step"] for r in evals], losses, "o-", label="eval loss", color="tab:orange")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")
@@ -187,7 +232,7 @@ def plot_metrics(metrics_path: Path, out_path: Path, title: str = "") -> Path:
         acc = ax.twinx()
         acc.plot(
             [r["step"] for r in evals],
-            [100 * r["accuracy"] for r in evals],
+            [100 * _number(r["accuracy"]) for r in evals],
             "s--",
             color="tab:green",
             label="eval accuracy",
