@@ -44,6 +44,7 @@ from plait.parallel.runner import StepRunner
 from plait.parallel.strategy import DataParallelStrategy
 
 if TYPE_CHECKING:
+    from plait.parallel.expert.stats import MoEStepStats, RouterStats
     from plait.parallel.pipeline.runtime import PipelineRunner
     from plait.parallel.pipeline.simulate import SimResult
 
@@ -77,6 +78,7 @@ class StepStats:
         skipped: bool = False,
         loss_scale: float | None = None,
         staleness: dict[int, dict[str, float]] | None = None,
+        moe: MoEStepStats | None = None,
     ) -> None:
         self.step = step
         self.tokens = tokens
@@ -88,6 +90,9 @@ class StepStats:
         self.loss_scale = loss_scale
         self.staleness = staleness
         """PipeDream: per local stage, the step's mean/max staleness, its updates and most weight versions stashed."""
+        self.moe = moe
+        """Mixture-of-Experts models: per layer the tokens routed to each expert, the dropped ones, and the balance
+        loss of the step (``plait.parallel.expert.stats``; the same on every rank, read lazily); else None."""
         self._loss: Scalar = loss
         self._grad_norm: Scalar | None = grad_norm
 
@@ -176,6 +181,9 @@ class Engine:
         self.step = 0
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
+        self.experts: RouterStats | None = None
+        """Mixture-of-Experts models (set by ``plait.parallelize``): the balance loss's weight set before each step,
+        the routing statistics gathered after it (``plait.parallel.expert.stats``)."""
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -209,10 +217,14 @@ class Engine:
         self.model.train()
         window = self.runner.update_window(len(micro))
         loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window)
+        sequences = batch[1].shape[0] * self.mesh.size("dp")  # the global batch's sequences (balance loss)
+        if self.experts is not None:
+            self.experts.begin(sequences, self.precision.loss_scale)
         total = self.runner.run(micro, self.apply_update, loss)
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
         staleness = self.runner.staleness()
         reported = loss.report(total)
+        moe = self.experts.end(sequences, update_biases=not skipped) if self.experts is not None else None
         self.step += 1
         if tracer is not None:
             tracer.step(self.step, traced_from)
@@ -227,6 +239,7 @@ class Engine:
             skipped=skipped,
             loss_scale=self.precision.loss_scale,
             staleness=staleness,
+            moe=moe,
         )
 
     def apply_update(self) -> tuple[bool, torch.Tensor | None]:
