@@ -97,9 +97,9 @@ class RankGrid:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every axis this grid has groups for: ``ALL_AXES`` and ``EP_SUB_AXES``, plus ``TP_SUB_AXES`` under nD
-        tensor parallelism."""
-        return ALL_AXES + EP_SUB_AXES + (TP_SUB_AXES if self.tp_split is not None else ())
+        """Every axis this grid has groups for: ``ALL_AXES``, plus ``EP_SUB_AXES`` under expert parallelism and
+        ``TP_SUB_AXES`` under nD tensor parallelism."""
+        return ALL_AXES + (EP_SUB_AXES if self.ep > 1 else ()) + (TP_SUB_AXES if self.tp_split is not None else ())
 
     def _axis_size(self, axis: str) -> int:
         if axis == "ep":
@@ -116,7 +116,8 @@ class RankGrid:
         return math.prod(self._axis_size(a) for a in axis_members(axis))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each of ``AXES`` (and each of ``TP_SUB_AXES`` when tp is split)."""
+        """This rank's index along each of ``AXES`` (and each of ``TP_SUB_AXES`` when tp is split, of ``EP_SUB_AXES``
+        under expert parallelism)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a mesh of {self.world_size} ranks.")
         coords: dict[str, int] = {}
@@ -130,9 +131,14 @@ class RankGrid:
                 sub[axis] = tp % size
                 tp //= size
             ordered.update({axis: sub[axis] for axis in TP_SUB_AXES})
-        edp, ep = divmod(ordered["dp"] * self.sizes[AXES.index("cp")] + ordered["cp"], self.ep)
-        ordered.update(edp=edp, ep=ep)
+        if self.ep > 1:
+            ordered.update(zip(EP_SUB_AXES, self._ep_coords(ordered)))
         return ordered
+
+    def _ep_coords(self, coords: dict[str, int]) -> tuple[int, int]:
+        """(edp, ep) of a rank at ``coords``: its data index j = dp x CP + cp split as j = edp x EP + ep."""
+        edp, ep = divmod(coords["dp"] * self.sizes[AXES.index("cp")] + coords["cp"], self.ep)
+        return edp, ep
 
     def rank_of(self, coords: dict[str, int]) -> int:
         """The rank at ``coords`` (``AXES``; under a tp split, tp is taken from the sub-axes when they are given)."""
@@ -153,9 +159,10 @@ class RankGrid:
         base = self.coords(rank)
         if axis in EP_SUB_AXES:  # data ranks j = edp * EP + ep, j = dp * CP + cp
             cp = self.sizes[AXES.index("cp")]
+            edp, ep = self._ep_coords(base)
             ranks = []
             for index in range(self._axis_size(axis)):
-                j = base["edp"] * self.ep + index if axis == "ep" else index * self.ep + base["ep"]
+                j = edp * self.ep + index if axis == "ep" else index * self.ep + ep
                 ranks.append(self.rank_of({**{a: base[a] for a in AXES}, "dp": j // cp, "cp": j % cp}))
             return sorted(ranks)
         if self.tp_split is not None and "tp" in varying:  # the sub-axes follow tp
@@ -235,6 +242,8 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         axis_members(axis)
+        if axis in EP_SUB_AXES and axis not in self._groups:  # ep = 1: one rank, and edp is dp_cp
+            return None if axis == "ep" else self._groups["dp_cp"]
         if axis not in self._groups:
             raise KeyError(
                 f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: {self.layout.tp_mode!r})"

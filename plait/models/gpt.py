@@ -95,4 +95,5 @@ class GPT(nn.Module):
         blocks, and the LM head if present): ``ModelSpec.flops_per_token`` (Narayanan et al. 2021, eq. 3; forward +
         backward = 3 x forward; recomputation excluded, Chowdhery et al. 2022 app. B). Embedding lookups cost no
         FLOPs, so summing over pipeline stages gives the full model's figure."""
-        return self.spec().flops_per_token(blocks=len(self.blocks), logits=self.lm_head is not None)
+        indices = [int(key) for key in self.blocks.keys()]  # a stage's own blocks (MoE and dense ones differ)
+        return self.spec().flops_per_token(block_indices=indices, logits=self.lm_head is not None)

@@ -1,0 +1,196 @@
+"""Expert parallelism (docs/expert_parallel.md): Layout.ep, the ep/edp mesh sub-axes, the uneven all-to-all, the
+refusals, and parity with one device (losses, norms, balance loss, tokens per expert, dropped tokens, gradients,
+parameters, aux-free biases, evaluation) alone and composed with DDP, ZeRO-1/2/3, tp (+SP), pp, cp (ring and
+Ulysses), recomputation, capacity drops and starved experts (tests/helpers/moe.py).
+
+Default suite: one process start-up per world size (2 and 4) trains that size's cells; the 8-rank dp x tp x pp x ep
+cell and the schedule / recomputation / precision sweeps are under ``long``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers.composition import ChecksPassed
+from helpers.harness import run_distributed
+from helpers.moe import CLIP, Cell, assert_cell_matches, make_model, reference, train_cells
+
+import plait
+from plait import Layout, LayoutError
+from plait.comm import Comm, CommStats, all_to_all_v
+from plait.mesh import Mesh, RankGrid
+
+CELLS = [
+    # world 2
+    Cell("ep2", {"dp": 2, "ep": 2}),
+    Cell("ep2-zero1-starved-unclipped", {"dp": 2, "ep": 2, "zero": 1}, {"moe_balance": "aux_free"}, None, True),
+    Cell(
+        "ep2-zero2-capacity-sigmoid-swiglu",
+        {"dp": 2, "ep": 2, "zero": 2, "microbatches": 2},
+        {"capacity_factor": 1.0, "router_score": "sigmoid", "mlp": "swiglu", "moe_balance": "none"},
+    ),
+    Cell("cp2-ep2", {"dp": 1, "cp": 2, "ep": 2}),
+    Cell("ep2-recompute-full-mb2", {"dp": 2, "ep": 2, "recompute": "full", "microbatches": 2}),
+    # world 4
+    Cell("dp4-ep2-zero3", {"dp": 4, "ep": 2, "zero": 3}),
+    Cell("dp2-tp2-ep2", {"dp": 2, "tp": 2, "ep": 2}),
+    Cell("dp2-tp2-sp-ep2-zero1", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 1}),
+    Cell("dp2-pp2-ep2", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}, {"moe_balance": "aux_free"}, CLIP, True),
+    Cell("dp2-cp2-ep4-ulysses", {"dp": 2, "cp": 2, "ep": 4, "cp_mode": "ulysses"}),
+]
+LONG_CELLS = [
+    Cell("dp2-tp2-pp2-ep2", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
+    Cell("dp2-tp2-pp2-ep2-zero3", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2, "zero": 3}),
+    Cell("dp4-ep4", {"dp": 4, "ep": 4}, {"moe_balance": "aux_free"}, CLIP, True),
+    Cell("dp4-ep2-zero2", {"dp": 4, "ep": 2, "zero": 2}),
+    Cell("dp2-pp2-ep2-gpipe", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "gpipe"}),
+    Cell(
+        "dp2-pp2-ep2-interleaved",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
+        {"n_layer": 8},
+    ),
+    Cell("dp2-pp2-ep2-zero-bubble", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zero-bubble"}),
+    Cell("dp2-pp2-ep2-zero3", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "zero": 3}),
+    Cell("dp2-cp2-ep2-ring-zero3", {"dp": 2, "cp": 2, "ep": 2, "zero": 3}),
+    Cell("ep2-recompute-selective", {"dp": 2, "ep": 2, "recompute": "selective"}),
+    Cell("ep2-recompute-op", {"dp": 2, "ep": 2, "recompute": "op"}),
+    Cell("dp2-tp2-sp-ep2-recompute-full-zero3", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 3}),
+]
+BY_NAME = {cell.name: cell for cell in CELLS + LONG_CELLS}
+
+
+@functools.cache
+def _runs(world: int, names: tuple[str, ...]) -> dict[str, list[dict]]:
+    """Train the named cells of ``world`` ranks in one job; name -> per-rank results."""
+    cells = [BY_NAME[name] for name in names]
+    per_rank = run_distributed(train_cells, world, cells, timeout=600, comm_timeout_s=60)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+
+
+def _check(cell: Cell, group: list[Cell]) -> None:
+    names = tuple(c.name for c in group if c.world == cell.world)
+    assert_cell_matches(cell, _runs(cell.world, names)[cell.name], reference(cell))
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_expert_parallel_matches_one_device(cell: Cell) -> None:
+    _check(cell, CELLS)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("cell", LONG_CELLS, ids=lambda c: c.name)
+def test_expert_parallel_matches_one_device_long(cell: Cell) -> None:
+    _check(cell, LONG_CELLS)
+
+
+def test_the_cells_exercise_what_they_claim() -> None:
+    """The starved cells route no token to the starved experts, the capacity cell drops tokens, the others route
+    every expert: the parity above is uneven routing, drops included (a check of the references)."""
+    starved = reference(BY_NAME["ep2-zero1-starved-unclipped"])
+    assert all(row[6] == row[7] == 0 for step in starved["load"] for row in step)
+    assert all(sum(row) == 2 * 8 * 8 for step in starved["load"] for row in step)  # 64 tokens x top-2 per layer
+    capacity = reference(BY_NAME["ep2-zero2-capacity-sigmoid-swiglu"])
+    assert all(d > 0 for step in capacity["dropped"] for d in step)
+    assert all(v > 0 for step in reference(BY_NAME["ep2"])["load"] for row in step for v in row)
+    assert reference(BY_NAME["ep2"])["aux"][0] > 0
+
+
+# ----------------------------------------------------------------- layout, mesh, refusals (no processes)
+def test_ep_folds_into_the_data_ranks() -> None:
+    grid = RankGrid.from_layout(Layout(dp=4, ep=2).resolve(4))
+    assert grid.groups("ep") == [[0, 1], [2, 3]] and grid.groups("edp") == [[0, 2], [1, 3]]
+    grid = RankGrid.from_layout(Layout(dp=2, cp=2, tp=2, ep=2).resolve(8))
+    assert grid.groups("ep") == grid.groups("cp")  # ep innermost of the data ranks: here the cp pairs
+    assert grid.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    grid = RankGrid.from_layout(Layout(dp=2, cp=2, ep=4).resolve(4))
+    assert grid.groups("ep") == [[0, 1, 2, 3]] and grid.size("edp") == 1
+    assert Layout(dp=2, tp=2, ep=2).world_size == 4  # ep is no factor of the world size
+    assert "ep" not in RankGrid.from_layout(Layout().resolve(2)).coords(0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dp": 3, "ep": 2}, "ep=2 must divide the data-parallel ranks dp x cp = 3 x 1 = 3"),
+        ({"ep": 0}, "ep=0 must be an integer >= 1"),
+        ({"dp": 2, "pp": 2, "ep": 2, "schedule": "pipedream"}, "ep=2 with schedule='pipedream'"),
+    ],
+)
+def test_layout_refuses_bad_ep(kwargs: dict, message: str) -> None:
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Layout(**kwargs)
+    with pytest.raises(LayoutError, match="ep=3 must divide"):
+        Layout(ep=3).resolve(4)
+
+
+def _parallelize_checks(world: int, layout: Layout, model: torch.nn.Module) -> None:
+    """``plait.parallelize``'s checks as a rank of ``world``: returns when accepted (it reached Mesh.build, where
+    the first process group would be made), raises its LayoutError when refused: before any collective."""
+    from unittest import mock
+
+    with (
+        mock.patch("plait.parallelize.dist.is_initialized", return_value=True),
+        mock.patch("plait.parallelize.dist.get_world_size", return_value=world),
+        mock.patch("plait.parallelize.Mesh.build", side_effect=ChecksPassed),
+    ):
+        try:
+            plait.parallelize(model, layout, optimizer=lambda p: torch.optim.AdamW(p))
+        except ChecksPassed:
+            return
+
+
+@pytest.mark.parametrize(
+    ("world", "layout", "model", "message"),
+    [
+        (4, {"dp": 4, "ep": 4}, {"n_experts": 6}, "ep=4 does not divide the 6 experts of blocks.1.mlp"),
+        (2, {"dp": 2, "ep": 2}, {"n_experts": 0}, "ep=2 splits the experts of Mixture-of-Experts layers, but GPT"),
+        (2, {"cp": 2, "ep": 2}, {"capacity_factor": 1.0}, "capacity_factor=1.0: an expert's capacity is counted"),
+        (4, {"dp": 2, "pp": 2}, {}, None),
+        (4, {"tp": 4, "tp_mode": "2d"}, {}, "tp_mode='2d' are not implemented"),
+        (2, {"dp": 1, "pp": 2, "schedule": "pipedream"}, {}, "schedule='pipedream' are not implemented"),
+    ],
+)
+def test_parallelize_refuses_before_any_collective(world: int, layout: dict, model: dict, message: str | None):
+    gpt, _ = make_model(model)
+    if message is None:
+        _parallelize_checks(world, Layout(**layout), gpt)  # accepted (dp2-pp2: both stages have an MoE block)
+        return
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _parallelize_checks(world, Layout(**layout), gpt)
+
+
+def test_gpt_tp_plan_splits_shared_experts_and_dense_mlps_only() -> None:
+    from plait.parallel.tensor.plan import gpt_plan, resolve_plan
+
+    gpt, _ = make_model({"mlp": "swiglu"})
+    styles = resolve_plan(gpt, gpt_plan(gpt), tp=2).styles
+    assert styles["blocks.0.mlp"] == "enter" and "blocks.1.mlp" not in styles  # the MoE layer is no tp region
+    assert styles["blocks.1.mlp.shared"] == "enter" and styles["blocks.1.mlp.shared.gate"] == "colwise"
+    assert not any(".router" in path or ".experts" in path for path in styles)
+
+
+# ----------------------------------------------------------------- the uneven all-to-all (gloo, with autograd)
+def _all_to_all_v_rank() -> dict:
+    mesh = Mesh.build(Layout(dp=2, ep=2))
+    comm = Comm(mesh, CommStats(), timeout_s=60)
+    rank = mesh.index("ep")
+    send = [[1, 3], [0, 2]][rank]  # rank 0 sends 1 row to itself, 3 to rank 1; rank 1 sends 0 to rank 0
+    recv = [[1, 0], [3, 2]][rank]
+    x = (torch.arange(sum(send) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank).requires_grad_()
+    y = all_to_all_v(x, comm, "ep", send, recv)
+    (y * torch.arange(1, y.numel() + 1, dtype=torch.float32).view_as(y)).sum().backward()
+    return {"y": y.detach(), "grad": x.grad, "stats": comm.stats.to_dict()}
+
+
+def test_uneven_all_to_all_with_autograd_and_exact_bytes() -> None:
+    zero, one = run_distributed(_all_to_all_v_rank, 2, timeout=120)
+    assert zero["y"].tolist() == [[0.0, 1.0]]  # rank 1 sent nothing to rank 0
+    assert one["y"].tolist() == [[2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [100.0, 101.0], [102.0, 103.0]]
+    # backward: each row's gradient goes back to its sender (weights 1.. over the receiver's output)
+    assert zero["grad"].tolist() == [[1.0, 2.0], [1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert one["grad"].tolist() == [[7.0, 8.0], [9.0, 10.0]]
+    row = 2 * 4  # bytes of one row
+    assert zero["stats"]["ep/all_to_all_v"] == {"calls": 2, "payload_bytes": 4 * row + 1 * row, "wire_bytes": 3 * row}
+    assert one["stats"]["ep/all_to_all_v"] == {"calls": 2, "payload_bytes": 2 * row + 5 * row, "wire_bytes": 3 * row}
