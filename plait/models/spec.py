@@ -307,7 +307,7 @@ class ModelSpec:
 
     def to_gpt_config(self) -> dict[str, object]:
         """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model."""
-        return {
+        fields: dict[str, object] = {
             "n_layer": self.layers,
             "d_model": self.hidden,
             "n_head": self.heads,
@@ -319,18 +319,17 @@ class ModelSpec:
             "position": "learned" if self.learned_positions else "rope",
             "norm": "rmsnorm" if self.uses_rms_norm else "layernorm",
             "bias": self.bias,
-        } | (
-            {
-                "n_experts": self.experts,
-                "top_k": self.top_k,
-                "n_shared_experts": self.shared_experts,
-                "moe_d_ff": self.expert_ffn or self.ffn,
-                "moe_start": self.moe_start,
-                "moe_every": self.moe_every,
-            }
-            if self.experts
-            else {}
-        )
+        }
+        if self.experts:
+            fields.update(
+                n_experts=self.experts,
+                top_k=self.top_k,
+                n_shared_experts=self.shared_experts,
+                moe_d_ff=self.expert_ffn or self.ffn,
+                moe_start=self.moe_start,
+                moe_every=self.moe_every,
+            )
+        return fields
 
 
 def block_flops(spec: ModelSpec, batch: int, seq_q: int, seq_k: int) -> float:

@@ -13,6 +13,10 @@ excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalog
 for the GPU named by ``torch.cuda.get_device_name`` at the layout's precision (fp32: TF32), times the world
 size; on CPU it is ``plait calibrate``'s measured matmul FLOP/s of the whole machine, times the number of
 hosts; otherwise MFU is null and one log line names ``plait calibrate``.
+
+A Mixture-of-Experts model adds a ``moe`` object to each train record (``moe_record``): per MoE layer (``layers``:
+block indices) the tokens routed to each expert in the step (``load``, summed over every rank), the imbalance
+(most-loaded expert over the mean), the choices dropped by a capacity cap, and the step's balance loss.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from plait.engine import Engine, EvalStats, StepStats
 from plait.logging import get_logger
+from plait.parallel.expert.stats import MoEStepStats
 
 log = get_logger(__name__)
 
@@ -45,6 +50,18 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
         "skipped": stats.skipped,
         "loss_scale": stats.loss_scale,
         "comm_bytes": {axis: int(b) for axis, b in stats.comm.wire_by_axis().items()},
+    } | ({"moe": moe_record(stats.moe)} if stats.moe is not None else {})
+
+
+def moe_record(moe: MoEStepStats) -> dict[str, Any]:
+    """The ``moe`` object of a train record (module docstring)."""
+    return {
+        "layers": list(moe.layers),
+        "aux_loss": moe.aux_loss,
+        "load": moe.load,
+        "imbalance": moe.imbalance,
+        "dropped": moe.dropped,
+        "dropped_fraction": moe.dropped_fraction,
     }
 
 
