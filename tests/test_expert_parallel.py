@@ -3,8 +3,8 @@ refusals, and parity with one device (losses, norms, balance loss, tokens per ex
 parameters, aux-free biases, evaluation) alone and composed with DDP, ZeRO-1/2/3, tp (+SP), pp, cp (ring and
 Ulysses), recomputation, capacity drops and starved experts (tests/helpers/moe.py).
 
-Default suite: one process start-up per world size (2 and 4) trains that size's cells; the 8-rank dp x tp x pp x ep
-cell and the schedule / recomputation / precision sweeps are under ``long``.
+Default suite: one process start-up per world size (2, 4 and 8) trains that size's cells; further schedules,
+recomputation modes, ZeRO stages and degrees are under ``long``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ CELLS = [
     Cell("dp2-tp2-sp-ep2-zero1", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 1}),
     Cell("dp2-pp2-ep2", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}, {"moe_balance": "aux_free"}, CLIP, True),
     Cell("dp2-cp2-ep4-ulysses", {"dp": 2, "cp": 2, "ep": 4, "cp_mode": "ulysses"}),
+    # world 8
+    Cell("dp2-tp2-pp2-ep2", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
 ]
 LONG_CELLS = [
-    Cell("dp2-tp2-pp2-ep2", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
     Cell("dp2-tp2-pp2-ep2-zero3", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2, "zero": 3}),
     Cell("dp4-ep4", {"dp": 4, "ep": 4}, {"moe_balance": "aux_free"}, CLIP, True),
     Cell("dp4-ep2-zero2", {"dp": 4, "ep": 2, "zero": 2}),
@@ -56,7 +57,12 @@ LONG_CELLS = [
     Cell("dp2-cp2-ep2-ring-zero3", {"dp": 2, "cp": 2, "ep": 2, "zero": 3}),
     Cell("ep2-recompute-selective", {"dp": 2, "ep": 2, "recompute": "selective"}),
     Cell("ep2-recompute-op", {"dp": 2, "ep": 2, "recompute": "op"}),
-    Cell("dp2-tp2-sp-ep2-recompute-full-zero3", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 3}),
+    Cell(
+        "dp2-tp2-sp-ep2-recompute-full-zero3",
+        {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 3, "recompute": "full"},
+    ),
+    Cell("ep2-zero1-offload-cpu", {"dp": 2, "ep": 2, "zero": 1, "offload": "cpu"}),
+    Cell("ep2-zero3-offload-cpu", {"dp": 2, "ep": 2, "zero": 3, "offload": "cpu"}),
 ]
 BY_NAME = {cell.name: cell for cell in CELLS + LONG_CELLS}
 
@@ -194,3 +200,95 @@ def test_uneven_all_to_all_with_autograd_and_exact_bytes() -> None:
     row = 2 * 4  # bytes of one row
     assert zero["stats"]["ep/all_to_all_v"] == {"calls": 2, "payload_bytes": 4 * row + 1 * row, "wire_bytes": 3 * row}
     assert one["stats"]["ep/all_to_all_v"] == {"calls": 2, "payload_bytes": 2 * row + 5 * row, "wire_bytes": 3 * row}
+
+
+# ----------------------------------------------------------------- bytes against theory, all-to-all in traces
+def _traced_step() -> dict:
+    """One step of dp2 x ep2, traced, with the routers' choices recorded (the routing decides the bytes)."""
+    from helpers.composition import optimizer
+    from helpers.moe import GLOBAL_BATCH
+
+    from plait.data import ShardedBatches
+    from plait.models.moe import moe_layers
+    from plait.observe.trace import Tracer
+
+    model, task = make_model()
+    engine = plait.parallelize(model, Layout(dp=2, ep=2), optimizer=optimizer)
+    chosen: dict[int, torch.Tensor] = {}
+
+    def record(layer: int, module: torch.nn.Module, args: tuple, out: tuple) -> None:
+        chosen.setdefault(layer, out[1])
+
+    for layer in moe_layers(engine.model):
+        layer.router.register_forward_hook(functools.partial(record, layer.layer))
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
+    tracer = Tracer(engine).start()
+    stats = engine.train_step(loader.batch_at(0))
+    tracer.stop()
+    spans = [span[2] for span in tracer.spans] + [flight[0] for flight in tracer.flights]
+    return {"comm": stats.comm.to_dict(), "chosen": chosen, "spans": spans}
+
+
+def test_token_exchange_bytes_equal_theory_and_appear_in_traces() -> None:
+    """Per MoE layer and micro-batch a rank sends, in the forward dispatch and the backward of the combine, the
+    rows it routes to the other ep rank's experts, and in the forward combine and the backward of the dispatch,
+    the rows the other rank routed to its experts: 2 (sent + received) x d_model x 4 bytes, from the routing."""
+    results = run_distributed(_traced_step, 2, timeout=120)
+    local = 8 // 2  # experts per ep rank
+    for rank, result in enumerate(results):
+        other = results[1 - rank]
+        sent = sum(int((c // local != rank).sum()) for c in result["chosen"].values())
+        received = sum(int((c // local == rank).sum()) for c in other["chosen"].values())
+        layers = len(result["chosen"])
+        exchange = result["comm"]["ep/all_to_all_v"]
+        assert exchange["calls"] == 4 * layers
+        assert exchange["wire_bytes"] == 2 * (sent + received) * 16 * 4
+        counts = result["comm"]["ep/all_to_all"]  # the [P, L] count matrix, forward only
+        assert counts == {"calls": layers, "payload_bytes": layers * 8 * 8, "wire_bytes": layers * (2 - 1) / 2 * 64}
+        assert sum(name.startswith("all_to_all_v ep") for name in result["spans"]) == 4 * layers
+        assert sent > 0 and received > 0
+
+
+# ----------------------------------------------------------------- mixed precision
+PRECISION_MODEL = {"aux_loss_coef": 1.0}
+"""A balance loss as large as the cross-entropy's gradient on the routers: a balance gradient that missed fp16's
+loss scale (or kept it after unscaling) would be 65536 x off there."""
+
+
+def _precision_runs() -> dict[str, dict]:
+    from helpers.composition import optimizer
+    from helpers.moe import GLOBAL_BATCH, STEPS, whole_gradients
+
+    from plait.data import ShardedBatches
+
+    out = {}
+    for precision in ("bf16", "fp16"):
+        model, task = make_model(PRECISION_MODEL)
+        engine = plait.parallelize(model, Layout(dp=2, ep=2, precision=precision), optimizer=optimizer)
+        grads: list[dict] = []
+        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
+        loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
+        stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
+        out[precision] = {"losses": [s.loss for s in stats], "aux": [s.moe.aux_loss for s in stats], "grads": grads[0]}
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_experts_tracks_fp32(precision: str) -> None:
+    """bf16 / fp16 autocast (experts' matmuls in the compute dtype, the router in fp32) at dp2 x ep2 against fp32
+    on one device: losses and balance losses within one mantissa step of the compute dtype (the tolerance of
+    tests/test_precision.py), the routers' step-0 gradients (mostly the balance loss's here) within 1%."""
+    runs = _precision_runs_cached()
+    expected = reference(Cell("fp32", {"dp": 1}, PRECISION_MODEL, None))
+    step = {"bf16": 2.0**-8, "fp16": 2.0**-11}[precision]
+    assert runs[precision]["losses"] == pytest.approx(expected["losses"], rel=step)
+    assert runs[precision]["aux"] == pytest.approx(expected["aux"], rel=step)
+    for name, grad in expected["grads"].items():
+        if ".router." in name:
+            error = float((runs[precision]["grads"][name] - grad).norm() / grad.norm())
+            assert error < 1e-2, f"{precision}: {name} step-0 gradient off by {error:.2g} (relative norm)"
+
+
+@functools.cache
+def _precision_runs_cached() -> dict[str, dict]:
+    return run_distributed(_precision_runs, 2, timeout=300)[0]
