@@ -2,8 +2,8 @@
 computation, the grouped kernel against the per-expert loop, capacity drops, the balance loss (DeepSeek-V3's
 sequence-wise loss, exact under any split of the batch into sequences and, given the counts, of a sequence into
 positions), the aux-free bias, statistics under recomputation, parameter and FLOP counts; and the training program
-(``plait train`` with ``[model] n_experts``: metrics.jsonl / TensorBoard, checkpoints saved at ep=4 resumed at
-ep=2, ep=1 and in one process, ``plait convert`` to safetensors, ``plait generate``).
+(``plait train`` with ``[model] n_experts``: metrics.jsonl / TensorBoard, a checkpoint saved at ep=2 under ZeRO-3
+resumed at ep=4, ep=2 under DDP, ep=1 and in one process, ``plait convert`` to safetensors, ``plait generate``).
 """
 
 from __future__ import annotations
@@ -248,13 +248,14 @@ RUN_TRAIN = {"steps": 3, "global_batch": 8, "save_every": 2, "eval_every": 0, "t
 
 
 def _train_job(root: str) -> None:
-    """``plait train``'s worker on 4 ranks: dp4 x ep4 (one expert per rank), checkpoint at step 2, 3 steps."""
+    """``plait train``'s worker on 4 ranks: dp4 x ep2 under ZeRO-3 (each rank holds 2 experts, sharded again over
+    edp = 2), checkpoint at step 2, 3 steps."""
     from plait.distributed import init
     from plait.train.config import RunConfig
     from plait.train.loop import run
 
     world = init()
-    layout = {"dp": 4, "ep": 4}
+    layout = {"dp": 4, "ep": 2, "zero": 3}
     run(RunConfig.from_dict({"layout": layout, "model": RUN_MODEL_AUX_FREE, "train": {**RUN_TRAIN, "out": root}}), world)
 
 
@@ -304,13 +305,15 @@ def test_plait_train_records_expert_load_in_metrics_and_tensorboard(moe_run: Pat
 
 
 @pytest.mark.distributed
-def test_checkpoint_saved_at_ep4_resumes_at_ep2_ep1_and_in_one_process(moe_run: Path) -> None:
-    """Step 3 after loading the step-2 checkpoint (experts saved whole from 4 slices; the aux-free biases, the
-    optimizer and the lr schedule with them) equals the run's own step 3, under other ep and ZeRO stages."""
+def test_checkpoint_saved_at_ep2_resumes_at_ep4_ep2_ep1_and_in_one_process(moe_run: Path) -> None:
+    """Step 3 after loading the step-2 checkpoint (experts saved whole from ZeRO-3 shards of ep slices; the
+    aux-free biases, the optimizer and the lr schedule with them) equals the run's own step 3, under other ep and
+    ZeRO stages."""
     step3 = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()][2]
     assert step3["step"] == 3
-    layouts = [{"dp": 2, "ep": 2, "zero": 3}, {"dp": 2, "ep": 1, "zero": 1}]
-    results = run_distributed(_resume_job, 2, str(moe_run), layouts, timeout=300)[0]
+    results = run_distributed(_resume_job, 4, str(moe_run), [{"dp": 4, "ep": 4, "zero": 1}], timeout=300)[0]
+    layouts = [{"dp": 2, "ep": 2, "zero": 0}, {"dp": 2, "ep": 1, "zero": 3}]
+    results += run_distributed(_resume_job, 2, str(moe_run), layouts, timeout=300)[0]
     results += run_distributed(_resume_job, 1, str(moe_run), [{"dp": 1}], timeout=300)[0]
     for result in results:
         assert result["step"] == 3 and result["load"] == step3["moe"]["load"]
@@ -328,7 +331,7 @@ def test_convert_and_generate_from_an_moe_checkpoint(
     from plait.cli.main import main
 
     whole, _ = load_full_state(moe_run / "ckpt")
-    assert whole["blocks.0.mlp.experts.w_up"].shape == (4, 16, 16)  # saved from 4 ranks' slices [1, 16, 16]
+    assert whole["blocks.0.mlp.experts.w_up"].shape == (4, 16, 16)  # saved from ep slices [2, 16, 16]
     records = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()][:2]
     for layer in (0, 1):  # the aux-free biases after 2 steps: rate x sum of sign(mean load - load)
         loads = torch.tensor([r["moe"]["load"][layer] for r in records], dtype=torch.float64)
