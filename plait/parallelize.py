@@ -203,7 +203,7 @@ def parallelize(
     check_pipedream(layout, pipedream, max_grad_norm)
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
-    expert = plan_expert_parallel(model, layout)  # MoE layers: ep divides their experts, capacity, schedules
+    expert = plan_expert_parallel(model, layout, optimizer)  # MoE layers: ep divides their experts, capacity, ...
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
     check_precompiled(model, layout)

@@ -131,7 +131,7 @@ def test_layout_refuses_bad_ep(kwargs: dict, message: str) -> None:
         Layout(ep=3).resolve(4)
 
 
-def _parallelize_checks(world: int, layout: Layout, model: torch.nn.Module) -> None:
+def _parallelize_checks(world: int, layout: Layout, model: torch.nn.Module, optimizer: object = None) -> None:
     """``plait.parallelize``'s checks as a rank of ``world``: returns when accepted (it reached Mesh.build, where
     the first process group would be made), raises its LayoutError when refused: before any collective."""
     from unittest import mock
@@ -142,7 +142,7 @@ def _parallelize_checks(world: int, layout: Layout, model: torch.nn.Module) -> N
         mock.patch("plait.parallelize.Mesh.build", side_effect=ChecksPassed),
     ):
         try:
-            plait.parallelize(model, layout, optimizer=lambda p: torch.optim.AdamW(p))
+            plait.parallelize(model, layout, optimizer=optimizer or (lambda p: torch.optim.AdamW(p)))
         except ChecksPassed:
             return
 
@@ -165,6 +165,16 @@ def test_parallelize_refuses_before_any_collective(world: int, layout: dict, mod
         return
     with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _parallelize_checks(world, Layout(**layout), gpt)
+
+
+def test_whole_tensor_optimizer_choosing_experts_under_zero_is_refused_before_any_collective() -> None:
+    from plait.parallel.whole_tensor import WholeTensorOptimizer
+
+    gpt, _ = make_model()
+    muon = WholeTensorOptimizer(whole=torch.optim.SGD, rest=torch.optim.SGD, select=lambda name, p: p.dim() >= 2)
+    with pytest.raises(LayoutError, match=r"chooses expert weights \(blocks.1.mlp.experts.w_up"):
+        _parallelize_checks(2, Layout(dp=2, ep=2, zero=1), gpt, muon)
+    _parallelize_checks(2, Layout(dp=2, ep=2, zero=0), gpt, muon)  # DDP: accepted (each rank steps its slice)
 
 
 def test_gpt_tp_plan_splits_shared_experts_and_dense_mlps_only() -> None:
@@ -250,6 +260,7 @@ def test_token_exchange_bytes_equal_theory_and_appear_in_traces() -> None:
 
 
 # ----------------------------------------------------------------- mixed precision
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_MODEL = {"aux_loss_coef": 1.0}
 """A balance loss as large as the cross-entropy's gradient on the routers: a balance gradient that missed fp16's
 loss scale (or kept it after unscaling) would be 65536 x off there."""
@@ -265,11 +276,19 @@ def _precision_runs() -> dict[str, dict]:
     for precision in ("bf16", "fp16"):
         model, task = make_model(PRECISION_MODEL)
         engine = plait.parallelize(model, Layout(dp=2, ep=2, precision=precision), optimizer=optimizer)
+        exchanged: set[torch.dtype] = set()
+        send = engine.comm.all_to_all_v
+        engine.comm.all_to_all_v = lambda x, *a, **k: exchanged.add(x.dtype) or send(x, *a, **k)  # type: ignore
         grads: list[dict] = []
         engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
         loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
         stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
-        out[precision] = {"losses": [s.loss for s in stats], "aux": [s.moe.aux_loss for s in stats], "grads": grads[0]}
+        out[precision] = {
+            "losses": [s.loss for s in stats],
+            "aux": [s.moe.aux_loss for s in stats],
+            "grads": grads[0],
+            "exchanged": exchanged,
+        }
     return out
 
 
@@ -277,8 +296,10 @@ def _precision_runs() -> dict[str, dict]:
 def test_mixed_precision_with_experts_tracks_fp32(precision: str) -> None:
     """bf16 / fp16 autocast (experts' matmuls in the compute dtype, the router in fp32) at dp2 x ep2 against fp32
     on one device: losses and balance losses within one mantissa step of the compute dtype (the tolerance of
-    tests/test_precision.py), the routers' step-0 gradients (mostly the balance loss's here) within 1%."""
+    tests/test_precision.py), the routers' step-0 gradients (mostly the balance loss's here) within 1%. The
+    tokens travel in the compute dtype (half the bytes of the fp32 residual stream)."""
     runs = _precision_runs_cached()
+    assert runs[precision]["exchanged"] == {DTYPES[precision]}
     expected = reference(Cell("fp32", {"dp": 1}, PRECISION_MODEL, None))
     step = {"bf16": 2.0**-8, "fp16": 2.0**-11}[precision]
     assert runs[precision]["losses"] == pytest.approx(expected["losses"], rel=step)

@@ -12,9 +12,11 @@ sends rank j the contiguous rows of j's experts:
 3. combine: the outputs regrouped source-major and sent back by the reverse uneven all-to-all, so each rank gets
    its rows' outputs in the order it sent them (the MoE then weighs and adds them per token).
 
-Backward runs the same exchanges in reverse (``plait.comm.all_to_all_v``'s autograd). Per MoE layer and
-micro-batch a rank sends, in wire bytes: 8 (P-1) L for the counts, and 2 x (rows it sends to other ranks +
-rows other ranks sent it) x d x bytes per element over forward and backward (docs/expert_parallel.md).
+Backward runs the same exchanges in reverse (``plait.comm.all_to_all_v``'s autograd). Under mixed precision the
+rows travel in the compute dtype (the experts' matmuls would cast them to it anyway: the same values, half the
+bytes of the fp32 residual stream). Per MoE layer and micro-batch a rank sends, in wire bytes: 8 (P-1) L for the
+counts, and 2 x (rows it sends to other ranks + rows other ranks sent it) x d x bytes per element over forward
+and backward (docs/expert_parallel.md).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class ExpertParallelDispatch:
         recv = [recv_rows[s * local : (s + 1) * local] for s in range(ranks)]
         send_splits = [sum(sent_rows[j * local : (j + 1) * local]) for j in range(ranks)]
         recv_splits = [sum(row) for row in recv]
+        if torch.is_autocast_enabled(x_perm.device.type):  # what the experts' matmuls cast the rows to anyway
+            x_perm = x_perm.to(torch.get_autocast_dtype(x_perm.device.type))
         arrived = all_to_all_v(x_perm, self.comm, self.axis, send_splits, recv_splits)
         grouped = _regroup(arrived, recv, by_expert=True)
         per_expert = [sum(recv[s][e] for s in range(ranks)) for e in range(local)]

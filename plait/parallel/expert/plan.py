@@ -1,7 +1,7 @@
 """What ``plan_expert_parallel`` checks before any collective: the model's Mixture-of-Experts layers against the
 layout (``Layout.ep`` must divide every layer's experts, ep needs MoE layers, capacity with a split sequence, the
-asynchronous PipeDream schedule, tensor-parallel grids), and what expert parallelism will do (``ExpertPlan``).
-Pure: the same LayoutError on every rank."""
+asynchronous PipeDream schedule, tensor-parallel grids, a whole-tensor optimizer choosing expert slices under
+ZeRO), and what expert parallelism will do (``ExpertPlan``). Pure: the same LayoutError on every rank."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 from plait.errors import LayoutError
 from plait.layout import Layout, PipelineSchedule, TpMode
 from plait.models.moe import MoE
+from plait.parallel.whole_tensor import WholeTensorOptimizer
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(path, module) for path, module in model.named_modules() if isinstance(module, MoE)]
 
 
-def plan_expert_parallel(model: nn.Module, layout: Layout) -> ExpertPlan | None:
-    """Check ``model``'s MoE layers against ``layout`` (pure); None when the model has none (then ep must be 1)."""
+def plan_expert_parallel(model: nn.Module, layout: Layout, optimizer: object = None) -> ExpertPlan | None:
+    """Check ``model``'s MoE layers against ``layout`` (and the ``optimizer`` given to parallelize), purely; None
+    when the model has none (then ep must be 1)."""
     layers = moe_modules(model)
     if not layers:
         if layout.ep > 1:
@@ -72,6 +74,16 @@ def plan_expert_parallel(model: nn.Module, layout: Layout) -> ExpertPlan | None:
             f"Mixture-of-Experts layers with tp_mode={layout.tp_mode!r} are not implemented (the grid layers do not "
             f"know the router and experts). Fix: tp_mode='1d' (attention and dense layers split, experts whole)."
         )
+    if layout.ep > 1 and layout.zero >= 1 and isinstance(optimizer, WholeTensorOptimizer):
+        chosen = optimizer.chosen(model)
+        experts = [n for n, p in model.named_parameters() if id(p) in chosen and ".experts." in f".{n}"]
+        if experts:
+            raise LayoutError(
+                f"the whole-tensor optimizer chooses expert weights ({', '.join(experts[:2])}): ZeRO-{layout.zero} "
+                f"owns each whole tensor on one rank of dp_cp, but with ep={layout.ep} each rank holds a slice of "
+                f"the experts, sharded over edp. Fix: select only dense matrices for it (the default "
+                f"hidden_matrices), or use zero=0 with ep > 1."
+            )
     sequence_axes = (("cp",) if layout.cp > 1 else ()) + (("tp",) if layout.sequence_parallel else ())
     return ExpertPlan(layout.ep, layers[0][1].n_experts, tuple(m.layer for _, m in layers), sequence_axes)
 
