@@ -13,6 +13,11 @@ of the token mean one device computes on the global batch, whatever the loss mas
 (``plait.parallel.loss_normalization``; a loss that is not a token mean is averaged per micro-batch instead).
 The loss reported is the global sum / N, the same number on every rank.
 
+A Mixture-of-Experts model (``plait.models.moe``) also trains on its balance loss, which each MoE layer hands its
+own gradient: before the step the Engine sets that gradient's scale to G / B (B sequences in the global batch,
+times the fp16 loss scale), after it the routing statistics are summed over every rank, the aux-free biases move,
+and ``StepStats.moe`` reports them (``plait.parallel.expert.stats``; docs/expert_parallel.md).
+
 The hot path never waits for the device: the loss and the gradient norm stay 0-dim tensors until read
 (``StepStats.loss``), clipping scales by a tensor factor, and fp16 loss scaling checks every gradient for
 inf/NaN in one fused pass and reads one flag per step (the only host sync of an fp16 step; none under bf16 /

@@ -266,30 +266,27 @@ PRECISION_MODEL = {"aux_loss_coef": 1.0}
 loss scale (or kept it after unscaling) would be 65536 x off there."""
 
 
-def _precision_runs() -> dict[str, dict]:
-    from helpers.composition import optimizer
-    from helpers.moe import GLOBAL_BATCH, STEPS, whole_gradients
+def _precision_run(precision: str) -> dict:
+    from helpers.composition import optimizer, whole_gradients
+    from helpers.moe import GLOBAL_BATCH, STEPS
 
     from plait.data import ShardedBatches
 
-    out = {}
-    for precision in ("bf16", "fp16"):
-        model, task = make_model(PRECISION_MODEL)
-        engine = plait.parallelize(model, Layout(dp=2, ep=2, precision=precision), optimizer=optimizer)
-        exchanged: set[torch.dtype] = set()
-        send = engine.comm.all_to_all_v
-        engine.comm.all_to_all_v = lambda x, *a, **k: exchanged.add(x.dtype) or send(x, *a, **k)  # type: ignore
-        grads: list[dict] = []
-        engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
-        loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
-        stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
-        out[precision] = {
-            "losses": [s.loss for s in stats],
-            "aux": [s.moe.aux_loss for s in stats],
-            "grads": grads[0],
-            "exchanged": exchanged,
-        }
-    return out
+    model, task = make_model(PRECISION_MODEL)
+    engine = plait.parallelize(model, Layout(dp=2, ep=2, precision=precision), optimizer=optimizer)
+    exchanged: set[torch.dtype] = set()
+    send = engine.comm.all_to_all_v
+    engine.comm.all_to_all_v = lambda x, *a, **k: exchanged.add(x.dtype) or send(x, *a, **k)  # type: ignore
+    grads: list[dict] = []
+    engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
+    loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
+    stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
+    aux = [s.moe.aux_loss for s in stats]  # type: ignore[union-attr]
+    return {"losses": [s.loss for s in stats], "aux": aux, "grads": grads[0], "exchanged": exchanged}
+
+
+def _precision_runs() -> dict[str, dict]:
+    return {precision: _precision_run(precision) for precision in ("bf16", "fp16")}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

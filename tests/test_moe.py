@@ -237,7 +237,7 @@ def test_spec_counts_total_and_active_parameters_and_flops() -> None:
     assert gpt.flops_per_token() == spec.flops_per_token()
     stage = GPT(config)
     del stage.blocks["0"], stage.blocks["1"]  # a pipeline stage holding blocks 2 (dense) and 3 (MoE)
-    assert stage.flops_per_token() == spec.flops_per_token(block_indices=[2, 3])
+    assert stage.flops_per_token() == 3 * spec.forward_flops_per_token(block_indices=[2, 3])
     assert GPTConfig(**spec.to_gpt_config()).moe_layers == config.moe_layers
 
 
@@ -256,7 +256,9 @@ def _train_job(root: str) -> None:
 
     world = init()
     layout = {"dp": 4, "ep": 2, "zero": 3}
-    run(RunConfig.from_dict({"layout": layout, "model": RUN_MODEL_AUX_FREE, "train": {**RUN_TRAIN, "out": root}}), world)
+    run(
+        RunConfig.from_dict({"layout": layout, "model": RUN_MODEL_AUX_FREE, "train": {**RUN_TRAIN, "out": root}}), world
+    )
 
 
 def _resume_job(root: str, layouts: list[dict]) -> list[dict]:

@@ -96,4 +96,4 @@ class GPT(nn.Module):
         backward = 3 x forward; recomputation excluded, Chowdhery et al. 2022 app. B). Embedding lookups cost no
         FLOPs, so summing over pipeline stages gives the full model's figure."""
         indices = [int(key) for key in self.blocks.keys()]  # a stage's own blocks (MoE and dense ones differ)
-        return self.spec().flops_per_token(block_indices=indices, logits=self.lm_head is not None)
+        return 3 * self.spec().forward_flops_per_token(block_indices=indices, logits=self.lm_head is not None)

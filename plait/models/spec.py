@@ -237,15 +237,9 @@ class ModelSpec:
         matmuls = sum(2 * self.block_matmul_parameters(index) for index in block_indices)
         return matmuls + len(block_indices) * 4 * s * self.hidden + (2 * self.hidden * self.vocab if logits else 0)
 
-    def flops_per_token(
-        self,
-        seq: int | None = None,
-        blocks: int | None = None,
-        logits: bool = True,
-        block_indices: Sequence[int] | None = None,
-    ) -> int:
+    def flops_per_token(self, seq: int | None = None, blocks: int | None = None, logits: bool = True) -> int:
         """Model FLOPs of one trained token (forward + backward = 3 x forward, recomputation excluded)."""
-        return 3 * self.forward_flops_per_token(seq, blocks, logits, block_indices)
+        return 3 * self.forward_flops_per_token(seq, blocks, logits)
 
     def recompute_flops_per_token(
         self, recompute: str | tuple[int, ...], seq: int | None = None, fused_attention: bool = True

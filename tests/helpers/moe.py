@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from helpers.composition import GRAD_TOL, LOSS_RTOL, NORM_RTOL, PARAM_TOL, merge_ranks, optimizer
+from helpers.composition import (
+    GRAD_TOL,
+    LOSS_RTOL,
+    NORM_RTOL,
+    PARAM_TOL,
+    merge_ranks,
+    optimizer,
+    whole_gradients,
+    whole_parameters,
+)
 from helpers.reference import UnevenMasks, assert_tensors_close, snapshot_grads, snapshot_params
 
 import plait
@@ -107,28 +116,6 @@ def reference(cell: Cell) -> dict[str, Any]:
     return out
 
 
-def whole(engine: plait.Engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``local`` (this rank's tensors by parameter name) whole: tp slices gathered over tp, expert slices over ep."""
-    out = {}
-    for name, param in engine.model.named_parameters():
-        if name not in local:
-            continue
-        tensor = local[name].detach().contiguous()
-        if getattr(param, "tp_sharded", False):
-            tensor = engine.comm.all_gather(tensor, "tp", dim=param.tp_shard_dim)
-        if getattr(param, "ep_slice", None) is not None:
-            tensor = engine.comm.all_gather(tensor, "ep", dim=param.ep_slice[0])
-        out[name] = tensor.cpu().clone()
-    return out
-
-
-def whole_gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
-    strategy = engine.strategy
-    if hasattr(strategy, "full_gradients"):
-        return whole(engine, strategy.full_gradients())
-    return whole(engine, {n: p.grad for n, p in engine.model.named_parameters() if p.grad is not None})
-
-
 def train_cell(cell: Cell) -> dict[str, Any]:
     """Train ``cell`` on this rank; everything ``assert_cell_matches`` compares."""
     model, task = make_model(cell.model, cell.starve)
@@ -145,7 +132,7 @@ def train_cell(cell: Cell) -> dict[str, Any]:
         "load": [s.moe.load for s in stats],  # type: ignore[union-attr]
         "dropped": [s.moe.dropped for s in stats],  # type: ignore[union-attr]
         "grads": grads[0],
-        "params": whole(engine, engine.strategy.full_parameters()),
+        "params": whole_parameters(engine),
         "biases": expert_biases(engine.model),
         "eval": engine.evaluate([loader.batch_at(STEPS)]).loss,
     }
