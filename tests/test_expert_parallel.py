@@ -63,6 +63,7 @@ LONG_CELLS = [
     ),
     Cell("ep2-zero1-offload-cpu", {"dp": 2, "ep": 2, "zero": 1, "offload": "cpu"}),
     Cell("ep2-zero3-offload-cpu", {"dp": 2, "ep": 2, "zero": 3, "offload": "cpu"}),
+    Cell("ep2-compiled-aot-eager", {"dp": 2, "ep": 2, "compile": "aot_eager"}),
 ]
 BY_NAME = {cell.name: cell for cell in CELLS + LONG_CELLS}
 
