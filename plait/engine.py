@@ -13,6 +13,11 @@ of the token mean one device computes on the global batch, whatever the loss mas
 (``plait.parallel.loss_normalization``; a loss that is not a token mean is averaged per micro-batch instead).
 The loss reported is the global sum / N, the same number on every rank.
 
+A Mixture-of-Experts model (``plait.models.moe``) also trains on its balance loss, which each MoE layer hands its
+own gradient: before the step the Engine sets that gradient's scale to G / B (B sequences in the global batch,
+times the fp16 loss scale), after it the routing statistics are summed over every rank, the aux-free biases move,
+and ``StepStats.moe`` reports them (``plait.parallel.expert.stats``; docs/expert_parallel.md).
+
 The hot path never waits for the device: the loss and the gradient norm stay 0-dim tensors until read
 (``StepStats.loss``), clipping scales by a tensor factor, and fp16 loss scaling checks every gradient for
 inf/NaN in one fused pass and reads one flag per step (the only host sync of an fp16 step; none under bf16 /
@@ -44,6 +49,7 @@ from plait.parallel.runner import StepRunner
 from plait.parallel.strategy import DataParallelStrategy
 
 if TYPE_CHECKING:
+    from plait.parallel.expert.stats import MoEStepStats, RouterStats
     from plait.parallel.pipeline.runtime import PipelineRunner
     from plait.parallel.pipeline.simulate import SimResult
 
@@ -77,6 +83,7 @@ class StepStats:
         skipped: bool = False,
         loss_scale: float | None = None,
         staleness: dict[int, dict[str, float]] | None = None,
+        moe: MoEStepStats | None = None,
     ) -> None:
         self.step = step
         self.tokens = tokens
@@ -88,6 +95,9 @@ class StepStats:
         self.loss_scale = loss_scale
         self.staleness = staleness
         """PipeDream: per local stage, the step's mean/max staleness, its updates and most weight versions stashed."""
+        self.moe = moe
+        """Mixture-of-Experts models: per layer the tokens routed to each expert, the dropped ones, and the balance
+        loss of the step (``plait.parallel.expert.stats``; the same on every rank, read lazily); else None."""
         self._loss: Scalar = loss
         self._grad_norm: Scalar | None = grad_norm
 
@@ -176,6 +186,9 @@ class Engine:
         self.step = 0
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
+        self.experts: RouterStats | None = None
+        """Mixture-of-Experts models (set by ``plait.parallelize``): the balance loss's weight set before each step,
+        the routing statistics gathered after it (``plait.parallel.expert.stats``)."""
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -209,10 +222,14 @@ class Engine:
         self.model.train()
         window = self.runner.update_window(len(micro))
         loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window)
+        sequences = batch[1].shape[0] * self.mesh.size("dp")  # the global batch's sequences (balance loss)
+        if self.experts is not None:
+            self.experts.begin(sequences, self.precision.loss_scale)
         total = self.runner.run(micro, self.apply_update, loss)
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
         staleness = self.runner.staleness()
         reported = loss.report(total)
+        moe = self.experts.end(sequences, update_biases=not skipped) if self.experts is not None else None
         self.step += 1
         if tracer is not None:
             tracer.step(self.step, traced_from)
@@ -227,6 +244,7 @@ class Engine:
             skipped=skipped,
             loss_scale=self.precision.loss_scale,
             staleness=staleness,
+            moe=moe,
         )
 
     def apply_update(self) -> tuple[bool, torch.Tensor | None]:

@@ -159,6 +159,10 @@ class Layout:
             (the default backend, inductor) or the name of a torch.compile backend ("inductor", "aot_eager", ...).
             Per block, as torchtitan does: the paradigms' hooks (ZeRO-3's gathers, DDP's buckets) stay outside the
             compiled code (``plait.parallel.compile``).
+        ep: expert-parallel degree: the experts of every Mixture-of-Experts layer split over ``ep`` of the
+            data-parallel ranks (dp x cp), which stay data-parallel (context-parallel) ranks for the rest of the
+            model. Not a factor of the world size: ``Layout(dp=4, ep=2)`` runs on 4 ranks. ep must divide dp x cp
+            (the mesh folds the data ranks into ``ep`` x ``edp``: docs/expert_parallel.md).
     """
 
     dp: int = -1
@@ -181,6 +185,7 @@ class Layout:
     reduce_dtype: str = "fp32"
     pipeline_cuts: tuple[int, ...] = ()
     compile: bool | str = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
@@ -213,6 +218,9 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise LayoutError(f"{name}={value!r} must be an integer >= {low}. Fix: set {name}={low} or more.")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise LayoutError(f"ep={self.ep!r} must be an integer >= 1. Fix: ep=1 (no expert parallelism) or more.")
+        self._check_expert_degree()
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r} is not a ZeRO stage. Fix: use 0 (off), 1, 2 or 3.")
         if (
@@ -221,6 +229,19 @@ class Layout:
             or not 0 < self.bucket_mb < float("inf")  # NaN fails both comparisons
         ):
             raise LayoutError(f"bucket_mb={self.bucket_mb!r} must be a positive size in MiB. Fix: e.g. bucket_mb=25.")
+
+    def _check_expert_degree(self) -> None:
+        """ep splits the data ranks (dp x cp): it must divide them once both are known."""
+        if self.ep == 1 or self.dp == -1 or self.cp == -1:
+            return
+        data = self.dp * self.cp
+        if data % self.ep:
+            divisors = [d for d in range(1, data + 1) if data % d == 0]
+            raise LayoutError(
+                f"ep={self.ep} must divide the data-parallel ranks dp x cp = {self.dp} x {self.cp} = {data}: expert "
+                f"parallelism splits the experts over ep of them. Fix: use ep in {divisors}, or make dp x cp a "
+                f"multiple of {self.ep}."
+            )
 
     def _coerce_choices(self) -> None:
         """Each named choice (``CHOICES``, and ``recompute`` when it is a name) as its ``Choice`` member: a
@@ -279,6 +300,12 @@ class Layout:
                 "recompute='op' cannot run under schedule='zero-bubble': its split backward (I, then W) runs two "
                 "backward passes over each block, and torch's selective checkpointing allows one per region. Fix: "
                 "use recompute='full' or 'selective', or schedule='1f1b' or 'interleaved'."
+            )
+        if self.ep > 1 and self.pp > 1 and self.schedule == PipelineSchedule.PIPEDREAM:
+            raise LayoutError(
+                f"ep={self.ep} with schedule='pipedream' is not implemented: PipeDream's asynchronous updates are not "
+                f"parity-tested with experts split over ranks. Fix: use a synchronous schedule (e.g. schedule='1f1b'), "
+                f"or ep=1."
             )
         if self.virtual_stages > 1 and self.schedule != PipelineSchedule.INTERLEAVED:
             raise LayoutError(
@@ -345,7 +372,7 @@ class Layout:
                     f"multiple of {known} processes."
                 )
             degrees: dict[str, Any] = {axis: world_size // known}
-            resolved = dataclasses.replace(self, **degrees)
+            resolved = dataclasses.replace(self, **degrees)  # __post_init__ checks ep against the resolved dp x cp
             if axis == "tp":
                 tp_grid_dims(resolved.tp, resolved.tp_mode, resolved.tp_depth)
             return resolved
@@ -371,7 +398,7 @@ class Layout:
 
     def short(self) -> str:
         """A compact description such as ``dp2 tp2 pp1 cp1 zero1 mb4``."""
-        parts = [f"{axis}{getattr(self, axis)}" for axis in AXES]
+        parts = [f"{axis}{getattr(self, axis)}" for axis in AXES] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         compiled = [] if self.compile is False else ["compiled" if self.compile is True else f"compiled:{self.compile}"]
         return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision, *compiled])
 

@@ -13,7 +13,16 @@ into the sub-axes ``TP_SUB_AXES``, tp staying innermost::
     tp_i = (tp_dep * ROWS + tp_row) * COLS + tp_col
 
 (2D: a q x q grid, depth 1; 2.5D: q x q x d, depth outermost; 3D: a q x q x q cube), so a ``tp_col`` group
-is consecutive ranks. The sub-axes exist only when tp_mode needs them. The grid arithmetic (``RankGrid``)
+is consecutive ranks. The sub-axes exist only when tp_mode needs them.
+
+Expert parallelism (``Layout.ep``) folds the data ranks the same way: a rank's index j = dp_i x CP + cp_i in its
+``dp_cp`` group splits into ``EP_SUB_AXES``, ep innermost::
+
+    j = edp_i * EP + ep_i
+
+so an ``ep`` group (the ranks that split one layer's experts and exchange tokens all-to-all) is consecutive data
+ranks, and ``edp`` links the ranks holding the same experts (their gradients are reduced over it). With ep = 1,
+``ep`` has one rank and ``edp`` is ``dp_cp`` (the same process group). The grid arithmetic (``RankGrid``)
 is pure; ``Mesh.build`` creates the process groups once, on every rank in the same order, and the Mesh is
 then passed explicitly to whatever needs it.
 """
@@ -38,29 +47,40 @@ ALL_AXES: tuple[str, ...] = AXES + tuple(COMBINED_AXES)
 TP_SUB_AXES: tuple[str, ...] = ("tp_dep", "tp_row", "tp_col")
 """The sub-axes that split the tp group for 2D / 2.5D / 3D tensor parallelism, outermost first."""
 
+EP_SUB_AXES: tuple[str, ...] = ("edp", "ep")
+"""The sub-axes that split the data ranks (dp x cp) for expert parallelism, outermost first."""
+
 
 def axis_members(axis: str) -> tuple[str, ...]:
-    """The mesh axes that ``axis`` spans (itself for a plain axis or a tp sub-axis)."""
-    if axis in AXES or axis in TP_SUB_AXES:
+    """The mesh axes that ``axis`` spans (itself for a plain axis or a tp / ep sub-axis)."""
+    if axis in AXES or axis in TP_SUB_AXES or axis in EP_SUB_AXES:
         return (axis,)
     if axis in COMBINED_AXES:
         return COMBINED_AXES[axis]
-    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES + TP_SUB_AXES)}")
+    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES + EP_SUB_AXES + TP_SUB_AXES)}")
 
 
 @dataclass(frozen=True)
 class RankGrid:
     """Pure rank arithmetic for degrees in ``AXES`` order (no processes needed).
 
-    ``tp_split`` = (depth, rows, cols) splits tp into ``TP_SUB_AXES`` (None: 1D tensor parallelism, no sub-axes).
+    ``tp_split`` = (depth, rows, cols) splits tp into ``TP_SUB_AXES`` (None: 1D tensor parallelism, no sub-axes);
+    ``ep`` splits the data ranks into ``EP_SUB_AXES`` (module docstring).
     """
 
     sizes: tuple[int, ...]
     tp_split: tuple[int, int, int] | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_split is not None and math.prod(self.tp_split) != self.sizes[AXES.index("tp")]:
             raise LayoutError(f"tp sub-axes {self.tp_split} do not multiply to tp={self.sizes[AXES.index('tp')]}.")
+        if self.ep < 1 or self._data_size % self.ep:
+            raise LayoutError(f"ep={self.ep} does not divide the data ranks dp x cp = {self._data_size}.")
+
+    @property
+    def _data_size(self) -> int:
+        return self.sizes[AXES.index("dp")] * self.sizes[AXES.index("cp")]
 
     @classmethod
     def from_layout(cls, layout: Layout) -> RankGrid:
@@ -69,7 +89,7 @@ class RankGrid:
         if dims:
             depth, rows, cols = (dims[a] for a in TP_SUB_AXES)
             split = (depth, rows, cols)
-        return cls(tuple(layout.degrees[axis] for axis in AXES), split)
+        return cls(tuple(layout.degrees[axis] for axis in AXES), split, layout.ep)
 
     @property
     def world_size(self) -> int:
@@ -77,10 +97,15 @@ class RankGrid:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every axis this grid has groups for: ``ALL_AXES``, plus ``TP_SUB_AXES`` under nD tensor parallelism."""
-        return ALL_AXES + (TP_SUB_AXES if self.tp_split is not None else ())
+        """Every axis this grid has groups for: ``ALL_AXES``, plus ``EP_SUB_AXES`` under expert parallelism and
+        ``TP_SUB_AXES`` under nD tensor parallelism."""
+        return ALL_AXES + (EP_SUB_AXES if self.ep > 1 else ()) + (TP_SUB_AXES if self.tp_split is not None else ())
 
     def _axis_size(self, axis: str) -> int:
+        if axis == "ep":
+            return self.ep
+        if axis == "edp":
+            return self._data_size // self.ep
         if axis in TP_SUB_AXES:
             if self.tp_split is None:
                 raise KeyError(f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d'")
@@ -91,7 +116,8 @@ class RankGrid:
         return math.prod(self._axis_size(a) for a in axis_members(axis))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each of ``AXES`` (and each of ``TP_SUB_AXES`` when tp is split)."""
+        """This rank's index along each of ``AXES`` (and each of ``TP_SUB_AXES`` when tp is split, of ``EP_SUB_AXES``
+        under expert parallelism)."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a mesh of {self.world_size} ranks.")
         coords: dict[str, int] = {}
@@ -105,7 +131,14 @@ class RankGrid:
                 sub[axis] = tp % size
                 tp //= size
             ordered.update({axis: sub[axis] for axis in TP_SUB_AXES})
+        if self.ep > 1:
+            ordered.update(zip(EP_SUB_AXES, self._ep_coords(ordered)))
         return ordered
+
+    def _ep_coords(self, coords: dict[str, int]) -> tuple[int, int]:
+        """(edp, ep) of a rank at ``coords``: its data index j = dp x CP + cp split as j = edp x EP + ep."""
+        edp, ep = divmod(coords["dp"] * self.sizes[AXES.index("cp")] + coords["cp"], self.ep)
+        return edp, ep
 
     def rank_of(self, coords: dict[str, int]) -> int:
         """The rank at ``coords`` (``AXES``; under a tp split, tp is taken from the sub-axes when they are given)."""
@@ -124,6 +157,14 @@ class RankGrid:
         """The ranks that share ``rank``'s coordinates on every axis outside ``axis``, in mesh order."""
         varying = axis_members(axis)
         base = self.coords(rank)
+        if axis in EP_SUB_AXES:  # data ranks j = edp * EP + ep, j = dp * CP + cp
+            cp = self.sizes[AXES.index("cp")]
+            edp, ep = self._ep_coords(base)
+            ranks = []
+            for index in range(self._axis_size(axis)):
+                j = edp * self.ep + index if axis == "ep" else index * self.ep + ep
+                ranks.append(self.rank_of({**{a: base[a] for a in AXES}, "dp": j // cp, "cp": j % cp}))
+            return sorted(ranks)
         if self.tp_split is not None and "tp" in varying:  # the sub-axes follow tp
             base = {a: c for a, c in base.items() if a not in TP_SUB_AXES}
         ranks = []
@@ -211,6 +252,8 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         axis_members(axis)
+        if axis in EP_SUB_AXES and axis not in self._groups:  # ep = 1: one rank, and edp is dp_cp
+            return None if axis == "ep" else self._groups["dp_cp"]
         if axis not in self._groups:
             raise KeyError(
                 f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: {self.layout.tp_mode!r})"

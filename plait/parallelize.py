@@ -1,7 +1,7 @@
 """``plait.parallelize(model, layout, ...)``: validate, build the mesh, place the model, return an Engine.
 
 Paradigms are applied in one fixed order (DESIGN.md): pipeline split -> tensor/sequence parallel -> context
-parallel -> activation recomputation -> compilation per block -> ZeRO/FSDP/DDP. Everything that can be checked without
+parallel -> expert parallel -> activation recomputation -> compilation per block -> ZeRO/FSDP/DDP. Everything that can be checked without
 communication is checked first, so a bad layout raises the same ``LayoutError`` on every rank before any
 collective runs.
 """
@@ -26,6 +26,7 @@ from plait.models.loss import LossFn, as_mean_loss
 from plait.parallel.compile import apply_compile, check_precompiled, plan_compile
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
+from plait.parallel.expert import RouterStats, apply_expert_parallel, plan_expert_parallel
 from plait.parallel.param_groups import GroupOf
 from plait.parallel.pipeline.apply import PipelinePlan, place_pipeline, plan_pipeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
@@ -206,6 +207,7 @@ def parallelize(
     check_pipedream(layout, pipedream, max_grad_norm)
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
+    expert = plan_expert_parallel(model, layout, optimizer)  # MoE layers: ep divides their experts, capacity, ...
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
     check_precompiled(model, layout)
@@ -232,6 +234,11 @@ def parallelize(
     if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
         roles = [(stage.module, stage.is_first, stage.is_last) for stage in stages] or None
         loss_fn = apply_context_parallel(model, context, comm, loss_fn, stages=roles)
+    # --- expert parallel (after cp, before recompute/ZeRO/DDP): this rank's experts, token exchange over ep ---
+    router_stats = None
+    if expert is not None:
+        moe_layers = apply_expert_parallel(expert, [model] + [stage.module for stage in stages], comm)
+        router_stats = RouterStats(expert, moe_layers, comm, layout.sequence_parallel)
     if pipeline is None or layout.recompute == Recompute.SELECTIVE:  # after cp: it wraps the attention kernel in use
         apply_recompute(model, layout.recompute)
         apply_compile([model], compile_backend)  # per block (plait.parallel.compile), before ZeRO/DDP hooks
@@ -246,4 +253,5 @@ def parallelize(
     precision = MixedPrecision(layout.precision, device)
     runner = make_runner(model, layout, comm, strategy, precision, pipeline, stages, context, pipedream)
     engine = Engine(model, layout, mesh, comm, strategy, runner, loss_fn, device, precision, max_grad_norm, scheduler)
+    engine.experts = router_stats
     return engine

@@ -6,6 +6,8 @@ each elementwise optimizer state, the fp32 master copy). A rank holds rectangles
 - a tensor-parallel slice is a rectangle at offset ``tp_rank x b`` along ``param.tp_shard_dim`` (b = the local
   size); a fused q|k|v weight (``tp_fused_parts`` = k) holds one rectangle per block, at ``p x b x tp + tp_rank x b``;
   a padded vocabulary (``tp_full_size``) is clipped to the real rows;
+- an expert-parallel slice (``param.ep_slice`` = (dim, offset, whole size), set by ``plait.parallel.expert``) is a
+  rectangle at ``offset`` along ``dim`` of the whole experts tensor;
 - a ZeRO flat shard is a contiguous range [s, e) of a parameter's row-major elements, which is a partial row, a
   block of whole rows and a partial row, each partial row again decomposed over the inner dims
   (``flat_range_boxes``): at most 2 x ndim - 1 rectangles, each a contiguous run of the shard.
@@ -75,12 +77,24 @@ def is_tp_slice(param: torch.Tensor, tp_size: int) -> bool:
 
 
 def global_shape(param: torch.Tensor, local_shape: Sequence[int], tp_size: int) -> torch.Size:
-    """The single-device shape of ``param`` whose local (tp slice) shape is ``local_shape``."""
+    """The single-device shape of ``param`` whose local (tp or ep slice) shape is ``local_shape``."""
     shape = list(local_shape)
     if is_tp_slice(param, tp_size):
         dim = param.tp_shard_dim  # type: ignore[attr-defined]
         shape[dim] = getattr(param, "tp_full_size", shape[dim] * tp_size)
+    ep_slice = getattr(param, "ep_slice", None)
+    if ep_slice is not None:
+        shape[ep_slice[0]] = ep_slice[2]
     return torch.Size(shape)
+
+
+def _ep_shifted(param: torch.Tensor, pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` of an expert-parallel slice moved to its offset in the whole experts tensor."""
+    ep_slice = getattr(param, "ep_slice", None)
+    if ep_slice is None:
+        return pieces
+    dim, offset = ep_slice[0], ep_slice[1]
+    return [Piece(p.offsets[:dim] + (p.offsets[dim] + offset,) + p.offsets[dim + 1 :], p.view) for p in pieces]
 
 
 def tp_pieces(
@@ -94,7 +108,7 @@ def tp_pieces(
     """The global pieces of ``view``, a rectangle at local ``offsets`` of ``param``'s tp slice (local shape
     ``local_shape``): one piece unless the rectangle spans several fused blocks; clipped to a padded vocabulary."""
     if not is_tp_slice(param, tp_size):
-        return [Piece(tuple(offsets), view)] if view.numel() else []
+        return _ep_shifted(param, [Piece(tuple(offsets), view)] if view.numel() else [])
     dim = param.tp_shard_dim  # type: ignore[attr-defined]
     block = local_shape[dim] // getattr(param, "tp_fused_parts", 1)
     full = getattr(param, "tp_full_size", local_shape[dim] * tp_size)

@@ -1,7 +1,16 @@
 """Collectives (+ byte accounting), differentiable ops and point-to-point: the only code that talks to
 torch.distributed's collectives."""
 
-from plait.comm.autograd import all_gather, all_to_all, copy_to, gather_from, reduce_from, reduce_scatter, scatter_to
+from plait.comm.autograd import (
+    all_gather,
+    all_to_all,
+    all_to_all_v,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter,
+    scatter_to,
+)
 from plait.comm.collectives import Comm, Pending
 from plait.comm.stats import CommStats, OpCount, wire_bytes
 
@@ -12,6 +21,7 @@ __all__ = [
     "Pending",
     "all_gather",
     "all_to_all",
+    "all_to_all_v",
     "copy_to",
     "gather_from",
     "reduce_from",

@@ -3,7 +3,8 @@
 Megatron-LM's conjugate pair (Shoeybi et al. 2019, sec. 3): ``copy_to`` is the identity forward and an
 all-reduce backward ("f"); ``reduce_from`` is an all-reduce forward and the identity backward ("g").
 Sequence parallelism (Korthikanti et al. 2022) swaps the all-reduce for all-gather / reduce-scatter pairs;
-Ulysses (Jacobs et al. 2023) uses an all-to-all whose backward is the inverse all-to-all.
+Ulysses (Jacobs et al. 2023) uses an all-to-all whose backward is the inverse all-to-all; expert parallelism an
+uneven one (``all_to_all_v``) whose backward sends the gradients back with the split sizes swapped.
 Each function takes the ``Comm`` and the mesh axis explicitly, so nothing global is consulted.
 """
 
@@ -107,6 +108,18 @@ class _AllToAll(torch.autograd.Function):
         )
 
 
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, axis: str, send: list[int], recv: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.axis, ctx.splits = comm, axis, (send, recv)
+        return comm.all_to_all_v(x, axis, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        send, recv = ctx.splits
+        return ctx.comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send), None, None, None, None
+
+
 def copy_to(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     """Identity forward, all-reduce (sum) of the gradient backward: enter a tensor-parallel region."""
     return x if comm.size(axis) == 1 else _CopyTo.apply(x, comm, axis)
@@ -140,3 +153,8 @@ def all_gather(x: torch.Tensor, comm: Comm, axis: str, dim: int = 0) -> torch.Te
 def all_to_all(x: torch.Tensor, comm: Comm, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """All-to-all forward, the inverse all-to-all backward (Ulysses: [seq/N, heads] <-> [seq, heads/N])."""
     return x if comm.size(axis) == 1 else _AllToAll.apply(x, comm, axis, scatter_dim, gather_dim)
+
+
+def all_to_all_v(x: torch.Tensor, comm: Comm, axis: str, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Uneven all-to-all of rows forward (``Comm.all_to_all_v``), the reverse exchange of the gradients backward."""
+    return x if comm.size(axis) == 1 else _AllToAllV.apply(x, comm, axis, list(send), list(recv))

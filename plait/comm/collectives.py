@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,7 +147,13 @@ class Comm:
             ) from error
 
     def _issue(
-        self, axis: str, op: str, payload: int, start: Callable[[dist.ProcessGroup], Any], finish: Callable[[], Any]
+        self,
+        axis: str,
+        op: str,
+        payload: int,
+        start: Callable[[dist.ProcessGroup], Any],
+        finish: Callable[[], Any],
+        wire: float | None = None,
     ) -> Pending:
         group = self.mesh.group(axis)
         if group is None:  # only size-1 axes have no group, and the collectives return before issuing for those
@@ -158,7 +165,7 @@ class Comm:
                 axis=axis,
                 op=op,
             )
-        self.stats.record(axis, op, payload, self.size(axis))
+        self.stats.record(axis, op, payload, self.size(axis), wire)
         work = self._guard(axis, op, lambda: start(group))
         return Pending(self, axis, op, [work] if work is not None else [], finish, sent=payload)
 
@@ -257,6 +264,44 @@ class Comm:
         )
         return self._result(pending, async_op)
 
+    def all_to_all_v(
+        self,
+        tensor: torch.Tensor,
+        axis: str,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        async_op: bool = False,
+    ) -> Any:
+        """Uneven all-to-all along dim 0: rows [sum(send[:j]), sum(send[:j+1])) of ``tensor`` go to rank j of the
+        axis group, and what rank j sends this rank arrives as ``recv_splits[j]`` rows, in rank order (expert
+        parallelism's token exchange: each rank routes a different number of tokens to each expert). The split
+        sizes must agree across ranks (what i sends j is what j receives from i). Counted with its exact wire
+        bytes: the rows that leave this rank."""
+        n = self.size(axis)
+        if n == 1:
+            return Done(tensor) if async_op else tensor
+        send, recv = [int(v) for v in send_splits], [int(v) for v in recv_splits]
+        if len(send) != n or len(recv) != n or sum(send) != tensor.shape[0] or min(send + recv) < 0:
+            raise ValueError(
+                f"all_to_all_v on axis '{axis}' ({n} ranks): send splits {send} (of {tensor.shape[0]} rows) and "
+                f"receive splits {recv} must have one non-negative entry per rank, the send splits summing to the rows"
+            )
+        source = tensor.contiguous()
+        out = torch.empty((sum(recv),) + tuple(source.shape[1:]), dtype=source.dtype, device=source.device)
+        row = _nbytes(source[:1]) if source.shape[0] else math.prod(source.shape[1:]) * source.element_size()
+        wire = float((sum(send) - send[self.mesh.index(axis)]) * row)
+        pending = self._issue(
+            axis,
+            "all_to_all_v",
+            _nbytes(source),
+            lambda g: dist.all_to_all_single(
+                out, source, output_split_sizes=recv, input_split_sizes=send, group=g, async_op=True
+            ),
+            lambda: out,
+            wire,
+        )
+        return self._result(pending, async_op)
+
     def broadcast(self, tensor: torch.Tensor, axis: str, src: int = 0, async_op: bool = False) -> Any:
         """Copy the ``tensor`` of the rank at index ``src`` of this axis group to every member, in place."""
         n = self.size(axis)
@@ -334,7 +379,16 @@ class Comm:
         self.all_reduce(torch.zeros(1, device=self.device), axis)
 
 
-EAGER_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "barrier")
+EAGER_METHODS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_v",
+    "broadcast",
+    "send_recv",
+    "barrier",
+)
 """The Comm methods that ``run_eagerly_under_compile`` keeps out of dynamo's traces."""
 
 

@@ -4,7 +4,9 @@ Two figures per call:
 - ``payload``: the bytes of the tensor handed to the collective (the input; for all-gather, the output).
 - ``wire``: the bytes this rank sends under the bandwidth-optimal ring algorithm for a group of N ranks
   (Patarasuk & Yuan 2009; Thakur et al. 2005): all-reduce 2(N-1)/N x S, all-gather and reduce-scatter
-  (N-1)/N x S for the full tensor S, all-to-all (N-1)/N x S, broadcast S, send S.
+  (N-1)/N x S for the full tensor S, all-to-all (N-1)/N x S, broadcast S, send S. An uneven all-to-all
+  (``all_to_all_v``: expert parallelism's token exchange) records what it really sends to the other ranks: the
+  rows of its input that leave this rank.
 Theory in the issues and papers (e.g. DDP moves 2(N-1)/N x P bytes per step) is stated in wire bytes.
 """
 
@@ -18,6 +20,7 @@ RING_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
+    "all_to_all_v": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,
@@ -44,11 +47,12 @@ class CommStats:
 
     counts: dict[tuple[str, str], OpCount] = field(default_factory=dict)
 
-    def record(self, axis: str, op: str, payload: int, group_size: int) -> None:
+    def record(self, axis: str, op: str, payload: int, group_size: int, wire: float | None = None) -> None:
+        """Count one call; ``wire``: the bytes it sends when known exactly (else the ring model's)."""
         entry = self.counts.setdefault((axis, op), OpCount())
         entry.calls += 1
         entry.payload_bytes += payload
-        entry.wire_bytes += wire_bytes(op, payload, group_size)
+        entry.wire_bytes += wire_bytes(op, payload, group_size) if wire is None else wire
 
     def snapshot(self) -> CommStats:
         return CommStats(copy.deepcopy(self.counts))

@@ -10,11 +10,24 @@ from typing import Any
 POSITION_KINDS = ("learned", "rope")
 NORM_KINDS = ("layernorm", "rmsnorm")
 MLP_KINDS = ("gelu", "swiglu")
+ROUTER_SCORES = ("softmax", "sigmoid")
+BALANCE_KINDS = ("aux_loss", "aux_free", "none")
 
 
 @dataclass
 class GPTConfig:
-    """Sizes and architecture switches of `plait.models.GPT` (GPT-2 style by default, Llama style via presets)."""
+    """Sizes and architecture switches of `plait.models.GPT` (GPT-2 style by default, Llama style via presets).
+
+    Mixture-of-Experts (``n_experts > 0``; ``plait.models.moe``, docs/expert_parallel.md): the feed-forward of the
+    blocks ``moe_start, moe_start + moe_every, ...`` becomes ``n_experts`` routed experts of width ``moe_d_ff``
+    (default ``ffn_dim``), of which each token uses ``top_k``, plus ``n_shared_experts`` always-on experts (one MLP
+    of width ``n_shared_experts x moe_d_ff``). The router scores experts with a softmax or a sigmoid
+    (``router_score``) and, with ``router_norm_topk``, rescales the k chosen weights to sum to 1. Load balancing
+    (``moe_balance``): "aux_loss" (DeepSeek-V3's sequence-wise balance loss times ``aux_loss_coef``), "aux_free"
+    (DeepSeek-V3's per-expert selection bias, moved by ``bias_update_rate`` after each step) or "none".
+    ``capacity_factor``: None routes every token (dropless); a number caps each expert at
+    ceil(capacity_factor x T x top_k / n_experts) tokens of each sequence of T tokens and drops the rest (counted).
+    """
 
     vocab_size: int = 16
     seq_len: int = 32
@@ -30,6 +43,18 @@ class GPTConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     rope_theta: float = 10000.0
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_d_ff: int | None = None
+    moe_start: int = 0
+    moe_every: int = 1
+    router_score: str = "softmax"
+    router_norm_topk: bool = True
+    moe_balance: str = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.001
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -61,6 +86,50 @@ class GPTConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive finite number.")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The Mixture-of-Experts fields (class docstring); nothing is checked beyond the type of n_experts when 0."""
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts!r} must be 0 (a dense model) or a positive integer.")
+        if self.n_experts == 0:
+            return
+        _require_positive_int("top_k", self.top_k)
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds n_experts={self.n_experts}: each token chooses top_k distinct experts. "
+                f"Fix: top_k <= {self.n_experts}."
+            )
+        if isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int):
+            raise ValueError(f"n_shared_experts={self.n_shared_experts!r} must be an integer >= 0.")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 0.")
+        if self.moe_d_ff is not None:
+            _require_positive_int("moe_d_ff", self.moe_d_ff, "or None for ffn_dim")
+        if isinstance(self.moe_start, bool) or not isinstance(self.moe_start, int) or not 0 <= self.moe_start:
+            raise ValueError(f"moe_start={self.moe_start!r} must be a block index >= 0.")
+        if self.moe_start >= self.n_layer:
+            raise ValueError(
+                f"moe_start={self.moe_start} leaves no MoE block in n_layer={self.n_layer} blocks. "
+                f"Fix: moe_start < {self.n_layer}, or n_experts=0 for a dense model."
+            )
+        _require_positive_int("moe_every", self.moe_every)
+        _require_choice("router_score", self.router_score, ROUTER_SCORES)
+        _require_choice("moe_balance", self.moe_balance, BALANCE_KINDS)
+        if not isinstance(self.router_norm_topk, bool):
+            raise ValueError(f"router_norm_topk={self.router_norm_topk!r} must be true or false.")
+        for name in ("aux_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0.")
+        factor = self.capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0)
+        ):
+            raise ValueError(
+                f"capacity_factor={factor!r} must be a positive number, or None for dropless routing (every token "
+                f"reaches its experts)."
+            )
 
     @property
     def head_dim(self) -> int:
@@ -80,6 +149,20 @@ class GPTConfig:
         if self.mlp == "swiglu":
             return -(-int(8 * self.d_model / 3) // 8) * 8
         return 4 * self.d_model
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Hidden width of one routed expert: moe_d_ff if set, else ``ffn_dim``."""
+        return self.moe_d_ff if self.moe_d_ff is not None else self.ffn_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has a Mixture-of-Experts feed-forward (blocks moe_start, +moe_every, ...)."""
+        return self.n_experts > 0 and index >= self.moe_start and (index - self.moe_start) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The indices of the MoE blocks, in order ([] for a dense model)."""
+        return [index for index in range(self.n_layer) if self.is_moe_layer(index)]
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from plait.models.config import GPTConfig
 from plait.models.layers import MLP, Attention, Block, RMSNorm, make_norm
+from plait.models.moe import GroupedExperts
 from plait.models.spec import ModelSpec
 
 __all__ = ["GPT", "GPTConfig"]
@@ -29,14 +30,15 @@ class GPT(nn.Module):
             nn.Embedding(config.seq_len, config.d_model) if config.position == "learned" else None
         )
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleDict({str(index): Block(config) for index in range(config.n_layer)})
+        self.blocks = nn.ModuleDict({str(index): Block(config, index) for index in range(config.n_layer)})
         self.norm_f: nn.Module | None = make_norm(config)
         self.lm_head: nn.Linear | None = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """GPT-2 init: weights ~ N(0, init_std), biases 0, norm weights 1; attn.o and mlp.down use
-        init_std / sqrt(2 * n_layer) so that the residual stream's variance does not grow with depth."""
+        init_std / sqrt(2 * n_layer) so that the residual stream's variance does not grow with depth (so do the
+        routed experts' w_down and the shared experts' down; the router is a Linear like the others)."""
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layer)
         for module in self.modules():
@@ -55,6 +57,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.o.weight, mean=0.0, std=residual_std)
             elif isinstance(module, MLP):
                 nn.init.normal_(module.down.weight, mean=0.0, std=residual_std)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(std, residual_std)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """Token ids [B, T] (or hidden states [B, T, d_model] when `tok_embed` is None) -> logits [B, T, vocab]
@@ -91,4 +95,5 @@ class GPT(nn.Module):
         blocks, and the LM head if present): ``ModelSpec.flops_per_token`` (Narayanan et al. 2021, eq. 3; forward +
         backward = 3 x forward; recomputation excluded, Chowdhery et al. 2022 app. B). Embedding lookups cost no
         FLOPs, so summing over pipeline stages gives the full model's figure."""
-        return self.spec().flops_per_token(blocks=len(self.blocks), logits=self.lm_head is not None)
+        indices = [int(key) for key in self.blocks.keys()]  # a stage's own blocks (MoE and dense ones differ)
+        return 3 * self.spec().forward_flops_per_token(block_indices=indices, logits=self.lm_head is not None)

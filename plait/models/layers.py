@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from plait.models.config import GPTConfig
+from plait.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -135,12 +136,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: down(gelu(up(x))), or SwiGLU down(silu(gate(x)) * up(x))."""
+    """Position-wise feed-forward: down(gelu(up(x))), or SwiGLU down(silu(gate(x)) * up(x)). ``hidden``: its width
+    (default ``config.ffn_dim``; an MoE layer's shared experts use n_shared_experts x the expert width)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
         self.kind = config.mlp
-        hidden = config.ffn_dim
+        hidden = hidden if hidden is not None else config.ffn_dim
         if self.kind == "swiglu":
             self.gate = nn.Linear(config.d_model, hidden, bias=config.bias)
         self.up = nn.Linear(config.d_model, hidden, bias=config.bias)
@@ -154,14 +156,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm1(x)), then + mlp(norm2(x)) (residual dropout on both branches)."""
+    """Pre-norm residual block: x + attn(norm1(x)), then + mlp(norm2(x)) (residual dropout on both branches).
+    Block ``index`` of a Mixture-of-Experts config (``config.is_moe_layer(index)``) has an ``MoE`` as its ``mlp``
+    (``plait.models.moe``; shared experts as one MLP of their total width)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.norm1 = make_norm(config)
         self.attn = Attention(config)
         self.norm2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp: MLP | MoE
+        if config.is_moe_layer(index):
+            shared = config.n_shared_experts * config.expert_ffn_dim
+            self.mlp = MoE(config, index, MLP(config, hidden=shared) if shared else None)
+        else:
+            self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:

@@ -23,6 +23,14 @@ For f = 4h, k = a and s_q = s_k = s that is 24 b s h^2 (1 + s / 6h), the paper's
 
     3 x [L (2 [h (h + 2 k d) + h^2 + (2|3) h f] + 4 s h) + 2 h V]
 
+Mixture-of-Experts blocks (``experts`` > 0: the blocks ``moe_start, moe_start + moe_every, ...``) replace the MLP
+by a router (h E weights), E routed experts of width f_e (each (2|3) h f_e, no biases) of which a token uses
+``top_k``, and ``shared_experts`` always-on experts (one MLP of width shared x f_e). ``parameters`` counts every
+expert (what memory holds), ``active_parameters`` the ones a token uses (top_k routed + shared); the FLOPs per
+token count the active ones and the router: 2 [attention + h E + (top_k + shared) (2|3) h f_e] + 4 s h per MoE
+block (Fedus et al. 2022 count a token's FLOPs through the experts it is routed to; the dispatch itself is data
+movement, not FLOPs).
+
 Model FLOPs leave recomputation out (Chowdhery et al. 2022, app. B: MFU counts the FLOPs the model needs,
 not what the system chose to redo); ``recompute_flops_per_token`` gives the extra *hardware* FLOPs of each
 recomputation mode. The attention term counts the whole s x s square, as Narayanan et al. and Chowdhery et al.
@@ -36,6 +44,7 @@ input embeddings (a lookup, not a matmul) and to every bias and norm weight: for
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +80,17 @@ class ModelSpec:
     GPT-3), RMSNorm with rotary ones (Llama)."""
     dropout: float = 0.0
     """The dropout probability of training (attention and residual dropout); above 0 the forward keeps masks."""
+    experts: int = 0
+    """Routed experts of each MoE block (0: a dense model; module docstring)."""
+    top_k: int = 0
+    """Routed experts each token uses."""
+    shared_experts: int = 0
+    """Always-on experts of each MoE block (one MLP of width shared_experts x expert_ffn)."""
+    expert_ffn: int | None = None
+    """Width of one expert (None: ``ffn``)."""
+    moe_start: int = 0
+    moe_every: int = 1
+    """The MoE blocks are moe_start, moe_start + moe_every, ... (as ``GPTConfig``)."""
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
@@ -83,6 +103,8 @@ class ModelSpec:
             raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of heads={self.heads}.")
         if self.heads % self.kv:
             raise ConfigError(f"model {self.name!r}: kv_heads={self.kv} does not divide heads={self.heads}.")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"model {self.name!r}: top_k={self.top_k} must be in 1..experts={self.experts}.")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -114,6 +136,52 @@ class ModelSpec:
         biases = (h + 2 * kvw + h + (2 if self.gated else 1) * f + h) if self.bias else 0
         return self.matmul_parameters + biases + 2 * self.norm_parameters
 
+    # ------------------------------------------------------------------ Mixture-of-Experts (module docstring)
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` is a Mixture-of-Experts block."""
+        return self.experts > 0 and index >= self.moe_start and (index - self.moe_start) % self.moe_every == 0
+
+    @property
+    def moe_blocks(self) -> int:
+        """How many blocks are MoE blocks."""
+        return sum(1 for index in range(self.layers) if self.is_moe_block(index))
+
+    @property
+    def expert_parameters(self) -> int:
+        """Weights of one routed expert: (2|3) h f_e."""
+        return (3 if self.gated else 2) * self.hidden * (self.expert_ffn or self.ffn)
+
+    @property
+    def attention_parameters(self) -> int:
+        """Weights of one block's attention matmuls: q, k, v, o."""
+        h, kvw = self.hidden, self.kv * self.head_dim
+        return h * (h + 2 * kvw) + h * h
+
+    def _moe_block(self, routed: int) -> int:
+        """An MoE block's parameters with ``routed`` routed experts (biases: attention's, the shared MLP's)."""
+        h, kvw, width = self.hidden, self.kv * self.head_dim, self.shared_experts * (self.expert_ffn or self.ffn)
+        biases = (h + 2 * kvw + h + ((2 if self.gated else 1) * width + h if width else 0)) if self.bias else 0
+        experts = (routed + self.shared_experts) * self.expert_parameters
+        return self.attention_parameters + h * self.experts + experts + biases + 2 * self.norm_parameters
+
+    @property
+    def moe_block_parameters(self) -> int:
+        """Every parameter of one MoE block (all E routed experts)."""
+        return self._moe_block(self.experts)
+
+    @property
+    def moe_block_active_parameters(self) -> int:
+        """The parameters of one MoE block a token uses (top_k routed experts, the shared ones, the router)."""
+        return self._moe_block(self.top_k)
+
+    def block_matmul_parameters(self, index: int) -> int:
+        """The matmul weights a token goes through in block ``index`` (an MoE block: attention, router, the active
+        experts)."""
+        if not self.is_moe_block(index):
+            return self.matmul_parameters
+        active = (self.top_k + self.shared_experts) * self.expert_parameters
+        return self.attention_parameters + self.hidden * self.experts + active
+
     @property
     def embedding_parameters(self) -> int:
         return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
@@ -125,7 +193,17 @@ class ModelSpec:
 
     @property
     def parameters(self) -> int:
-        return self.layers * self.block_parameters + self.embedding_parameters + self.head_parameters
+        """Every parameter (all experts of every MoE block)."""
+        moe = self.moe_blocks
+        blocks = (self.layers - moe) * self.block_parameters + moe * self.moe_block_parameters
+        return blocks + self.embedding_parameters + self.head_parameters
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token uses (= ``parameters`` for a dense model)."""
+        moe = self.moe_blocks
+        blocks = (self.layers - moe) * self.block_parameters + moe * self.moe_block_active_parameters
+        return blocks + self.embedding_parameters + self.head_parameters
 
     # ------------------------------------------------------------------ FLOPs (module docstring)
     def block_forward_flops(self, batch: int, seq_q: int, seq_k: int | None = None) -> int:
@@ -143,12 +221,21 @@ class ModelSpec:
         """Forward FLOPs of the output projection: 2 b s h V."""
         return 2 * batch * seq * self.hidden * self.vocab
 
-    def forward_flops_per_token(self, seq: int | None = None, blocks: int | None = None, logits: bool = True) -> int:
+    def forward_flops_per_token(
+        self,
+        seq: int | None = None,
+        blocks: int | None = None,
+        logits: bool = True,
+        block_indices: Sequence[int] | None = None,
+    ) -> int:
         """Forward FLOPs of one token at context ``seq`` (default ``self.seq``) through ``blocks`` blocks (default
-        all) and, with ``logits``, the output projection: a pipeline stage's share with its own counts."""
+        all; blocks 0 .. blocks-1 where MoE blocks differ) or the blocks ``block_indices`` and, with ``logits``, the
+        output projection: a pipeline stage's share with its own counts."""
         s = self.seq if seq is None else seq
-        n = self.layers if blocks is None else blocks
-        return n * (2 * self.matmul_parameters + 4 * s * self.hidden) + (2 * self.hidden * self.vocab if logits else 0)
+        if block_indices is None:
+            block_indices = range(self.layers if blocks is None else blocks)
+        matmuls = sum(2 * self.block_matmul_parameters(index) for index in block_indices)
+        return matmuls + len(block_indices) * 4 * s * self.hidden + (2 * self.hidden * self.vocab if logits else 0)
 
     def flops_per_token(self, seq: int | None = None, blocks: int | None = None, logits: bool = True) -> int:
         """Model FLOPs of one trained token (forward + backward = 3 x forward, recomputation excluded)."""
@@ -204,11 +291,17 @@ class ModelSpec:
             bias=config.bias,
             rms_norm=config.norm == "rmsnorm",
             dropout=config.dropout,
+            experts=config.n_experts,
+            top_k=config.top_k if config.n_experts else 0,
+            shared_experts=config.n_shared_experts if config.n_experts else 0,
+            expert_ffn=config.expert_ffn_dim if config.n_experts else None,
+            moe_start=config.moe_start,
+            moe_every=config.moe_every,
         )
 
     def to_gpt_config(self) -> dict[str, object]:
         """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model."""
-        return {
+        fields: dict[str, object] = {
             "n_layer": self.layers,
             "d_model": self.hidden,
             "n_head": self.heads,
@@ -221,6 +314,16 @@ class ModelSpec:
             "norm": "rmsnorm" if self.uses_rms_norm else "layernorm",
             "bias": self.bias,
         }
+        if self.experts:
+            fields.update(
+                n_experts=self.experts,
+                top_k=self.top_k,
+                n_shared_experts=self.shared_experts,
+                moe_d_ff=self.expert_ffn or self.ffn,
+                moe_start=self.moe_start,
+                moe_every=self.moe_every,
+            )
+        return fields
 
 
 def block_flops(spec: ModelSpec, batch: int, seq_q: int, seq_k: int) -> float:

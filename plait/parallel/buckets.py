@@ -107,9 +107,13 @@ class Bucket:
     """``views[j]`` is shaped like ``params[j]`` and aliases its slice of ``buffer``."""
     flags: torch.Tensor | None = None
     """The "used" slots (one per parameter) at the end of ``buffer``; None without unused-parameter tracking."""
+    axis: str | None = None
+    """The mesh axis its gradients are reduced over (None: the strategy's; expert slices: ``edp``)."""
 
     @classmethod
-    def build(cls, index: int, named_params: list[tuple[str, nn.Parameter]], with_flags: bool) -> Bucket:
+    def build(
+        cls, index: int, named_params: list[tuple[str, nn.Parameter]], with_flags: bool, axis: str | None = None
+    ) -> Bucket:
         numel = sum(p.numel() for _, p in named_params)
         first = named_params[0][1]
         extra = len(named_params) if with_flags else 0
@@ -119,7 +123,7 @@ class Bucket:
             views.append(buffer[offset : offset + param.numel()].view(param.shape))
             offset += param.numel()
         flags = buffer[numel:] if with_flags else None
-        return cls(index, [n for n, _ in named_params], [p for _, p in named_params], buffer, views, flags)
+        return cls(index, [n for n, _ in named_params], [p for _, p in named_params], buffer, views, flags, axis)
 
     @property
     def grad_bytes(self) -> int:
@@ -127,9 +131,19 @@ class Bucket:
         return sum(v.numel() for v in self.views) * self.buffer.element_size()
 
 
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: float, with_flags: bool) -> list[Bucket]:
-    """Buckets over ``named_params`` (registration order), each at most ``cap_bytes`` unless one parameter."""
+def build_buckets(
+    named_params: list[tuple[str, nn.Parameter]],
+    cap_bytes: float,
+    with_flags: bool,
+    axes: list[str | None] | None = None,
+) -> list[Bucket]:
+    """Buckets over ``named_params`` (registration order), each at most ``cap_bytes`` unless one parameter.
+    ``axes``: each parameter's reduction axis (expert slices reduce over another axis than the rest); a bucket
+    holds one axis, and buckets of different axes interleave in the order backward fills them."""
     sizes = [p.numel() * p.element_size() for _, p in named_params]
-    keys: list[object] = [(p.dtype, p.device) for _, p in named_params]
+    axes = axes if axes is not None else [None] * len(named_params)
+    keys: list[object] = [(p.dtype, p.device, axis) for (_, p), axis in zip(named_params, axes)]
     groups = assign_buckets(sizes, keys, cap_bytes)
-    return [Bucket.build(b, [named_params[i] for i in group], with_flags) for b, group in enumerate(groups)]
+    return [
+        Bucket.build(b, [named_params[i] for i in group], with_flags, axes[group[0]]) for b, group in enumerate(groups)
+    ]

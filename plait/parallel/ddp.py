@@ -21,7 +21,13 @@ from plait.logging import get_logger
 from plait.parallel.buckets import Bucket, build_buckets, check_reducible
 from plait.parallel.param_groups import GroupOf
 from plait.parallel.precision import cast_for_reduction
-from plait.parallel.strategy import GRAD_AXIS, DataParallelStrategy, OptimizerFactory
+from plait.parallel.strategy import (
+    GRAD_AXIS,
+    DataParallelStrategy,
+    OptimizerFactory,
+    reduce_axis,
+    reduce_scale,
+)
 
 logger = get_logger(__name__)
 
@@ -29,9 +35,11 @@ logger = get_logger(__name__)
 
 
 def broadcast_parameters(module: nn.Module, comm: Comm, axis: str = GRAD_AXIS) -> None:
-    """Make every replica start from the weights of the replica at index 0 of ``axis`` (parameters and buffers)."""
+    """Make every replica start from the weights of the replica at index 0 of ``axis`` (parameters and buffers);
+    over dp_cp an expert slice is broadcast over ``edp``, the ranks holding the same experts
+    (``plait.parallel.strategy.reduce_axis``)."""
     for tensor in list(module.parameters()) + list(module.buffers()):
-        comm.broadcast(tensor.data, axis, src=0)
+        comm.broadcast(tensor.data, reduce_axis(tensor, axis) if axis == GRAD_AXIS else axis, src=0)
 
 
 class DistributedDataParallel(DataParallelStrategy):
@@ -87,7 +95,8 @@ class DistributedDataParallel(DataParallelStrategy):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if not distributed:
             return  # nothing to average: gradients stay as autograd leaves them
-        self.buckets = build_buckets(named, self.layout.bucket_mb * 2**20, self.find_unused_parameters)
+        axes: list[str | None] = [reduce_axis(p, axis) for _, p in named]
+        self.buckets = build_buckets(named, self.layout.bucket_mb * 2**20, self.find_unused_parameters, axes)
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
         for bucket in self.buckets:
             for slot, param in enumerate(bucket.params):
@@ -164,7 +173,7 @@ class DistributedDataParallel(DataParallelStrategy):
             for slot, param in enumerate(bucket.params):
                 bucket.flags[slot] = 0 if param.grad is None else 1
         buffer = cast_for_reduction(bucket.buffer, self.reduce_dtype)  # a bf16/fp16 copy with reduce_dtype="compute"
-        self._pending[b] = self.comm.all_reduce(buffer, self.axis, op="avg", async_op=True)
+        self._pending[b] = self.comm.all_reduce(buffer, bucket.axis or self.axis, op="avg", async_op=True)
         self._next += 1
 
     def finish_backward(self) -> None:
@@ -199,6 +208,8 @@ class DistributedDataParallel(DataParallelStrategy):
             reduced = pending.wait()
             if reduced is not bucket.buffer:  # reduced in the compute dtype: back into the fp32 gradient views
                 bucket.buffer.copy_(reduced)
+            if bucket.axis not in (None, self.axis):  # expert slices: sum over edp / dp_cp (strategy.reduce_axis)
+                bucket.buffer.mul_(reduce_scale(self.comm, bucket.axis, self.axis))
         if self.find_unused_parameters:
             for bucket in self.buckets:
                 assert bucket.flags is not None

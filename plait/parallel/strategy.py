@@ -34,12 +34,36 @@ from plait.parallel.whole_tensor import SlotFlat, WholeSlot, WholeTensorOptimize
 GRAD_AXIS = "dp_cp"
 """Gradients are averaged over data- and context-parallel ranks: both see other tokens with the same weights."""
 
+EXPERT_AXIS = "edp"
+"""Expert weights split over ``ep`` (``plait.parallel.expert``) are held alike by the ``edp`` ranks only: their
+gradients are reduced (and under ZeRO sharded) over it."""
+
 MODEL_PARALLEL_AXES = ("pp", "tp")
 """Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
 an inf check sums / maxes over them as well."""
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 """``params -> optimizer``: called with parameters (or tensors) or with torch.optim parameter groups."""
+
+
+def is_expert_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one ep rank's slice of a layer's experts (tagged by ``plait.parallel.expert``)."""
+    return bool(getattr(param, "expert_sharded", False))
+
+
+def reduce_axis(param: torch.Tensor, axis: str = GRAD_AXIS) -> str:
+    """The per-parameter gradient table: the mesh axis ``param``'s gradient is reduced (and under ZeRO sharded)
+    over: the strategy's ``axis`` (dp_cp), or ``EXPERT_AXIS`` for an expert slice. Every gradient is then divided
+    by the size of ``axis`` (G = dp x cp): an expert slice's gradient arrives on its owner as the sum over the
+    ep group's tokens already (the token exchange's backward), so sum over edp / G is the single-device gradient,
+    as avg over dp_cp is for the others (``reduce_scale``)."""
+    return EXPERT_AXIS if is_expert_sharded(param) else axis
+
+
+def reduce_scale(comm: Comm, param_axis: str, axis: str = GRAD_AXIS) -> float:
+    """What an average over ``param_axis`` is multiplied by to be the sum over it divided by the size of ``axis``:
+    1 for ``axis`` itself, 1/ep for ``EXPERT_AXIS``."""
+    return comm.size(param_axis) / comm.size(axis)
 
 
 def grads_by_device(grads: Iterable[torch.Tensor], by_dtype: bool = False) -> dict[Any, list[torch.Tensor]]:
@@ -127,6 +151,8 @@ class DataParallelStrategy:
             self.optimizer = build_optimizer(optimizer, self.params, groups)
         self.reduce_dtype = gradient_reduce_dtype(self.layout)
         """The dtype gradients are reduced in when not their own (``Layout.reduce_dtype="compute"``), else None."""
+        self.expert_ranks = comm.size("ep") if any(is_expert_sharded(p) for p in self.params) else 1
+        """ep when this rank holds expert slices (other ep ranks hold other experts), else 1."""
         self._sync = True
 
     def _build_whole(
@@ -166,19 +192,22 @@ class DataParallelStrategy:
             self._sync = previous
 
     def finish_backward(self) -> None:
-        """Average every gradient over the axis (one flat buffer per dtype). A parameter without a gradient on
-        this rank contributes zeros, so that every rank runs the same collective with the same sizes."""
+        """Average every gradient over its axis (``reduce_axis``; one flat buffer per dtype and axis). A parameter
+        without a gradient on this rank contributes zeros, so that every rank runs the same collective with the
+        same sizes."""
         if self.comm.size(self.axis) == 1:
             return
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_key: dict[tuple[torch.dtype, str], list[nn.Parameter]] = {}
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            by_dtype.setdefault(param.grad.dtype, []).append(param)
-        for params in by_dtype.values():
+            by_key.setdefault((param.grad.dtype, reduce_axis(param, self.axis)), []).append(param)
+        for (_dtype, axis), params in by_key.items():
             grads = [p.grad for p in params if p.grad is not None]  # all of them: zeros were given above
             flat = cast_for_reduction(torch.cat([g.reshape(-1) for g in grads]), self.reduce_dtype)
-            self.comm.all_reduce(flat, self.axis, op="avg")
+            self.comm.all_reduce(flat, axis, op="avg")
+            if axis != self.axis:
+                flat.mul_(reduce_scale(self.comm, axis, self.axis))
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -200,8 +229,9 @@ class DataParallelStrategy:
         return [p.grad for p in self.params if p.grad is not None]
 
     def reduction_axes(self) -> list[str]:
-        """Axes whose ranks hold different gradients: the data axis when sharded, and pp / tp when > 1."""
-        axes = [self.axis] if self.sharded else []
+        """Axes whose ranks hold different gradients: the data axis when sharded (it spans ep), ep when replicated
+        data parallelism holds expert slices, and pp / tp when > 1."""
+        axes = [self.axis] if self.sharded else (["ep"] if self.expert_ranks > 1 else [])
         return axes + [axis for axis in MODEL_PARALLEL_AXES if self.comm.size(axis) > 1]
 
     def param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -214,13 +244,16 @@ class DataParallelStrategy:
         ranks of weight x ||grads||^2. Weight 1 without tensor parallelism; with tp > 1 gradients of parameters
         replicated over tp (not ``tp_sharded``: norms, row-parallel biases) get the weight 1/tp, so that the sum
         over the tp ranks counts them once, and tp slices weight 1 (1/``param.tp_replicas`` for a slice that several
-        tp ranks hold, as 2.5D tensor parallelism's weights replicated over its depth)."""
-        tp = self.comm.size("tp")
-        if tp == 1:
+        tp ranks hold, as 2.5D tensor parallelism's weights replicated over its depth). Replicated data parallelism
+        with expert slices sums over ep too (``reduction_axes``): the other parameters, the same on every ep rank,
+        weigh 1/ep there."""
+        tp, ep = self.comm.size("tp"), 1 if self.sharded else self.expert_ranks
+        if tp == 1 and ep == 1:
             return [(self.owned_grads(), 1.0)]
-        groups: dict[int, list[torch.Tensor]] = {1: [], tp: []}
+        groups: dict[int, list[torch.Tensor]] = {}
         for param, grad in self.param_grads():
             copies = getattr(param, "tp_replicas", 1) if getattr(param, "tp_sharded", False) else tp
+            copies *= 1 if is_expert_sharded(param) else ep
             groups.setdefault(copies, []).append(grad)
         return [(grads, 1.0 / copies) for copies, grads in groups.items()]
 

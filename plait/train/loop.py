@@ -229,7 +229,8 @@ class _Records:
         if pending:
             stats, _, observed = pending[-1]
             mfu = f"  MFU {100 * observed['mfu']:.1f}%" if observed["mfu"] is not None else ""
-            self.info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}"
+            moe = f"  experts max/mean {max(stats.moe.imbalance):.2f}" if stats.moe is not None else ""
+            self.info = f"loss {stats.loss:.4f}  {stats.tokens_per_s:,.0f} tok/s{mfu}{moe}"
         for stats, _, _ in pending:
             check_step(stats)
 

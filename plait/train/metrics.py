@@ -18,6 +18,10 @@ Every file is strict JSON (RFC 8259, which has no NaN or Infinity): a non-finite
 entropy) is written as ``null`` (``json_safe``). A training step whose loss or gradient norm is not finite, and
 whose update the optimizer applied, stops the run (``check_step``): its record is written first, then every rank
 raises the same ``PlaitError`` (the loss is the same on every rank), so ``plait train`` exits non-zero.
+
+A Mixture-of-Experts model adds a ``moe`` object to each train record (``moe_record``): per MoE layer (``layers``:
+block indices) the tokens routed to each expert in the step (``load``, summed over every rank), the imbalance
+(most-loaded expert over the mean), the choices dropped by a capacity cap, and the step's balance loss.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from plait.engine import Engine, EvalStats, StepStats
 from plait.errors import PlaitError
 from plait.logging import get_logger
+from plait.parallel.expert.stats import MoEStepStats
 
 log = get_logger(__name__)
 
@@ -52,6 +57,18 @@ def step_record(stats: StepStats, lr: float) -> dict[str, Any]:
         "skipped": stats.skipped,
         "loss_scale": stats.loss_scale,
         "comm_bytes": {axis: int(b) for axis, b in stats.comm.wire_by_axis().items()},
+    } | ({"moe": moe_record(stats.moe)} if stats.moe is not None else {})
+
+
+def moe_record(moe: MoEStepStats) -> dict[str, Any]:
+    """The ``moe`` object of a train record (module docstring)."""
+    return {
+        "layers": list(moe.layers),
+        "aux_loss": moe.aux_loss,
+        "load": moe.load,
+        "imbalance": moe.imbalance,
+        "dropped": moe.dropped,
+        "dropped_fraction": moe.dropped_fraction,
     }
 
 

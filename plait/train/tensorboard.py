@@ -4,7 +4,9 @@
 writes ``events.out.tfevents.*`` into the run folder, so ``tensorboard --logdir runs`` shows every run. Per training
 step: ``train/loss``, ``train/perplexity`` (exp of the mean token cross-entropy), ``train/lr``, ``train/grad_norm``,
 ``train/tokens_per_s``, ``train/mfu`` (when known) and ``train/memory_bytes`` (the largest of the ranks' peaks);
-per evaluation: ``eval/loss``, ``eval/perplexity`` and ``eval/accuracy``. On a resumed run the writer purges
+per evaluation: ``eval/loss``, ``eval/perplexity`` and ``eval/accuracy``. A Mixture-of-Experts model adds per
+step ``moe/aux_loss``, ``moe/imbalance`` (the worst layer's), ``moe/dropped_fraction`` and per MoE layer L
+``moe/layerL/imbalance`` and ``moe/layerL/expertE`` (tokens routed to expert E). On a resumed run the writer purges
 events from the resumed step on, as metrics.jsonl drops its lines past the checkpoint.
 """
 
@@ -51,7 +53,7 @@ class TensorBoardLog:
                 "train/tokens_per_s": record.get("tokens_per_s"),
                 "train/mfu": record.get("mfu"),
                 "train/memory_bytes": max(memory) if memory else None,
-            }
+            } | moe_scalars(record.get("moe"))
         elif kind == "eval":
             scalars = {
                 "eval/loss": record.get("loss"),
@@ -64,6 +66,21 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def moe_scalars(moe: dict[str, Any] | None) -> dict[str, Any]:
+    """The TensorBoard scalars of a train record's ``moe`` object (module docstring); {} for a dense model."""
+    if not moe:
+        return {}
+    scalars = {
+        "moe/aux_loss": moe["aux_loss"],
+        "moe/imbalance": max(moe["imbalance"], default=None),
+        "moe/dropped_fraction": moe["dropped_fraction"],
+    }
+    for layer, imbalance, load in zip(moe["layers"], moe["imbalance"], moe["load"]):
+        scalars[f"moe/layer{layer}/imbalance"] = imbalance
+        scalars.update({f"moe/layer{layer}/expert{expert}": tokens for expert, tokens in enumerate(load)})
+    return scalars
 
 
 def open_tensorboard(folder: Path, wanted: bool | None, step: int = 0) -> TensorBoardLog | None:
@@ -82,4 +99,4 @@ def open_tensorboard(folder: Path, wanted: bool | None, step: int = 0) -> Tensor
     return TensorBoardLog(folder, purge_step=step)
 
 
-__all__ = ["TensorBoardLog", "open_tensorboard", "tensorboard_available"]
+__all__ = ["TensorBoardLog", "moe_scalars", "open_tensorboard", "tensorboard_available"]

@@ -163,7 +163,8 @@ def reference_trajectory() -> Trajectory:
 
 # ----------------------------------------------------------------- one rank's run
 def _whole_tensors(engine: plait.Engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``local`` (this rank's tensors by parameter name) with tensor-parallel slices all-gathered over tp."""
+    """``local`` (this rank's tensors by parameter name) with tensor-parallel slices all-gathered over tp (and the
+    expert slices of expert parallelism over ep)."""
     out = {}
     for name, param in engine.model.named_parameters():
         if name not in local:
@@ -171,12 +172,15 @@ def _whole_tensors(engine: plait.Engine, local: dict[str, torch.Tensor]) -> dict
         tensor = local[name].detach().contiguous()
         if getattr(param, "tp_sharded", False):
             tensor = engine.comm.all_gather(tensor, "tp", dim=param.tp_shard_dim)
+        if getattr(param, "ep_slice", None) is not None:
+            tensor = engine.comm.all_gather(tensor, "ep", dim=param.ep_slice[0])
         out[name] = tensor.cpu().clone()
     return out
 
 
 def whole_gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
-    """The synchronised gradients of this rank's parameters, whole (ZeRO shards over dp_cp, tp slices over tp)."""
+    """The synchronised gradients of this rank's parameters, whole (ZeRO shards over dp_cp, tp slices over tp,
+    expert slices over ep)."""
     strategy = engine.strategy
     if hasattr(strategy, "full_gradients"):
         local = strategy.full_gradients()

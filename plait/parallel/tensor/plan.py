@@ -127,8 +127,12 @@ def registered_plan(model: nn.Module, registry: dict[type, PlanFactory]) -> Plan
 
 def gpt_plan(model: nn.Module) -> Plan:
     """plait's GPT: vocab-parallel embedding, heads split in attention (q/k/v colwise, o rowwise), the MLP split
-    on its hidden width, the LM head split on the vocabulary; norms replicated."""
+    on its hidden width, the LM head split on the vocabulary; norms replicated. Mixture-of-Experts blocks: the
+    router and the routed experts stay whole on every tp rank (expert parallelism splits experts over the data
+    ranks instead: ``plait.parallel.expert``), the shared experts' MLP is split like a dense MLP; the MoE layer
+    itself is no tp region, so under sequence parallelism each tp rank routes its own chunk of the sequence."""
     assert isinstance(model, GPT)
+    config = model.config
     plan: Plan = {
         "tok_embed": "vocab",
         "blocks.*.attn": "enter",
@@ -136,13 +140,16 @@ def gpt_plan(model: nn.Module) -> Plan:
         "blocks.*.attn.k": "colwise",
         "blocks.*.attn.v": "colwise",
         "blocks.*.attn.o": "rowwise",
-        "blocks.*.mlp": "enter",
-        "blocks.*.mlp.up": "colwise",
-        "blocks.*.mlp.down": "rowwise",
         "lm_head": "colwise_vocab",
     }
-    if model.config.mlp == "swiglu":
-        plan["blocks.*.mlp.gate"] = "colwise"
+    dense = [index for index in range(config.n_layer) if not config.is_moe_layer(index)]
+    mlps = ["blocks.*.mlp"] if len(dense) == config.n_layer else [f"blocks.{index}.mlp" for index in dense]
+    if config.n_experts and config.n_shared_experts:
+        mlps.append("blocks.*.mlp.shared")  # only MoE blocks have one
+    for mlp in mlps:
+        plan.update({mlp: "enter", f"{mlp}.up": "colwise", f"{mlp}.down": "rowwise"})
+        if config.mlp == "swiglu":
+            plan[f"{mlp}.gate"] = "colwise"
     if model.pos_embed is not None:
         plan["pos_embed"] = "seq_shard"
     return plan

@@ -26,10 +26,16 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
+from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import gradient_reduce_dtype
-from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, check_steps_without_closure
+from plait.parallel.strategy import (
+    DataParallelStrategy,
+    OptimizerFactory,
+    check_steps_without_closure,
+    is_expert_sharded,
+)
 from plait.parallel.whole_tensor import SlotFlat, WholeSlot, WholeTensorOptimizer, build_hybrid, make_slot, slot_flats
 from plait.parallel.zero.flat import FlatLayout, GroupLayout, OwnedLayout
 from plait.parallel.zero.offload import Placement, is_file_backed
@@ -141,6 +147,13 @@ class ShardedStrategy(DataParallelStrategy):
         self._spec = optimizer if isinstance(optimizer, WholeTensorOptimizer) else None
         self._whole_ids: set[int] = self._spec.chosen(model) if self._spec is not None else set()
         """The parameters a ``WholeTensorOptimizer`` steps whole: laid out tensor-atomically (``OwnedLayout``)."""
+        experts = [n for n, p in model.named_parameters() if id(p) in self._whole_ids and is_expert_sharded(p)]
+        if experts:
+            raise LayoutError(
+                f"a whole-tensor optimizer under ZeRO-{layout.zero} owns each tensor on one rank of dp_cp, but expert "
+                f"slices ({', '.join(experts[:3])}) are sharded over edp. Fix: leave the experts to the elementwise "
+                f"optimizer (select only dense matrices), or use zero=0 with ep > 1."
+            )
         self.whole_slots: list[WholeSlot] = []
         """The parameters this rank owns in ``OwnedLayout`` buffers, each stepped whole (``plait.parallel.whole_tensor``)."""
         self.model, self.comm, self.layout, self.axis = model, comm, layout, axis

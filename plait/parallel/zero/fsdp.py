@@ -28,6 +28,10 @@ locally (P extra values per rank during accumulation, as in PyTorch FSDP's no_sy
 reduced by the next synchronised backward. Activation recomputation may re-run a unit's forward during backward:
 the pre-hook is then idempotent and the unit stays gathered until its gradients are reduced.
 
+Expert parallelism (``plait.parallel.expert``): a module holding expert slices (an MoE layer's ``experts``) is a
+unit of its own inside its block, sharded over ``edp`` (the ranks holding the same experts) and reduced there
+(``plait.parallel.strategy.reduce_axis``); the block's other parameters stay in the block's unit over ``dp_cp``.
+
 With tensor parallelism each tp rank's units hold its own slices (and the replicated parameters) and are sharded
 over ``axis`` like any other (``param_grads`` gives each piece with its parameter for tp-aware norms and
 Megatron-SP sums). Under pipeline parallelism a stage's units are gathered within the runner's scope around
@@ -51,7 +55,7 @@ from plait.logging import get_logger
 from plait.parallel.blocks import find_blocks
 from plait.parallel.param_groups import GroupOf, order_by_group
 from plait.parallel.precision import cast_for_reduction
-from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
+from plait.parallel.strategy import EXPERT_AXIS, GRAD_AXIS, OptimizerFactory, is_expert_sharded, reduce_scale
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
 from plait.parallel.zero.flat import OwnedLayout, owned_layout
 from plait.parallel.zero.fsdp_pipeline import StageScopes
@@ -84,6 +88,23 @@ def group_parameters(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> d
         owner[id(param)] = (unit, name)
         groups[unit].append((name, param))
     return groups
+
+
+def expert_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules holding expert slices directly (units of their own over ``EXPERT_AXIS``), in module order."""
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if any(is_expert_sharded(p) for p in module.parameters(recurse=False))
+    ]
+
+
+def unit_order(names: list[str], blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """Unit names in forward order: the root, then each block followed by the expert units inside it."""
+    order = [""] if "" in names else []
+    for block, _ in blocks:
+        order += [name for name in names if name == block or name.startswith(block + ".")]
+    return order + [name for name in names if name not in order]
 
 
 def _output_tensors(value: Any) -> list[torch.Tensor]:
@@ -131,16 +152,27 @@ class FullyShardedStrategy(ShardedStrategy):
         self.trace: list[tuple[str, ...]] | None = None
         """Set to a list to record ("gather"/"wait"/"free"/"reduce_scatter", unit, ...) events (tests, debugging)."""
         blocks = find_blocks(model)
-        groups = group_parameters(model, blocks)
+        experts = expert_units(model)
+        groups = group_parameters(model, experts + blocks)  # an expert unit's parameters are not its block's
+        groups = {name: groups[name] for name in unit_order(list(groups), blocks)}
         if not any(groups.values()):
             raise ValueError("the model has no trainable parameters (requires_grad=True): ZeRO-3 has nothing to shard")
         self._plan_groups([item for params in groups.values() for item in params])
         groups = {  # with param_groups: each unit laid out group after group (plait.parallel.param_groups)
             name: order_by_group(params, [self._group_id[id(p)] for _, p in params]) for name, params in groups.items()
         }
-        modules = {"": model, **dict(blocks)}
+        modules = {"": model, **dict(blocks), **dict(experts)}
+        expert_names = {name for name, _ in experts}
         self.units = [
-            FlatUnit(name or "root", modules[name], params, comm, axis, self._record, self._unit_layout(params))
+            FlatUnit(
+                name or "root",
+                modules[name],
+                params,
+                comm,
+                EXPERT_AXIS if name in expert_names else axis,
+                self._record,
+                self._unit_layout(params),
+            )
             for name, params in groups.items()
             if params or not name
         ]
@@ -266,14 +298,17 @@ class FullyShardedStrategy(ShardedStrategy):
             return
         self._drain()  # at most one reduce-scatter in flight: bounds the full gradients held
         flat = cast_for_reduction(flat, self.reduce_dtype)
-        self._inflight = (unit, self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True))
+        self._inflight = (unit, self.comm.reduce_scatter(flat, unit.axis, op="avg", async_op=True))
         self._record("reduce_scatter", unit.name)
 
     def _drain(self) -> None:
         if self._inflight is not None:
             unit, pending = self._inflight
             self._inflight = None
-            self._receive_grad(unit.master, pending.wait())
+            reduced = pending.wait()
+            if unit.axis != self.axis:  # an expert unit: sum over edp / dp_cp (strategy.reduce_axis)
+                reduced = reduced * reduce_scale(self.comm, unit.axis, self.axis)
+            self._receive_grad(unit.master, reduced)
 
     def _finish_backward_pass(self) -> None:
         """End of a backward (autograd engine callback): finish every unit, free everything gathered."""
@@ -296,7 +331,7 @@ class FullyShardedStrategy(ShardedStrategy):
                 if not unit.empty:
                     flat = cast_for_reduction(unit.take_grads(), self.reduce_dtype)
                     self._drain()
-                    self._inflight = (unit, self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True))
+                    self._inflight = (unit, self.comm.reduce_scatter(flat, unit.axis, op="avg", async_op=True))
                     self._record("reduce_scatter", unit.name)
         self._drain()
         self.placement.synchronize()

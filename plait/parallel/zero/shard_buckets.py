@@ -50,6 +50,8 @@ class ShardBucket:
     pending: Pending | None = None
     aliased: bool = False
     """The parameters are views of ``master`` (one rank, same dtype, no offload): nothing to write back."""
+    axis: str | None = None
+    """The mesh axis it is reduce-scattered and all-gathered over (None: the strategy's; expert slices: edp)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,42 +115,49 @@ def plan_buckets(
     rank: int,
     cap_bytes: float | None,
     group_ids: list[int] | None = None,
+    axes: list[str | None] | None = None,
+    sharding: dict[str, tuple[int, int]] | None = None,
 ) -> list[ShardBucket]:
-    """Group parameters into buckets of one dtype each.
+    """Group parameters into buckets of one dtype (and one reduction axis) each.
 
     ``cap_bytes=None``: one bucket per dtype, parameters in registration order (ZeRO-1). Otherwise visit the
     parameters in reverse order and close a dtype's open bucket when the next parameter would push it past
     ``cap_bytes`` (a parameter larger than the cap gets a bucket of its own) (ZeRO-2). With ``group_ids`` (each
     parameter's optimizer param group) a bucket's parameters are laid out group after group (stable), so that
-    each group is one contiguous run of the bucket (``plait.parallel.param_groups``).
+    each group is one contiguous run of the bucket (``plait.parallel.param_groups``). With ``axes`` (each
+    parameter's reduction axis, ``plait.parallel.strategy.reduce_axis``) a bucket holds one axis, sharded over
+    ``sharding[axis]`` = (shards, this rank's index) where the axis is not None.
     """
+    axes = axes if axes is not None else [None] * len(named_params)
     groups: list[list[int]] = []
     if cap_bytes is None:
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[tuple[torch.dtype, str | None], list[int]] = {}
         for i, (_name, param) in enumerate(named_params):
-            by_dtype.setdefault(param.dtype, []).append(i)
+            by_dtype.setdefault((param.dtype, axes[i]), []).append(i)
         groups = list(by_dtype.values())
     else:
         if not cap_bytes > 0:
             raise ValueError(f"bucket cap {cap_bytes} bytes must be positive")
-        open_bucket: dict[torch.dtype, tuple[int, float]] = {}
+        open_bucket: dict[tuple[torch.dtype, str | None], tuple[int, float]] = {}
         for i in reversed(range(len(named_params))):
             param = named_params[i][1]
             size = param.numel() * param.element_size()
-            at = open_bucket.get(param.dtype)
+            key = (param.dtype, axes[i])
+            at = open_bucket.get(key)
             if at is None or (groups[at[0]] and at[1] + size > cap_bytes):
                 groups.append([])
                 at = (len(groups) - 1, 0.0)
             groups[at[0]].append(i)
-            open_bucket[param.dtype] = (at[0], at[1] + size)
+            open_bucket[key] = (at[0], at[1] + size)
     buckets = []
     for index, members in enumerate(groups):
         if group_ids is not None:
             members = order_by_group(members, [group_ids[i] for i in members])
         named = [named_params[i] for i in members]
-        buckets.append(
-            ShardBucket(index, [n for n, _ in named], [p for _, p in named], FlatLayout.of(named, shards), rank)
-        )
+        axis = axes[members[0]]
+        count, where = sharding[axis] if axis is not None and sharding is not None else (shards, rank)
+        layout = FlatLayout.of(named, count)
+        buckets.append(ShardBucket(index, [n for n, _ in named], [p for _, p in named], layout, where, axis=axis))
     return buckets
 
 

@@ -62,7 +62,7 @@ from plait.layout import Layout
 from plait.logging import get_logger
 from plait.parallel.param_groups import GroupOf
 from plait.parallel.precision import cast_for_reduction
-from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory
+from plait.parallel.strategy import GRAD_AXIS, OptimizerFactory, reduce_axis, reduce_scale
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
 from plait.parallel.zero.shard_buckets import ShardBucket, check_reducible, master_dtype, owned_buckets, plan_buckets
 
@@ -97,19 +97,21 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         cap = None if self.stage == 1 else layout.bucket_mb * 2**20
         group_ids = self._plan_groups(named)
         even = [i for i, (_, p) in enumerate(named) if id(p) not in self._whole_ids]
+        axes: list[str | None] = [reduce_axis(named[i][1], axis) for i in even]  # expert slices: over edp
+        sharding = {a: (comm.size(a), comm.mesh.index(a)) for a in axes if a is not None}
         self.buckets: list[ShardBucket] = plan_buckets(
-            [named[i] for i in even], self.world, self.index, cap, [group_ids[i] for i in even]
+            [named[i] for i in even], self.world, self.index, cap, [group_ids[i] for i in even], axes, sharding
         )  # a WholeTensorOptimizer's parameters: tensor-atomic buckets, one per dtype, each owned whole by one rank
         self.buckets += owned_buckets(
             [item for item in named if id(item[1]) in self._whole_ids], self, len(self.buckets)
         )
         for bucket in self.buckets:
             bucket.master = self._make_master(bucket.shard_values(master_dtype(bucket.dtype)), f"master{bucket.index}")
-            if self.world == 1 and not self.placement.offloaded and bucket.master.dtype == bucket.dtype:
+            if bucket.layout.shards == 1 and not self.placement.offloaded and bucket.master.dtype == bucket.dtype:
                 bucket.alias_params()  # one rank owns everything: the parameters are views of the master
-        self._by_dtype: dict[torch.dtype, list[ShardBucket]] = {}
+        self._by_dtype: dict[tuple[torch.dtype, str], list[ShardBucket]] = {}
         for bucket in self.buckets:
-            self._by_dtype.setdefault(bucket.dtype, []).append(bucket)
+            self._by_dtype.setdefault((bucket.dtype, bucket.axis or self.axis), []).append(bucket)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next = 0
         """Buckets [0, _next) have had their reduce-scatter issued in this backward (always in bucket order)."""
@@ -156,7 +158,7 @@ class ShardedOptimizerStrategy(ShardedStrategy):
 
     def _launch(self, bucket: ShardBucket) -> None:
         flat = cast_for_reduction(bucket.take_flat(self.comm.device), self.reduce_dtype)
-        bucket.pending = self.comm.reduce_scatter(flat, self.axis, op="avg", async_op=True)
+        bucket.pending = self.comm.reduce_scatter(flat, bucket.axis or self.axis, op="avg", async_op=True)
         self._next = bucket.index + 1
 
     def finish_backward(self) -> None:
@@ -170,7 +172,10 @@ class ShardedOptimizerStrategy(ShardedStrategy):
             self._launch(bucket)
         for bucket in self.buckets:
             assert bucket.pending is not None
-            self._receive_grad(bucket.master, bucket.pending.wait())
+            reduced = bucket.pending.wait()
+            if bucket.axis not in (None, self.axis):  # expert slices: sum over edp / dp_cp (strategy.reduce_axis)
+                reduced = reduced * reduce_scale(self.comm, bucket.axis, self.axis)
+            self._receive_grad(bucket.master, reduced)
             bucket.reset()
         self.placement.synchronize()
         self._next = 0
@@ -187,7 +192,7 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         for bucket in self.buckets:
             grad = bucket.master.grad
             if grad is not None:
-                for piece in bucket.layout.slices(self.index):
+                for piece in bucket.layout.slices(bucket.rank):
                     pieces.append((bucket.params[piece.index], grad[piece.at : piece.at + piece.end - piece.start]))
         return pieces
 
@@ -198,11 +203,11 @@ class ShardedOptimizerStrategy(ShardedStrategy):
             bucket.write_params(full)
 
     def _all_gather(self, shards: dict[int, torch.Tensor]) -> Iterator[tuple[ShardBucket, torch.Tensor]]:
-        """All-gather one shard per bucket (in the bucket's dtype, on the compute device), one call per dtype;
-        yield each bucket with its whole padded flat buffer."""
-        for buckets in self._by_dtype.values():
-            rows = self.comm.all_gather(torch.cat([shards[b.index] for b in buckets]), self.axis)
-            rows = rows.view(self.world, -1)  # row r: rank r's shards, bucket after bucket
+        """All-gather one shard per bucket (in the bucket's dtype, on the compute device), one call per dtype and
+        axis; yield each bucket with its whole padded flat buffer."""
+        for (_dtype, axis), buckets in self._by_dtype.items():
+            rows = self.comm.all_gather(torch.cat([shards[b.index] for b in buckets]), axis)
+            rows = rows.view(self.comm.size(axis), -1)  # row r: rank r's shards, bucket after bucket
             column = 0
             for bucket in buckets:
                 yield bucket, rows[:, column : column + bucket.shard_size].reshape(-1)
