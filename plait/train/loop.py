@@ -29,6 +29,7 @@ from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
+from plait.parallel.materialize import deferred_init
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import EVAL_OFFSET, eval_text, evaluation_batches, evaluation_record
@@ -104,9 +105,12 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
     check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
     torch.manual_seed(config.train.seed)
-    model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
-    model_config = model.config  # what the run's FLOP count reads
     train = config.train
+    if train.init_from or "hf" in config.model:
+        model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
+    else:  # on the meta device: parallelize materialises each rank's share, bitwise what eager building gives
+        model = deferred_init(build_model, config.model, dataset.vocab_size, dataset.seq_len)
+    model_config = model.config  # what the run's FLOP count reads
     if train.init_from:
         state, _ = read_weights(train.init_from)
         load_weights(model, state, f"train.init_from={train.init_from!r}")
