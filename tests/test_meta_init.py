@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.startup import whole_parameters
 from torch import nn
 
 import plait
@@ -240,22 +241,6 @@ def train_gpt(layout: Layout, how: str, vocab: int) -> tuple[list[float], dict[s
     loader = ShardedBatches(task, 8, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     losses = [engine.train_step(batch).loss for _, batch in zip(range(STEPS), loader)]
     return losses, whole_parameters(engine)
-
-
-def whole_parameters(engine: plait.Engine) -> dict[str, torch.Tensor]:
-    """This rank's parameters whole (ZeRO-3 shards gathered over dp, tp slices over tp), by name."""
-    from plait.parallel.tensor.layers import gather_slice, is_tp_sharded
-
-    strategy = engine.strategy
-    local = (
-        strategy.full_parameters()
-        if hasattr(strategy, "full_parameters")
-        else {name: p.detach() for name, p in engine.model.named_parameters()}
-    )
-    return {
-        name: (gather_slice(local[name], p, engine.comm) if is_tp_sharded(p) else local[name]).clone()
-        for name, p in engine.model.named_parameters()
-    }
 
 
 def gpt_job(cases: list[tuple[Layout, int]]) -> list[str]:

@@ -29,7 +29,7 @@ from plait.parallel.materialize.replay import MaterializeError, plan_replay, rep
 from plait.parallel.materialize.share import PLACEHOLDER, Request, Share, WeightSource, cut, is_placeholder, share_of
 
 log = get_logger(__name__)
-READ_BATCH_BYTES = 64 << 20
+READ_BATCH_BYTES = 16 << 20
 """Reads are issued a batch at a time, a batch holding at least this many bytes (or one tensor's rows)."""
 
 

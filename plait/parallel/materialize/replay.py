@@ -182,6 +182,12 @@ class _Run:
             return HOST
         return value
 
+    def keep(self, refs: tuple[TRef, ...], out: Any) -> None:
+        """Register the storages of an operation's outputs (created by it, or ``self`` of an in-place one)."""
+        for ref, tensor in zip(refs, _tensors(out)):
+            if ref.sid not in self.record.external:
+                self.real[ref.sid] = tensor.untyped_storage()
+
     def value(self, name: str) -> torch.Tensor:
         ref = self.record.tensors[name]
         return _view(self.storage(ref.sid), ref, HOST)
@@ -209,10 +215,8 @@ def replay(record: InitRecord, plan: ReplayPlan, deliver: Callable[[str, torch.T
             args, kwargs = tree_map(run.argument, (op.args, op.kwargs))
             out = op.func(*args, **kwargs)
             del args, kwargs
-            for ref, tensor in zip(op.outputs, _tensors(out)):  # created by the op, or self (in place)
-                if ref.sid not in record.external:
-                    run.real[ref.sid] = tensor.untyped_storage()
-            del out
+            run.keep(op.outputs, out)
+            del out  # nothing but ``run.real`` may keep a storage alive past its release
             for name in plan.deliver.get(index, ()):
                 deliver(name, run.value(name))
             for sid in plan.release.get(index, ()):

@@ -117,8 +117,11 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
 
 
 def cut(full: torch.Tensor, share: Share, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Local rows ``rows`` (default all) of ``share``, cut from the single-device tensor ``full`` (a new tensor)."""
+    """Local rows ``rows`` (default all) of ``share``, cut from the single-device tensor ``full``: a view of it
+    when the share is the whole tensor, else a new tensor."""
     r0, r1 = rows if rows is not None else (0, share.local[0] if share.local else 1)
+    if share.dim is None:
+        return full[r0:r1] if share.local else full
     shape = (r1 - r0, *share.local[1:]) if share.local else ()
     out = full.new_zeros(shape)
     for full_index, local_index in share.boxes(rows):
