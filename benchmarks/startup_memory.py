@@ -192,14 +192,15 @@ def write_weights(layers: int, folder: Path) -> dict[str, str]:
 
 def _child(program: str, args: list[str]) -> None:
     """``--child convert CKPT OUT`` / ``--child generate CKPT``: run it, print the peak it added (JSON)."""
+    import torch.distributed.checkpoint  # noqa: F401 - what any first use imports, before the measurement
+
+    from plait.checkpoint.convert import convert
+    from plait.train.weights import model_from_checkpoint
+
     start = start_phase()
     if program == "convert":
-        from plait.checkpoint.convert import convert
-
         convert(args[0], args[1])
     else:
-        from plait.train.weights import model_from_checkpoint
-
         model_from_checkpoint(Path(args[0]), None, 0, 0)
     print(json.dumps({"peak": phase_peak(start)}))
 

@@ -208,3 +208,18 @@ def test_a_safetensors_file_changed_after_it_was_opened_is_one_line(tmp_path: Pa
     os.symlink(tmp_path / "other.safetensors", path)  # replaced by a link
     with pytest.raises(ConfigError, match="symbolic link"):
         source.read(request)
+
+
+@pytest.mark.slow
+def test_convert_streams_and_generate_holds_the_model_once(weights: dict[str, str], tmp_path: Path) -> None:
+    """``plait convert CKPT OUT.safetensors`` holds about one tensor (it held the whole model, then wrote it);
+    ``plait generate`` builds on meta and fills tensor by tensor: the model once, not once more as a state dict."""
+    from safetensors.torch import load_file
+
+    from benchmarks.startup_memory import child_peak, sizes
+
+    size = sizes(LAYERS)
+    out = tmp_path / "out.safetensors"
+    assert child_peak("convert", weights["checkpoint"], str(out)) <= 3 * size.largest + SLACK
+    assert torch.equal(load_file(str(out))["tok_embed.weight"], load_file(weights["safetensors"])["tok_embed.weight"])
+    assert child_peak("generate", weights["checkpoint"]) <= size.model + 3 * size.largest + SLACK
