@@ -19,8 +19,9 @@ A phase's peak is ``VmHWM`` (the process's resident peak, reset by writing 5 to 
 phase begins) minus the resident size when it began: what the phase added at its worst. "build" covers
 construction + ``parallelize`` (+ reading the weights); "2 steps" the first two AdamW steps after it (batch 1 x 64
 tokens per rank). Theory (fp32, P parameters, N ranks): plait meta = 4P/N + the largest tensor (the replay's or
-the read's one scratch tensor); eager = 4P (+ one unit's flat copy); the steps add AdamW's 8P/N, the gradient
-shards 4P/N and two gathered units.
+the read's one scratch tensor); FSDP2 meta = 4P/N (``to_empty`` allocates the shards, the init writes them in
+place); eager = 4P (+ one unit's flat copy). Peaks are increments over the resident size when the phase begins,
+so memory a previous phase freed but the allocator kept (glibc's heap) can serve a later one unnoticed.
 
 The functions are what ``tests/test_sharded_loading.py`` measures with.
 """
@@ -231,7 +232,9 @@ def measure(worlds: list[int], layer_counts: list[int]) -> list[dict[str, Any]]:
                     weights = files["safetensors"] if ".safetensors" in how else None
                     weights = files["checkpoint"] if "checkpoint" in how else weights
                     peaks = run_local(rank_peaks, world, layers, how, weights, timeout=900)
-                    theory = size.model if how == "eager" else size.model / world + size.largest
+                    theory = {"eager": size.model, "torch FSDP2 meta": size.model / world}.get(
+                        how, size.model / world + size.largest
+                    )
                     rows.append(
                         {
                             "params_m": size.parameters / 1e6,

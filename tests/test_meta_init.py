@@ -14,6 +14,9 @@ tp (with a padded vocabulary), pp, interleaved pp and dp x tp x pp; HF Llama and
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 from helpers.harness import run_distributed
@@ -30,21 +33,12 @@ from plait.parallel.materialize.record import module_tensors
 from plait.parallel.materialize.replay import plan_replay
 
 transformers = pytest.importorskip("transformers")
+LLAMA_SWITCHES = {"norm": "rmsnorm", "mlp": "swiglu", "position": "rope"}
 
+GPT2_STYLE = dict(vocab_size=50, seq_len=16, d_model=32, n_layer=2, n_head=4)
 GPT_CONFIGS = {
-    "gpt2-style": dict(vocab_size=50, seq_len=16, d_model=32, n_layer=2, n_head=4),
-    "llama-style": dict(
-        vocab_size=50,
-        seq_len=16,
-        d_model=32,
-        n_layer=3,
-        n_head=4,
-        n_kv_head=2,
-        norm="rmsnorm",
-        mlp="swiglu",
-        position="rope",
-        bias=False,
-    ),  # fmt: skip
+    "gpt2-style": GPT2_STYLE,
+    "llama-style": {**GPT2_STYLE, "n_layer": 3, "n_kv_head": 2, "bias": False, **LLAMA_SWITCHES},
 }
 
 
@@ -226,7 +220,7 @@ def gpt_config(vocab: int = 12) -> GPTConfig:
     return GPTConfig(vocab_size=vocab, seq_len=8, n_layer=4, n_head=4, d_model=16, bias=True)
 
 
-def train_gpt(layout: Layout, how: str, vocab: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_gpt(layout: Layout, vocab: int, how: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of 3 AdamW steps and the whole parameters after them, for a GPT built ``how``."""
     task = AdditionTask(digits=2, seed=1)
     torch.manual_seed(1234)
@@ -243,19 +237,27 @@ def train_gpt(layout: Layout, how: str, vocab: int) -> tuple[list[float], dict[s
     return losses, whole_parameters(engine)
 
 
+def differences(label: str, train: Callable[[str], tuple[list[float], dict[str, torch.Tensor]]]) -> list[str]:
+    """What differs between ``train("eager")`` and the meta-built runs (recorded, derived) on this rank."""
+    problems = []
+    losses, params = train("eager")
+    for how in ("recorded", "meta"):
+        other_losses, other_params = train(how)
+        if other_losses != losses:
+            problems.append(f"{label} {how}: losses {other_losses} != {losses}")
+        differ = [n for n in params if n not in other_params or not torch.equal(params[n], other_params[n])]
+        if differ or set(other_params) != set(params):
+            problems.append(f"{label} {how}: parameters {differ[:3]} differ")
+    return problems
+
+
 def gpt_job(cases: list[tuple[Layout, int]]) -> list[str]:
     """Per case, what differs between the eager run and the meta-built ones on this rank ([] when nothing)."""
-    problems = []
-    for layout, vocab in cases:
-        losses, params = train_gpt(layout, "eager", vocab)
-        for how in ("recorded", "meta"):
-            other_losses, other_params = train_gpt(layout, how, vocab)
-            if other_losses != losses:
-                problems.append(f"{layout.short()} {how}: losses {other_losses} != {losses}")
-            differ = [n for n in params if n not in other_params or not torch.equal(params[n], other_params[n])]
-            if differ or set(other_params) != set(params):
-                problems.append(f"{layout.short()} {how}: parameters {differ[:3]} differ")
-    return problems
+    return [
+        problem
+        for layout, vocab in cases
+        for problem in differences(layout.short(), functools.partial(train_gpt, layout, vocab))
+    ]
 
 
 @pytest.mark.distributed
@@ -307,17 +309,11 @@ def train_hf(kind: str, layout: Layout, how: str) -> tuple[list[float], dict[str
 
 
 def hf_job(cases: list[tuple[str, Layout]]) -> list[str]:
-    problems = []
-    for kind, layout in cases:
-        losses, params = train_hf(kind, layout, "eager")
-        for how in ("recorded", "meta"):
-            other_losses, other_params = train_hf(kind, layout, how)
-            if other_losses != losses:
-                problems.append(f"{kind} {layout.short()} {how}: losses {other_losses} != {losses}")
-            differ = [n for n in params if n not in other_params or not torch.equal(params[n], other_params[n])]
-            if differ or set(other_params) != set(params):
-                problems.append(f"{kind} {layout.short()} {how}: parameters {differ[:3]} differ")
-    return problems
+    return [
+        problem
+        for kind, layout in cases
+        for problem in differences(f"{kind} {layout.short()}", functools.partial(train_hf, kind, layout))
+    ]
 
 
 @pytest.mark.distributed

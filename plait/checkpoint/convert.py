@@ -67,14 +67,6 @@ def _is_plait_export(path: Path) -> bool:
         return False
 
 
-def _whole(source: CheckpointSource, name: str) -> torch.Tensor:
-    """One whole tensor of the checkpoint (its pieces read by DCP into one buffer)."""
-    shape = source.shapes()[name]
-    out = torch.empty(shape, dtype=source.dtype(name))
-    source.read([(name, tuple(slice(0, size) for size in shape), out)])
-    return out
-
-
 def export_safetensors(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the latest checkpoint under ``checkpoint`` as one safetensors file of whole tensors by name, one
     tensor at a time (``safetensors_writer``: the header first, then each tensor's bytes as it is read)."""
@@ -84,7 +76,7 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, overwrite: bool 
     source = CheckpointSource(checkpoint)
     specs = {name: (source.dtype(name), shape) for name, shape in source.shapes().items()}
     with outputs.staged(out) as tmp:
-        writer.write(tmp, specs, lambda name: _whole(source, name), {SAFETENSORS_META: json.dumps(source.meta)})
+        writer.write(tmp, specs, source.whole, {SAFETENSORS_META: json.dumps(source.meta)})
     log.info("exported %d tensors (step %s) to %s", len(specs), source.meta.get("step"), out)
     return out
 
@@ -164,7 +156,7 @@ def export_hf(
         config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None and cast(Any, model).can_generate():
             cast(Any, model).generation_config.save_pretrained(str(tmp))
-        writer.write_sharded(tmp, specs, lambda name: _whole(source, name), HF_SHARD_BYTES, {"format": "pt"})
+        writer.write_sharded(tmp, specs, source.whole, HF_SHARD_BYTES, {"format": "pt"})
         written = sorted(entry.name for entry in tmp.iterdir())
         marker = {"written_by": "plait convert", "source": str(checkpoint), "step": meta.get("step"), "files": written}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))

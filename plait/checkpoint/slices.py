@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plait.checkpoint import catalog, integrity, storage
+from plait.checkpoint import storage
 from plait.checkpoint.canonical import MODEL
 from plait.checkpoint.chunks import Chunked, Piece
 from plait.errors import CheckpointError
@@ -33,11 +33,10 @@ class CheckpointSource:
     """The model tensors of the newest intact checkpoint under ``root`` (or of the step folder ``root``)."""
 
     def __init__(self, root: str | Path) -> None:
-        self.folder, _skipped = catalog.choose(Path(root))
-        meta, problems = integrity.read_meta(self.folder)
-        if meta is None:
-            raise CheckpointError(f"checkpoint {self.folder} is damaged: {'; '.join(problems)}. {integrity.FIX}")
-        self.meta: dict[str, Any] = meta
+        from plait.checkpoint import _choose, _read_meta
+
+        self.folder = _choose(root)
+        self.meta: dict[str, Any] = _read_meta(self.folder)
         self.description = f"checkpoint {self.folder}"
         metadata = storage.read_metadata(self.folder)
         stored_bytes: dict[str, int] = {}
@@ -62,6 +61,13 @@ class CheckpointSource:
 
     def dtype(self, name: str) -> torch.dtype:
         return self._stored[name].properties.dtype
+
+    def whole(self, name: str) -> torch.Tensor:
+        """One whole tensor (its pieces read by DCP into one new tensor)."""
+        shape = self.shapes()[name]
+        out = torch.empty(shape, dtype=self.dtype(name))
+        self.read([(name, tuple(slice(0, size) for size in shape), out)])
+        return out
 
     def read(self, requests: list[Request]) -> None:
         """Fill each request's tensor with its rectangle of the named tensor (one DCP read per round; a rectangle
