@@ -202,6 +202,23 @@ def test_parallelize_refusals_come_before_any_collective() -> None:
         plait.parallelize(nn.Linear(4, 4), Layout(), optimizer=optimizer, device="cpu", weights=_Nothing())
 
 
+def refuse_on_every_rank() -> str:
+    with torch.device("meta"):
+        bad = nn.Sequential(nn.Linear(4, 4), NoReset())
+    try:
+        plait.parallelize(bad, Layout(dp=2, zero=3), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    except MaterializeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_module_that_cannot_be_initialised_is_named_on_every_rank() -> None:
+    """The refusal comes from the checks before any collective: every rank raises it, none waits for another."""
+    for message in run_distributed(refuse_on_every_rank, 2, timeout=120, comm_timeout_s=10):
+        assert "cannot initialise 1 (NoReset)" in message
+
+
 class _Nothing:
     description = "nothing"
 
@@ -268,6 +285,9 @@ def test_meta_gpt_trains_bitwise_like_eager_on_4_ranks() -> None:
         (Layout(tp=4, tp_pad_vocab=True), 13),  # 13 rows over 4 ranks: the padded vocabulary's zero rows
         (Layout(dp=2, pp=2, zero=3, microbatches=2), 12),
         (Layout(pp=2, tp=2, microbatches=4, virtual_stages=2, schedule="interleaved"), 12),
+        (Layout(dp=4), 12),
+        (Layout(dp=4, zero=3, offload="cpu"), 12),  # the host masters are made from the filled shards
+        (Layout(dp=2, cp=2, zero=1), 12),
     ]
     for problems in run_distributed(gpt_job, 4, cases, timeout=600):
         assert problems == []

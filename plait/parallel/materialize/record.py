@@ -117,6 +117,10 @@ class InitRecord:
     source: str = ""
     """What was recorded (for messages): e.g. "GPT(...)" or "reset_parameters of every module"."""
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> InitRecord:
+        """Shared, not copied, by deep copies of its model (pipeline stages): it never changes once recorded."""
+        return self
+
 
 def _is_factory(func: torch._ops.OpOverload, leaves: list[Any]) -> bool:
     return not any(isinstance(leaf, torch.Tensor) for leaf in leaves) and any(

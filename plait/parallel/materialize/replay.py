@@ -63,7 +63,8 @@ def _touched(record: InitRecord, index: int) -> set[int]:
 
 
 def _sweep(record: InitRecord, needed: set[int], draws: Callable[[int], bool]) -> tuple[set[int], set[int], dict]:
-    """Backward liveness: (live ops, storages needed before the first op, storages needed after each live op)."""
+    """Backward liveness: (live ops, storages needed before the first op, and for each live op which of the
+    storages it touches are needed after it)."""
     live: set[int] = set()
     after: dict[int, set[int]] = {}
     for index in range(len(record.ops) - 1, -1, -1):
@@ -72,7 +73,7 @@ def _sweep(record: InitRecord, needed: set[int], draws: Callable[[int], bool]) -
         if not by_value and not (op.rng and draws(index)):
             continue
         live.add(index)
-        after[index] = set(needed)
+        after[index] = needed & _touched(record, index)
         if by_value:
             needed = (needed - op.kills) | op.reads
         else:  # only its draws matter: its written storage may be scratch, its other inputs are read
