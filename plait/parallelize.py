@@ -1,9 +1,10 @@
 """``plait.parallelize(model, layout, ...)``: validate, build the mesh, place the model, return an Engine.
 
 Paradigms are applied in one fixed order (DESIGN.md): pipeline split -> tensor/sequence parallel -> context
-parallel -> activation recomputation -> compilation per block -> ZeRO/FSDP/DDP. Everything that can be checked without
-communication is checked first, so a bad layout raises the same ``LayoutError`` on every rank before any
-collective runs.
+parallel -> activation recomputation -> compilation per block -> (a model on the meta device: materialise this
+rank's share, ``plait.parallel.materialize``; under ZeRO-3 inside the strategy) -> ZeRO/FSDP/DDP. Everything that
+can be checked without communication is checked first, so a bad layout raises the same ``LayoutError`` on every
+rank before any collective runs.
 """
 
 from __future__ import annotations
