@@ -1,9 +1,10 @@
 """``plait.parallelize(model, layout, ...)``: validate, build the mesh, place the model, return an Engine.
 
 Paradigms are applied in one fixed order (DESIGN.md): pipeline split -> tensor/sequence parallel -> context
-parallel -> expert parallel -> activation recomputation -> compilation per block -> ZeRO/FSDP/DDP. Everything that can be checked without
-communication is checked first, so a bad layout raises the same ``LayoutError`` on every rank before any
-collective runs.
+parallel -> expert parallel -> activation recomputation -> compilation per block -> (a model on the meta device:
+materialise this rank's share, ``plait.parallel.materialize``; under ZeRO-3 inside the strategy) -> ZeRO/FSDP/DDP.
+Everything that can be checked without communication is checked first, so a bad layout raises the same
+``LayoutError`` on every rank before any collective runs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from plait.comm import Comm, CommStats
 from plait.distributed import default_device, default_find_unused_parameters, default_offload_dir, default_timeout_s
 from plait.engine import Engine
 from plait.errors import LayoutError
-from plait.layout import Layout, Offload, PipelineSchedule, Recompute
+from plait.layout import Layout, Offload, PipelineSchedule, Recompute, TpMode
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.models.loss import LossFn, as_mean_loss
@@ -27,6 +28,8 @@ from plait.parallel.compile import apply_compile, check_precompiled, plan_compil
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
 from plait.parallel.expert import RouterStats, apply_expert_parallel, plan_expert_parallel
+from plait.parallel.materialize.apply import MetaPlan, fill, is_meta_model, placeholders, plan_materialize
+from plait.parallel.materialize.share import WeightSource
 from plait.parallel.param_groups import GroupOf
 from plait.parallel.pipeline.apply import PipelinePlan, place_pipeline, plan_pipeline
 from plait.parallel.pipeline.pipedream import PipeDreamOptions, PipeDreamRunner, check_pipedream
@@ -71,9 +74,10 @@ def make_strategy(
     find_unused_parameters: bool = False,
     offload_dir: str | None = None,
     param_groups: GroupOf | None = None,
+    init_shards: Callable[[list[Any]], None] | None = None,
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
-    gradients), 3 -> fully sharded parameters (FSDP-style)."""
+    gradients), 3 -> fully sharded parameters (FSDP-style; ``init_shards`` fills a meta-built model's shards)."""
     if layout.zero == 0:
         return DistributedDataParallel(
             model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters, param_groups=param_groups
@@ -82,7 +86,9 @@ def make_strategy(
         return ShardedOptimizerStrategy(
             model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups
         )
-    return FullyShardedStrategy(model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups)
+    return FullyShardedStrategy(
+        model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups, init_shards=init_shards
+    )
 
 
 def make_runner(
@@ -122,6 +128,38 @@ def make_runner(
     )  # fmt: skip
 
 
+def plan_meta(model: nn.Module, layout: Layout, weights: WeightSource | None) -> MetaPlan | None:
+    """None for a model on a real device; for one on the meta device, the checked plan of its materialisation
+    (``plait.parallel.materialize``). Pure: the same error on every rank, before any collective."""
+    if not is_meta_model(model):
+        if weights is not None:
+            raise LayoutError(
+                f"weights={weights.description} reads into a model on the meta device, but this model is on a real "
+                f"device. Fix: build it with plait.parallel.materialize.deferred_init(...), or load the weights "
+                f"into it yourself (plait.train.weights.load_weights) and leave weights out."
+            )
+        return None
+    if layout.tp > 1 and layout.tp_mode != TpMode.ONE_D:
+        raise LayoutError(
+            f"a model on the meta device with tp_mode={layout.tp_mode!r}: plait materialises 1D tensor-parallel "
+            f"slices only. Fix: use tp_mode='1d', or build the model on a real device."
+        )
+    return plan_materialize(model, weights)
+
+
+def materialize(
+    meta: MetaPlan, roots: list[nn.Module], layout: Layout, comm: Comm, device: torch.device
+) -> Callable[[list[Any]], None] | None:
+    """Swap the meta parameters for placeholders and fill this rank's values: now (zero < 3), or the function
+    ZeRO-3 calls once its units know this rank's shard ranges (returned)."""
+    placeholders(roots, device)
+    tp = (comm.size("tp"), comm.mesh.index("tp"))
+    if layout.zero == 3:
+        return lambda units: fill(meta, roots, tp, device, units)
+    fill(meta, roots, tp, device)
+    return None
+
+
 def parallelize(
     model: nn.Module,
     layout: Layout | None = None,
@@ -139,6 +177,7 @@ def parallelize(
     tp_plan: Plan | None = None,
     pipedream: PipeDreamOptions | None = None,
     param_groups: GroupOf | None = None,
+    weights: WeightSource | None = None,
 ) -> Engine:
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
@@ -172,6 +211,14 @@ def parallelize(
         param_groups: ``group_of(name, param) -> hyper-parameter overrides`` (e.g. ``{"weight_decay": 0.0}`` for
             norms and biases): the optimizer factory is then called with torch.optim param groups, under DDP and
             ZeRO-1/2/3 alike (``plait.parallel.param_groups``).
+        weights: with a model on the meta device, where to read its tensors from (``plait.train.weights``: a
+            safetensors file, an HF folder, a plait checkpoint): each rank reads only the rectangles it keeps;
+            tensors the source lacks are initialised as the model's own code would (docs/startup.md).
+
+    A model whose parameters and buffers are on the meta device (``plait.parallel.materialize.deferred_init``,
+    or built under ``torch.device("meta")``) is materialised where the layout knows what each rank keeps: after
+    the pipeline split and the tp swaps, each rank writes only its stages, its tp slices and (ZeRO-3) its shard,
+    with the values the model's initialisation gives on one device under the same seed (docs/startup.md).
     """
     if (
         layout is not None
@@ -211,6 +258,7 @@ def parallelize(
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
     check_precompiled(model, layout)
+    meta = plan_meta(model, layout, weights)  # pure: what builds each tensor; a module plait cannot initialise
 
     device = torch.device(device) if device is not None else default_device()
     mesh = Mesh.build(layout)
@@ -224,11 +272,14 @@ def parallelize(
         model, stages = place_pipeline(model, pipeline, mesh.index("pp"))
         apply_compile([stage.module for stage in stages], compile_backend)  # per block, after recompute
         for stage in stages:
-            stage.module.to(device)
-    model.to(device)
+            if meta is None:
+                stage.module.to(device)
+    if meta is None:
+        model.to(device)
     # --- tensor/sequence parallel (after the pipeline split): swap the planned layers, pick the loss ---
     if tensor is not None:
-        broadcast_parameters(model, comm, axis="tp")  # every tp rank slices the same initial weights
+        if meta is None:
+            broadcast_parameters(model, comm, axis="tp")  # every tp rank slices the same initial weights
         loss_fn = apply_tensor_parallel(tensor, [model] + [stage.module for stage in stages], comm, loss_fn)
     # --- context parallel (after tensor parallel, before recompute/ZeRO/DDP): shard the sequence over cp ---
     if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
@@ -242,11 +293,22 @@ def parallelize(
     if pipeline is None or layout.recompute == Recompute.SELECTIVE:  # after cp: it wraps the attention kernel in use
         apply_recompute(model, layout.recompute)
         apply_compile([model], compile_backend)  # per block (plait.parallel.compile), before ZeRO/DDP hooks
-    broadcast_parameters(model, comm)
+    init_shards = None
+    if meta is None:
+        broadcast_parameters(model, comm)
+    else:  # materialise this rank's share: every rank replays (or reads) alike, so nothing is broadcast
+        init_shards = materialize(meta, [model] + [stage.module for stage in stages], layout, comm, device)
     if find_unused_parameters is None:
         find_unused_parameters = default_find_unused_parameters()
     strategy = make_strategy(
-        model, comm, optimizer, layout, find_unused_parameters, offload_dir or default_offload_dir(), param_groups
+        model,
+        comm,
+        optimizer,
+        layout,
+        find_unused_parameters,
+        offload_dir or default_offload_dir(),
+        param_groups,
+        init_shards,
     )
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast

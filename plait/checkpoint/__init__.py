@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait.checkpoint import canonical, catalog, extras, failures, identity, integrity, storage
 from plait.checkpoint.canonical import MODEL
@@ -128,26 +127,12 @@ def load_full_state(root: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     """The whole model tensors by single-device name and the plait.json metadata of the latest checkpoint
     under ``root`` (or of the step folder ``root``), read in this one process (no process group needed;
     optimizer entries are not read). Tied names each come back, as separate tensors."""
-    folder = _choose(root)
-    meta = _read_meta(folder)
-    metadata = storage.read_metadata(folder)
-    stored_bytes: dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        stored_bytes[index.fqn] = stored_bytes.get(index.fqn, 0) + info.length
-    state = {}
-    for key, stored in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL):
-            if not isinstance(stored, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint entry {key!r} is not a tensor: refusing to load it.")
-            need = stored.size.numel() * stored.properties.dtype.itemsize
-            if need > stored_bytes.get(key, 0):  # before allocating what a crafted .metadata may claim
-                raise CheckpointError(
-                    f"checkpoint entry {key!r} claims shape {tuple(stored.size)} ({need} bytes) but its pieces hold "
-                    f"{stored_bytes.get(key, 0)} bytes: the .metadata is malformed. Fix: restore it from a copy."
-                )
-            state[key] = torch.empty(stored.size, dtype=stored.properties.dtype)
-    storage.read(state, folder, no_dist=True)
-    return {key[len(MODEL) :]: tensor for key, tensor in state.items()}, meta
+    from plait.checkpoint.slices import CheckpointSource
+
+    source = CheckpointSource(root)
+    state = {name: torch.empty(shape, dtype=source.dtype(name)) for name, shape in source.shapes().items()}
+    source.read([(name, tuple(slice(0, size) for size in t.shape), t) for name, t in state.items()])  # one read
+    return state, source.meta
 
 
 def save_model_state(root: str | Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:

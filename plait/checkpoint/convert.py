@@ -1,8 +1,10 @@
 """Move whole-model weights between plait checkpoints and the safetensors world (``plait convert``).
 
-- export: a checkpoint (any layout, any world size: read whole in one process) -> one ``.safetensors`` file with
-  the single-device parameter names, or, for a Hugging Face model, a folder ``from_pretrained`` opens
-  (``config.json`` + ``model.safetensors``, written by transformers' own ``save_pretrained``);
+- export: a checkpoint (any layout, any world size) -> one ``.safetensors`` file with the single-device parameter
+  names, or, for a Hugging Face model, a folder ``from_pretrained`` opens (``config.json`` + ``model.safetensors``,
+  or shards and an index past ``HF_SHARD_BYTES``). Exports stream: each tensor is read from the checkpoint (DCP,
+  ``slices.CheckpointSource``) and appended to a file whose header was written first (``safetensors_writer``), so
+  one process never holds more than one tensor of the model, whatever its size;
 - import: a ``.safetensors`` file or an HF folder -> a model-only checkpoint that ``engine.load`` accepts under any
   layout (the optimizer then starts fresh) and ``plait train --out RUN`` resumes from when written to ``RUN/ckpt``.
 
@@ -20,8 +22,10 @@ from typing import Any, cast
 
 import torch
 
-from plait.checkpoint import load_full_state, outputs, save_model_state
+from plait.checkpoint import outputs, save_model_state
+from plait.checkpoint import safetensors_writer as writer
 from plait.checkpoint.outputs import MARKER
+from plait.checkpoint.slices import CheckpointSource
 from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models.hf_load import load_safetensors, read_config, read_hf_weights
@@ -31,6 +35,9 @@ HF_MODEL_KEY = "hf"
 """``meta["model"]["hf"]``: the transformers config (``config.to_dict()``) of a checkpointed HF model."""
 SAFETENSORS_META = "plait"
 """The safetensors header's ``__metadata__`` key holding the checkpoint's plait.json (string values only)."""
+HF_SHARD_BYTES = 5 << 30
+"""An exported HF folder's weights go into shards of at most this size (with an index) past it, as
+``save_pretrained`` shards them."""
 
 
 def header_meta(path: Path, header: dict[str, str]) -> dict[str, Any]:
@@ -61,20 +68,16 @@ def _is_plait_export(path: Path) -> bool:
 
 
 def export_safetensors(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """Write the latest checkpoint under ``checkpoint`` as one safetensors file of whole tensors by name."""
-    from safetensors.torch import save_file
-
+    """Write the latest checkpoint under ``checkpoint`` as one safetensors file of whole tensors by name, one
+    tensor at a time (``safetensors_writer``: the header first, then each tensor's bytes as it is read)."""
     out = Path(out)
     outputs.protect(Path(checkpoint), out)
     outputs.check_file_out(out, overwrite, _is_plait_export)
-    state, meta = load_full_state(checkpoint)
+    source = CheckpointSource(checkpoint)
+    specs = {name: (source.dtype(name), shape) for name, shape in source.shapes().items()}
     with outputs.staged(out) as tmp:
-        save_file(
-            {name: tensor.contiguous() for name, tensor in state.items()},
-            str(tmp),
-            metadata={SAFETENSORS_META: json.dumps(meta)},
-        )
-    log.info("exported %d tensors (step %s) to %s", len(state), meta.get("step"), out)
+        writer.write(tmp, specs, source.whole, {SAFETENSORS_META: json.dumps(source.meta)})
+    log.info("exported %d tensors (step %s) to %s", len(specs), source.meta.get("step"), out)
     return out
 
 
@@ -118,25 +121,42 @@ def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
 def export_hf(
     checkpoint: str | Path, out: str | Path, hf_config: str | Path | None = None, overwrite: bool = False
 ) -> Path:
-    """Write the latest checkpoint under ``checkpoint`` as a Hugging Face folder (``from_pretrained`` opens it),
-    with plait's marker (``outputs``) listing the files written."""
+    """Write the latest checkpoint under ``checkpoint`` as a Hugging Face folder (``from_pretrained`` opens it):
+    its config.json (and generation_config.json), and the weights ``save_pretrained`` would write (tied copies left
+    out), streamed tensor by tensor into ``model.safetensors`` or, past ``HF_SHARD_BYTES``, shards with an index;
+    with plait's marker (``outputs``) listing the files written. The model is only built on the meta device,
+    for its names, ties and config."""
     out = Path(out)
     outputs.protect(Path(checkpoint), out)
     outputs.check_folder_out(out, overwrite, outputs.marked_files)
-    state, meta = load_full_state(checkpoint)
-    model = build_hf_model(_hf_config(meta, hf_config))
-    expected = set(model.state_dict())
-    tied = expected - {name for name, _ in model.named_parameters()} - {name for name, _ in model.named_buffers()}
-    missing, unexpected = expected - set(state) - tied, set(state) - expected
+    source = CheckpointSource(checkpoint)
+    meta, shapes = source.meta, source.shapes()
+    with torch.device("meta"):
+        model = build_hf_model(_hf_config(meta, hf_config))
+    expected = model.state_dict()
+    tied = set(expected) - {name for name, _ in model.named_parameters()} - {name for name, _ in model.named_buffers()}
+    missing, unexpected = set(expected) - set(shapes) - tied, set(shapes) - set(expected)
     if missing or unexpected:
         raise ConfigError(
             f"the checkpoint's tensors do not fit this Hugging Face model: missing "
             f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. Fix: pass the --hf-config "
             f"of the model that was trained."
         )
-    model.load_state_dict(state, strict=False)  # tied names (lm_head -> embed_tokens) share the loaded tensor
+    wrong = [name for name in expected if name not in tied and tuple(expected[name].shape) != shapes[name]]
+    if wrong:
+        raise ConfigError(
+            f"the checkpoint's {wrong[0]!r} has shape {shapes[wrong[0]]}, the Hugging Face model's "
+            f"{tuple(expected[wrong[0]].shape)}. Fix: pass the --hf-config of the model that was trained."
+        )
+    specs = {name: (source.dtype(name), shapes[name]) for name in expected if name not in tied}
+    config = cast(Any, model).config
+    config.architectures = [type(model).__name__]
     with outputs.staged(out) as tmp:
-        cast(Any, model).save_pretrained(str(tmp), safe_serialization=True)  # a transformers PreTrainedModel
+        tmp.mkdir()
+        config.save_pretrained(str(tmp))
+        if getattr(model, "generation_config", None) is not None and cast(Any, model).can_generate():
+            cast(Any, model).generation_config.save_pretrained(str(tmp))
+        writer.write_sharded(tmp, specs, source.whole, HF_SHARD_BYTES, {"format": "pt"})
         written = sorted(entry.name for entry in tmp.iterdir())
         marker = {"written_by": "plait convert", "source": str(checkpoint), "step": meta.get("step"), "files": written}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))

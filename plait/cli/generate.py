@@ -2,8 +2,8 @@
 
     plait generate runs/mine --prompt "def main(" --max-new-tokens 100 --temperature 0.8 --top-k 50 --seed 1
 
-The checkpoint (saved under any layout; read whole in this one process by ``plait.train.weights``) gives the
-model; the run's ``config.toml`` gives the data, whose ``encode`` / ``decode`` turn text into the token ids the
+The checkpoint (saved under any layout) gives the model: built on the meta device and filled tensor by tensor in
+this one process (``plait.train.weights.model_from_checkpoint``: the weights are never held twice); the run's ``config.toml`` gives the data, whose ``encode`` / ``decode`` turn text into the token ids the
 model was trained on and back (bytes, the synthetic task's symbols, or a token folder's tokenizer). Decoding runs
 on the CPU, or on the GPU when there is one, with the reference GPT's key/value cache or a Hugging Face model's
 own cache (``plait.models.generate``). The same seed prints the same text.

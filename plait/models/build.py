@@ -66,14 +66,16 @@ def check_model_section(section: Mapping[str, Any], vocab_size: int, seq_len: in
         read_config(Path(str(section["hf_config"])))
 
 
-def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> nn.Module:
-    """The model of ``section`` (module docstring); fresh weights come from torch's current random state."""
+def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int, weights: bool = True) -> nn.Module:
+    """The model of ``section`` (module docstring); fresh weights come from torch's current random state. With
+    ``weights=False`` an ``hf`` folder's model gets fresh weights too, its own to be read later (``plait train``
+    builds on the meta device and reads each rank's share: ``plait.train.weights.open_weights``)."""
     if is_hf_section(section):
         from plait.models.hf_load import build_hf_model, check_fits
 
         if "preset" in section:
             raise ConfigError("[model] has both a preset and a Hugging Face model. Fix: keep one of them.")
-        model = build_hf_model(section)
+        model = build_hf_model(section, weights)
         check_fits(model, vocab_size, seq_len)
         return model
     return GPT(model_config(section, vocab_size, seq_len))

@@ -21,8 +21,9 @@ its positions.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,26 +104,32 @@ def weight_files(folder: Path) -> list[str]:
     return names
 
 
-def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and the header's string metadata of the safetensors file ``path`` (a regular file, not a
-    link); ConfigError when it is not a valid safetensors file. Reading one never runs code."""
+@contextlib.contextmanager
+def safetensors_file(path: Path) -> Iterator[Any]:
+    """``safe_open(path)`` of a regular file (not a link, a FIFO, a device); a file that is not valid safetensors
+    (garbage, truncated, a header claiming more than the file holds) is one ConfigError line, raised from inside
+    the block too. safetensors maps the file and reads only what is asked for; it never runs code."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     problem = files.file_problem(path)
     if problem is not None:
         raise ConfigError(f"{path} {problem}: plait reads only regular files. {files.LINK_FIX}")
     try:
-        tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as handle:
-            header = handle.metadata() or {}
+            yield handle
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(
             f"{path} is not a valid safetensors file ({reason}). Fix: export or save it again (plait convert, "
             f"save_pretrained(safe_serialization=True)), or restore it from a copy."
         ) from None
-    return tensors, dict(header)
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the header's string metadata of the safetensors file ``path`` (``safetensors_file``),
+    every tensor whole in this process."""
+    with safetensors_file(path) as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}, dict(handle.metadata() or {})
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -155,8 +162,10 @@ def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:
     return fields
 
 
-def build_hf_model(section: Mapping[str, Any]) -> nn.Module:
-    """The transformers causal LM that ``section`` (``hf`` or ``hf_config``) describes (module docstring)."""
+def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Module:
+    """The transformers causal LM that ``section`` (``hf`` or ``hf_config``) describes (module docstring). With
+    ``weights=False`` an ``hf`` folder's model is built from its config.json with fresh weights (in float32, as
+    ``from_pretrained`` loads it), its weights to be read later (``SafetensorsSource``, ``parallelize(weights=)``)."""
     unknown = sorted(set(section) - set(HF_KEYS))
     if unknown or ("hf" in section) == ("hf_config" in section):
         raise ConfigError(
@@ -165,7 +174,16 @@ def build_hf_model(section: Mapping[str, Any]) -> nn.Module:
         )
     transformers = _require_transformers()
     options: dict[str, Any] = {"attn_implementation": section.get("attn_implementation", "sdpa")}
-    if "hf" in section:
+    if "hf" in section and not weights:
+        folder = Path(str(section["hf"]))
+        check_weights_folder(folder)
+        fields = read_config(folder)
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, trust_remote_code=False, dtype=torch.float32, **options
+        )
+        log.info("built %s from %s (its weights are read where they are kept)", type(model).__name__, folder)
+    elif "hf" in section:
         folder = Path(str(section["hf"]))
         check_weights_folder(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -221,5 +239,6 @@ __all__ = [
     "model_context",
     "read_config",
     "read_hf_weights",
+    "safetensors_file",
     "weight_files",
 ]

@@ -40,6 +40,13 @@ its schedule keeps in flight, walked action by action over its stages (F adds a 
 - "step": the gradients left at the optimizer step plus the optimizer's temporaries (torch's foreach Adam/AdamW,
   the CUDA default, allocates one fp32 temporary the size of the stepped elements; CPU steps one tensor at a time).
 
+**Start-up** (issue 25, ``benchmarks/startup_memory.py``), before the first step: a model built on the meta device
+(``plait train`` builds so) and materialised by ``parallelize`` holds, per rank, its share of the parameters at rest
+and the master shard its strategy makes (``startup``), plus one whole tensor of host scratch while it initialises
+or reads (``startup_host``: the largest parameter; the replay and the reads hold one at a time, glibc may keep one
+more freed). A model built whole on every rank first holds all of it (``startup_eager`` = 4 Psi of the whole
+model). ``phases["start-up"]`` is ``startup``; it never exceeds the step's phases, so it is not the peak.
+
 On CUDA the caching allocator rounds blocks up and fragments: ``reserved`` = peak x (1 + ``CUDA_CACHING_OVERHEAD``),
 a documented prior (5%), not a fit; issue 14 quotes one reserved/allocated pair (17.4 / 17.1 GiB, +1.8%).
 Communication buffers of DDP's buckets and offload staging are not modelled beyond the gradients they hold.
@@ -85,6 +92,12 @@ class MemoryEstimate:
     phases: dict[str, float] = field(default_factory=dict)
     allocator_overhead: float = 0.0
     """Reserved minus allocated at the peak (CUDA's caching allocator, ``CUDA_CACHING_OVERHEAD``; 0 on CPU)."""
+    startup: float = 0.0
+    """Device bytes when a meta-built model is materialised: the parameters at rest and the masters on the device."""
+    startup_host: float = 0.0
+    """Host scratch while materialising: one whole tensor, the largest (0 when only a parameter count is known)."""
+    startup_eager: float = 0.0
+    """A model built whole on each rank before parallelize: 4 Psi of the whole model."""
 
     @property
     def model_states(self) -> float:
@@ -236,9 +249,35 @@ def estimate_memory(
         estimate = _states(psi_model / layout.tp / layout.pp, layout, kind)
         estimate.peak = _step_phase(estimate, layout, kind, device)
         estimate.phases = {"step": estimate.peak}
-        return estimate
-    assert spec is not None
-    return _estimate_step(spec, psi_model, layout, kind, shape, device)
+    else:
+        assert spec is not None
+        estimate = _estimate_step(spec, psi_model, layout, kind, shape, device)
+    return _with_startup(estimate, psi_model, _largest_tensor(model, spec))
+
+
+def _largest_tensor(model: Any, spec: ModelSpec | None) -> int:
+    """Elements of the model's largest parameter: a module's own, a description's largest matrix (the embedding
+    or the head for a language model, else an MLP matrix), 0 for a bare parameter count."""
+    if isinstance(model, nn.Module):
+        return max((p.numel() for p in model.parameters()), default=0)
+    if spec is None and not isinstance(model, int):
+        from plait.planner.models import resolve_model
+
+        resolved = resolve_model(model)
+        spec = resolved if isinstance(resolved, ModelSpec) else None
+    if spec is None:
+        return 0
+    return max(spec.vocab * spec.hidden, spec.ffn * spec.hidden, spec.hidden * spec.hidden)
+
+
+def _with_startup(estimate: MemoryEstimate, psi_model: float, largest: int) -> MemoryEstimate:
+    """The start-up terms (module docstring): the share at rest with its on-device masters, one host tensor."""
+    on_device_masters = estimate.master_weights if not estimate.host else 0.0
+    estimate.startup = estimate.parameters + on_device_masters
+    estimate.startup_host = 4.0 * largest
+    estimate.startup_eager = 4.0 * psi_model
+    estimate.phases["start-up"] = estimate.startup
+    return estimate
 
 
 def _step_phase(states: MemoryEstimate, layout: Layout, kind: str, device: str) -> float:

@@ -29,6 +29,7 @@ from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
+from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import EVAL_OFFSET, eval_text, evaluation_batches, evaluation_record
@@ -38,7 +39,7 @@ from plait.train.metrics import MetricsWriter, StepMeter, check_step, dumps, plo
 from plait.train.optim import decay_groups, lr_scheduler_factory, optimizer_factory
 from plait.train.samples import write_samples
 from plait.train.tensorboard import open_tensorboard
-from plait.train.weights import load_weights, read_weights
+from plait.train.weights import check_fits, open_weights
 
 log = get_logger(__name__)
 
@@ -106,12 +107,9 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
     check_run_fits(config, layout, dataset, world.device, local_world_size())  # before any weight is allocated
     torch.manual_seed(config.train.seed)
-    model = build_model(config.model, dataset.vocab_size, dataset.seq_len)
-    model_config = model.config  # what the run's FLOP count reads
     train = config.train
-    if train.init_from:
-        state, _ = read_weights(train.init_from)
-        load_weights(model, state, f"train.init_from={train.init_from!r}")
+    model, weights = build_on_meta(config, dataset.vocab_size, dataset.seq_len)
+    model_config = model.config  # what the run's FLOP count reads
     groups = decay_groups(model, train.weight_decay_skip) if train.weight_decay else None
     engine = parallelize(
         model,
@@ -122,8 +120,28 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
         lr_scheduler=lr_scheduler_factory(train),
         device=world.device,
         param_groups=groups,
+        weights=weights,
     )
     return engine, dataset, model_config
+
+
+def build_on_meta(config: RunConfig, vocab_size: int, seq_len: int) -> tuple[Any, WeightSource | None]:
+    """The run's model on the meta device (its construction recorded: ``parallelize`` materialises each rank's
+    share, bitwise what building it whole gives under the seed) and where its weights are read from, if anywhere:
+    ``train.init_from`` (checked to fit, before any collective), else a ``model.hf`` folder (as ``from_pretrained``:
+    a tensor the folder lacks is initialised, with a warning)."""
+    model = deferred_init(build_model, config.model, vocab_size, seq_len, weights=False)
+    source: WeightSource | None = None
+    if config.train.init_from:
+        source, _meta = open_weights(config.train.init_from)
+        check_fits(model, source.shapes(), f"train.init_from={config.train.init_from!r}")
+    elif "hf" in config.model:
+        source, _meta = open_weights(str(config.model["hf"]))
+        found = check_fits(model, source.shapes(), source.description, strict=False)
+        missing = [name for name in model.state_dict() if name not in found]
+        if missing:
+            log.warning("%s has no %s: initialised as the model's own code does", source.description, missing[:5])
+    return model, source
 
 
 def _samples(engine: Engine, dataset: Any, train: Any, step: int, run_dir: Path | None) -> None:

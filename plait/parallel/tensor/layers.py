@@ -83,31 +83,50 @@ def padded_size(size: int, parts: int) -> int:
     return -(-size // parts) * parts
 
 
+def tp_runs(full: int, parts: int, index: int, fused_parts: int = 1, pad: bool = False) -> list[tuple[int, int]]:
+    """The ``(start, length)`` runs of a dim of size ``full`` that rank ``index`` of ``parts`` holds, in the order
+    its slice lays them out: its 1/parts chunk, or with ``fused_parts`` = k its chunk of each of the k equal blocks.
+    With ``pad`` the dim counts as padded to a multiple of ``parts`` and the runs stop at ``full`` (the slice's
+    remaining rows are zeros). What ``_slice`` cuts, and what materialisation reads (``plait.parallel.materialize``)."""
+    size = padded_size(full, parts) if pad else full
+    block = size // fused_parts
+    local = block // parts
+    runs = []
+    for part in range(fused_parts):
+        start = part * block + index * local
+        length = min(local, full - start)
+        if length > 0:
+            runs.append((start, length))
+    return runs
+
+
 def _slice(
     tensor: Tensor, dim: int, comm: Comm, axis: str, what: str, fused_parts: int = 1, pad: bool = False
 ) -> nn.Parameter:
     """This rank's contiguous 1/t chunk of ``tensor`` along ``dim`` as a new, tagged parameter; with
-    ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated. ``pad``:
-    first pad ``dim`` with zeros to a multiple of t (``param.tp_full_size`` keeps the real size)."""
+    ``fused_parts`` = k, the rank's chunk of each of the k equal blocks along ``dim``, concatenated (``tp_runs``).
+    ``pad``: ``dim`` counts as padded with zeros to a multiple of t (``param.tp_full_size`` keeps the real size)."""
     parts = comm.size(axis)
     full = tensor.shape[dim]
-    if pad and full % parts:
-        shape = list(tensor.shape)
-        shape[dim] = padded_size(full, parts) - full
-        tensor = torch.cat([tensor.detach(), tensor.new_zeros(shape)], dim=dim).requires_grad_(tensor.requires_grad)
-    if tensor.shape[dim] % (parts * fused_parts):
+    size = padded_size(full, parts) if pad else full
+    if size % (parts * fused_parts):
         raise LayoutError(
-            f"{what}: size {tensor.shape[dim]} of dim {dim} ({fused_parts} fused block(s)) does not split over "
-            f"{axis}={parts} ranks. Fix: choose {axis} dividing {tensor.shape[dim] // fused_parts}, or leave this "
+            f"{what}: size {size} of dim {dim} ({fused_parts} fused block(s)) does not split over "
+            f"{axis}={parts} ranks. Fix: choose {axis} dividing {size // fused_parts}, or leave this "
             f"layer out of the plan."
         )
-    index = comm.mesh.index(axis)
-    blocks = tensor.detach().chunk(fused_parts, dim=dim)
-    chunk = torch.cat([block.chunk(parts, dim=dim)[index] for block in blocks], dim=dim).clone()
+    runs = tp_runs(full, parts, comm.mesh.index(axis), fused_parts, pad)
+    pieces = [tensor.detach().narrow(dim, start, length) for start, length in runs]
+    missing = size // parts - sum(length for _, length in runs)
+    if missing:  # a padded vocabulary's rows past the real ones
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        pieces.append(tensor.new_zeros(shape))
+    chunk = torch.cat(pieces, dim=dim)
     param = mark_sharded(nn.Parameter(chunk, requires_grad=tensor.requires_grad), dim)
     if fused_parts > 1:
         param.tp_fused_parts = fused_parts  # type: ignore[attr-defined]
-    if tensor.shape[dim] != full:
+    if size != full:
         param.tp_full_size = full  # type: ignore[attr-defined]
     return param
 
@@ -356,5 +375,6 @@ __all__ = [
     "mark_sharded",
     "padded_size",
     "scatter_sequence",
+    "tp_runs",
     "tp_shard_dim",
 ]

@@ -139,7 +139,10 @@ class FullyShardedStrategy(ShardedStrategy):
         axis: str = GRAD_AXIS,
         offload_dir: str | None = None,
         param_groups: GroupOf | None = None,
+        init_shards: Callable[[list[FlatUnit]], None] | None = None,
     ) -> None:
+        """``init_shards``: for a model built on the meta device, writes this rank's values into the units'
+        shards (``plait.parallel.materialize``) before the masters and the optimizer are made from them."""
         super().__init__(
             model,
             comm,
@@ -177,6 +180,8 @@ class FullyShardedStrategy(ShardedStrategy):
             if params or not name
         ]
         self.root = self.units[0]
+        if init_shards is not None:
+            init_shards(self.units)
         if self.placement.offloaded:  # ZeRO-Offload: the optimizer steps host copies; the shards stay for compute
             for unit in self.units:
                 if not unit.empty:

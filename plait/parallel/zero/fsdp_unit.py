@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.comm.collectives import Pending
+from plait.parallel.materialize.share import is_placeholder
 from plait.parallel.zero.flat import FlatLayout
 
 Record = Callable[..., None]
@@ -74,7 +75,10 @@ class FlatUnit:
         self.rank = comm.mesh.index(axis) if comm.size(axis) > 1 else 0
         device = self.params[0].device if self.params else comm.device
         dtype = self.params[0].dtype if self.params else torch.float32
-        if self.params:
+        if self.params and any(is_placeholder(p) for p in self.params):
+            # a model built on the meta device: the shard is filled later with only this rank's values
+            self.shard = nn.Parameter(torch.zeros(self.layout.shard_size, dtype=dtype, device=device))
+        elif self.params:
             full = self.layout.flatten([p.detach() for p in self.params])
             lo, hi = self.layout.shard_range(self.rank)
             self.shard = nn.Parameter(full[lo:hi].clone())
