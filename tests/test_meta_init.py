@@ -234,6 +234,11 @@ STEPS = 3
 
 
 def gpt_config(vocab: int = 12) -> GPTConfig:
+    """The tiny GPT; a vocabulary of 14 makes it a Mixture-of-Experts one (4 experts, top 2, one shared expert,
+    every other block), whose expert-parallel slices are materialised at their expert offset."""
+    if vocab == 14:
+        moe = dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2)
+        return GPTConfig(vocab_size=vocab, seq_len=8, n_layer=4, n_head=4, d_model=16, bias=True, **moe)
     return GPTConfig(vocab_size=vocab, seq_len=8, n_layer=4, n_head=4, d_model=16, bias=True)
 
 
@@ -288,6 +293,8 @@ def test_meta_gpt_trains_bitwise_like_eager_on_4_ranks() -> None:
         (Layout(dp=4), 12),
         (Layout(dp=4, zero=3, offload="cpu"), 12),  # the host masters are made from the filled shards
         (Layout(dp=2, cp=2, zero=1), 12),
+        (Layout(dp=4, ep=2, zero=3), 14),  # MoE: experts sliced over ep, ZeRO-3 units over edp
+        (Layout(dp=2, tp=2, ep=2), 14),
     ]
     for problems in run_distributed(gpt_job, 4, cases, timeout=600):
         assert problems == []

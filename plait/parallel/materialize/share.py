@@ -91,9 +91,20 @@ class Share:
 def share_of(
     tensor: torch.Tensor, full: tuple[int, ...], tp_size: int, tp_index: int, local: tuple[int, ...] | None = None
 ) -> Share:
-    """The share of local ``tensor`` (a tp slice when tagged ``tp_sharded``; of shape ``local``, default its
-    own) of a single-device tensor of shape ``full``; ValueError when the shapes do not fit."""
+    """The share of local ``tensor`` (a tp slice when tagged ``tp_sharded``, an expert-parallel slice when tagged
+    ``ep_slice``; of shape ``local``, default its own) of a single-device tensor of shape ``full``; ValueError when
+    the shapes do not fit."""
     local = tuple(tensor.shape) if local is None else tuple(local)
+    ep_slice = getattr(tensor, "ep_slice", None)
+    if ep_slice is not None:  # (dim, offset, whole size): this rank's experts, consecutive along dim
+        if getattr(tensor, "tp_sharded", False) and tp_size > 1:
+            raise ValueError("is cut over both ep and tp (experts stay whole under tp)")
+        dim, offset, whole = (int(v) for v in ep_slice)
+        expected = list(full)
+        expected[dim] = local[dim] if len(local) == len(full) else -1
+        if whole != full[dim] or tuple(expected) != local or offset + local[dim] > whole:
+            raise ValueError(f"has shape {local} here, an ep slice from {offset} of {full}, which does not fit")
+        return Share(full, local, dim, ((offset, local[dim]),))
     if not getattr(tensor, "tp_sharded", False) or tp_size == 1:
         if local != full:
             raise ValueError(f"has shape {local} here but {full} on one device")
