@@ -13,6 +13,8 @@ from plait.errors import CheckpointError, CommError, ConfigError, DataError, Lay
 from plait.layout import AXES, Layout
 from plait.mesh import Mesh
 from plait.observe.memory import measure_held
+from plait.parallel.materialize.derive import deferred_init
+from plait.parallel.whole_tensor import WholeTensorOptimizer
 from plait.parallelize import parallelize
 from plait.planner import plan
 from plait.planner.memory import MemoryEstimate, estimate_memory
@@ -36,8 +38,10 @@ __all__ = [
     "PlaitError",
     "ScheduleError",
     "StepStats",
+    "WholeTensorOptimizer",
     "World",
     "__version__",
+    "deferred_init",
     "estimate_memory",
     "init",
     "measure_held",
