@@ -281,6 +281,27 @@ def test_plait_train_refuses_to_resume_its_run_with_another_model(tmp_path):
     one_line(message, "another model", "n_head 4 there, 2 here", r"\[model\] as in the run's config.toml")
 
 
+def _train_then_start_from(out: str, *changed: str) -> str:
+    from plait.train.config import load_config
+    from plait.train.loop import run
+
+    settings = ["train.steps=2", "train.global_batch=8", "train.eval_every=0", "train.save_every=2"]
+    settings += ["model.n_layer=2", "model.n_head=4", "model.d_model=16"]
+    run(load_config(None, [*settings, f"train.out={json.dumps(out)}"]))
+    try:
+        run(load_config(None, [*settings, f"train.init_from={json.dumps(out + '/ckpt')}", *changed]))
+    except ConfigError as error:
+        return str(error)
+    return "started"
+
+
+def test_init_from_another_models_checkpoint_is_refused(tmp_path):
+    """The same names and shapes (n_head only regroups a d_model-wide projection) but another model: starting
+    from it would silently compute something else; the recorded config says so."""
+    (message,) = run_distributed(_train_then_start_from, 1, str(tmp_path / "run"), "model.n_head=2", timeout=120)
+    one_line(message, "another model", "n_head 4 there, 2 here", r"\[model\] to the model that was trained")
+
+
 # ----------------------------------------------------------------- 7 + 14: a full disk
 @contextmanager
 def _full_disk(tmp_path: Path, leave: int):

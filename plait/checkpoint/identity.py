@@ -69,14 +69,22 @@ def model_meta(engine: Engine) -> dict[str, Any] | None:
     """What model was trained, for plait.json: ``{"hf": config}`` for a Hugging Face model (its
     ``config.to_dict()`` as JSON), ``{"config": fields}`` for a model with a dataclass ``config`` (plait's GPT)."""
     for module in (engine.model, engine.strategy.model):
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_json_string") and hasattr(config, "model_type"):
-            return {"hf": json.loads(config.to_json_string(use_diff=False))}
-        if dataclasses.is_dataclass(config) and not isinstance(config, type):
-            try:
-                return {"config": extras.to_json(dataclasses.asdict(config))}
-            except TypeError:
-                return None
+        found = describe_model(module)
+        if found is not None:
+            return found
+    return None
+
+
+def describe_model(module: Any) -> dict[str, Any] | None:
+    """``model_meta`` of one module (None when it has no config plait knows)."""
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "to_json_string") and hasattr(config, "model_type"):
+        return {"hf": json.loads(config.to_json_string(use_diff=False))}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        try:
+            return {"config": extras.to_json(dataclasses.asdict(config))}
+        except TypeError:
+            return None
     return None
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from plait.checkpoint import Checkpointer, has_checkpoints
+from plait.checkpoint.identity import config_differences, describe_model
 from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine, StepStats
@@ -133,8 +134,15 @@ def build_on_meta(config: RunConfig, vocab_size: int, seq_len: int) -> tuple[Any
     model = deferred_init(build_model, config.model, vocab_size, seq_len, weights=False)
     source: WeightSource | None = None
     if config.train.init_from:
-        source, _meta = open_weights(config.train.init_from)
-        check_fits(model, source.shapes(), f"train.init_from={config.train.init_from!r}")
+        source, meta = open_weights(config.train.init_from)
+        where = f"train.init_from={config.train.init_from!r}"
+        check_fits(model, source.shapes(), where)
+        differences = config_differences(meta.get("model"), describe_model(model)) if isinstance(meta, dict) else []
+        if differences:  # same names and shapes, another model (e.g. n_head): its weights would compute otherwise
+            raise ConfigError(
+                f"{where} holds another model: {'; '.join(differences)}. Fix: set [model] to the model that was "
+                f"trained, or start from weights of this model."
+            )
     elif "hf" in config.model:
         source, _meta = open_weights(str(config.model["hf"]))
         found = check_fits(model, source.shapes(), source.description, strict=False)
