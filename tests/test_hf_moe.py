@@ -92,7 +92,7 @@ def test_the_cells_exercise_what_they_claim() -> None:
     starved = reference(BY_NAME["qwen2-ep2-zero1-starved-unclipped"])
     assert all(row[2] == row[3] == 0 and sum(row) == 2 * 8 * 16 for step in starved["load"] for row in step)
     assert all(v > 0 for step in reference(BY_NAME["mixtral-ep2"])["load"] for row in step for v in row)
-    assert reference(BY_NAME["mixtral-ep2"])["aux"][0] > 0.1  # alpha x 2 layers x (>= 1 per layer)
+    assert reference(BY_NAME["mixtral-ep2"])["aux"][0] > 0.1  # alpha 0.1 x 2 layers x ~1 (balanced: exactly 1)
     assert sorted({cell.family for cell in CELLS}) == sorted(FAMILIES)
 
 
