@@ -23,6 +23,7 @@ from plait.errors import LayoutError
 from plait.layout import Layout, Offload, PipelineSchedule, Recompute, TpMode
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
+from plait.models.hf_moe import adapt_hf_moe
 from plait.models.loss import LossFn, as_mean_loss
 from plait.parallel.compile import apply_compile, check_precompiled, plan_compile
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
@@ -248,6 +249,7 @@ def parallelize(
         raise ValueError("the model has no trainable parameters (requires_grad=True); there is nothing to train")
     if is_hf_model(model):  # a transformers model: forward returns the logits tensor (hooks; names unchanged)
         return_logits(model)
+        adapt_hf_moe(model)  # Mixtral, Qwen-MoE, OLMoE: their MoE blocks as plait's (names unchanged)
 
     cuts = pipeline_cuts if pipeline_cuts is not None else (list(layout.pipeline_cuts) or None)
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective

@@ -33,6 +33,7 @@ from torch import nn
 from plait import files
 from plait.errors import ConfigError
 from plait.logging import get_logger
+from plait.models.hf_moe import fuse_expert_layout
 
 log = get_logger(__name__)
 HF_KEYS = ("hf", "hf_config", "attn_implementation")
@@ -133,12 +134,13 @@ def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``save_pretrained`` folder (``check_weights_folder``, then each of ``weight_files``)."""
+    """Every tensor of a ``save_pretrained`` folder (``check_weights_folder``, then each of ``weight_files``), a
+    Mixture-of-Experts family's per-expert tensors stacked into the model's fused ones (``hf_moe.fuse_expert_layout``)."""
     check_weights_folder(folder)
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(folder):
         state.update(load_safetensors(folder / name)[0])
-    return state
+    return fuse_expert_layout(state, str(read_config(folder, "model.hf")["model_type"]))
 
 
 def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:

@@ -9,7 +9,9 @@ so ``make_stage_forward`` gives the copy a forward that does what the model's do
 - GPT-2: ``h = drop(wte(ids) + wpe(positions))`` if the stage has the embeddings; every kept block
   ``h = block(h, causal_mask)``; ``ln_f`` and ``lm_head`` if kept.
 - Llama: ``h = embed_tokens(ids)`` if kept; the rotary embedding (no parameters, on every stage)
-  ``cos, sin = rotary_emb(h, positions)``; every kept decoder layer; ``norm`` and ``lm_head`` if kept.
+  ``cos, sin = rotary_emb(h, positions)``; every kept decoder layer; ``norm`` and ``lm_head`` if kept. The
+  Mixture-of-Experts families Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are built the same way (their MoE blocks
+  are inside the decoder layers), without sliding-window attention (refused: the stages build the full causal mask).
 
 Positions (0..T-1, no cache) and the causal mask depend only on the sequence length, so every stage rebuilds
 them from its input instead of receiving them: only the hidden states cross a stage boundary. Padding masks
@@ -30,7 +32,7 @@ from torch import nn
 
 from plait.errors import LayoutError
 
-SUPPORTED = ("gpt2", "llama")
+SUPPORTED = ("gpt2", "llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """``config.model_type`` values whose stages ``make_stage_forward`` can run."""
 
 
@@ -43,6 +45,13 @@ def check_pipeline_support(model: nn.Module) -> None:
             f"not supported: plait runs the stages of causal LMs of type {', '.join(SUPPORTED)} "
             f"(e.g. GPT2LMHeadModel, LlamaForCausalLM). Fix: use one of those, or pp=1 (dp, tp and ZeRO work on "
             f"any transformers model)."
+        )
+    config = getattr(model, "config")  # noqa: B009 - a transformers config, typed Any
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise LayoutError(
+            f"pipeline parallelism of {type(model).__name__} with sliding-window attention (sliding_window="
+            f"{config.sliding_window}) is not supported: plait's stages build the full causal mask. Fix: "
+            f"sliding_window=None (or use_sliding_window=False) in the model's config, or pp=1."
         )
 
 
@@ -107,7 +116,7 @@ def _llama_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
     return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-_STAGE_FORWARDS = {"gpt2": _gpt2_stage, "llama": _llama_stage}
+_STAGE_FORWARDS = {"gpt2": _gpt2_stage, **{name: _llama_stage for name in SUPPORTED[1:]}}
 
 
 def make_stage_forward(stage: nn.Module) -> nn.Module:

@@ -64,10 +64,10 @@ from plait.models.config import GPTConfig
 class Dispatch(Protocol):
     """``MoE.dispatch``: the routed rows through the experts (module docstring)."""
 
-    def __call__(self, x_perm: Tensor, counts: Tensor, experts: GroupedExperts) -> Tensor: ...
+    def __call__(self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor: ...
 
 
-def local_dispatch(x_perm: Tensor, counts: Tensor, experts: GroupedExperts) -> Tensor:
+def local_dispatch(x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor:
     """Every expert on this device: the rows go straight through ``experts``."""
     return experts(x_perm, counts)
 
@@ -92,7 +92,40 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class GroupedExperts(nn.Module):
+def group_offsets(counts: Tensor | Sequence[int], device: torch.device) -> Tensor:
+    """``torch._grouped_mm``'s ``offs``: where each expert's rows end (the cumulative counts, int32)."""
+    sizes = counts if isinstance(counts, Tensor) else torch.tensor(list(counts), dtype=torch.int64)
+    return sizes.to(device, non_blocking=True).cumsum(0).to(torch.int32)
+
+
+class ExpertGroup(nn.Module):
+    """What ``MoE`` and expert parallelism need of a layer's routed experts, whatever their weights' layout:
+    ``forward(x, counts)`` takes rows sorted by expert (``counts[e]`` rows for local expert e) and returns each row
+    through its expert; ``weights()`` are 3-D parameters whose dim 0 is the expert, so expert parallelism keeps a
+    slice of them: ``first`` is the global index of local expert 0, ``total`` the layer's expert count,
+    ``local_experts`` how many this module holds (an attribute, not the weights' shape, which ZeRO-3 empties between
+    uses). ``GroupedExperts`` is plait's; ``plait.models.hf_moe`` adapts Hugging Face's fused experts."""
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.first = 0
+        self.total = n_experts
+        self.local_experts = n_experts
+        self.kernel = "auto"
+        """"auto" (``torch._grouped_mm`` where ``grouped_mm_available``, else a loop), "loop" or "grouped"."""
+
+    def weights(self) -> list[nn.Parameter]:
+        """The expert weights (dim 0: the expert), in registration order."""
+        raise NotImplementedError
+
+    def use_grouped(self, x: Tensor, hidden: int) -> bool:
+        """Whether ``forward`` takes the grouped kernel for rows ``x`` into experts of width ``hidden``."""
+        return self.kernel == "grouped" or (
+            self.kernel == "auto" and grouped_mm_available(x.device, _compute_dtype(x), x.shape[-1], hidden)
+        )
+
+
+class GroupedExperts(ExpertGroup):
     """``n_experts`` feed-forward experts as 3-D weights: ``w_up`` [E, d, f] (and ``w_gate`` [E, d, f] for SwiGLU),
     ``w_down`` [E, f, d]; no biases. ``forward(x, counts)`` takes rows sorted by expert (``counts[e]`` rows for
     local expert e) and returns each row through its expert. Expert parallelism keeps a slice of the experts:
@@ -102,20 +135,13 @@ class GroupedExperts(nn.Module):
     "grouped" (forced, e.g. to test the grouped kernel on a CPU whose torch has it)."""
 
     def __init__(self, n_experts: int, width: int, hidden: int, gated: bool) -> None:
-        super().__init__()
+        super().__init__(n_experts)
         self.gated = gated
         self.w_gate = nn.Parameter(torch.empty(n_experts, width, hidden)) if gated else None
         self.w_up = nn.Parameter(torch.empty(n_experts, width, hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, width))
-        self.first = 0
-        self.total = n_experts
-        self.local_experts = n_experts
-        """How many experts this module holds (all, or this rank's slice under expert parallelism); an attribute,
-        not the weights' shape, which ZeRO-3 empties between uses."""
-        self.kernel = "auto"
 
     def weights(self) -> list[nn.Parameter]:
-        """The expert weights, in registration order."""
         return [w for w in (self.w_gate, self.w_up, self.w_down) if w is not None]
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
@@ -126,11 +152,7 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down, mean=0.0, std=residual_std)
 
     def forward(self, x: Tensor, counts: Tensor | Sequence[int]) -> Tensor:
-        hidden = self.w_up.shape[-1]
-        grouped = self.kernel == "grouped" or (
-            self.kernel == "auto" and grouped_mm_available(x.device, _compute_dtype(x), x.shape[-1], hidden)
-        )
-        return self._grouped(x, counts) if grouped else self._loop(x, counts)
+        return self._grouped(x, counts) if self.use_grouped(x, self.w_up.shape[-1]) else self._loop(x, counts)
 
     def _loop(self, x: Tensor, counts: Tensor | Sequence[int]) -> Tensor:
         """One matmul per expert on its contiguous rows (an expert without rows gets a 0-row product: every rank and
@@ -146,8 +168,7 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x: Tensor, counts: Tensor | Sequence[int]) -> Tensor:
         """All experts in three (SwiGLU: four) ``torch._grouped_mm`` calls; offsets are the cumulative counts."""
         dtype = _compute_dtype(x)
-        sizes = counts if isinstance(counts, Tensor) else torch.tensor(list(counts), dtype=torch.int64)
-        offsets = sizes.to(x.device, non_blocking=True).cumsum(0).to(torch.int32)
+        offsets = group_offsets(counts, x.device)
         rows = x.to(dtype)
         up = torch._grouped_mm(rows, self.w_up.to(dtype), offs=offsets)
         if self.w_gate is None:
@@ -177,12 +198,22 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = self.gate(x.float())
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        chosen = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, chosen)
-        if self.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
+        floor = 1e-20 if self.score == "sigmoid" else 0.0  # keeps all-zero sigmoid scores finite
+        chosen, weights = choose_experts(scores, self.top_k, self.norm_topk, self.expert_bias, floor)
         return scores, chosen, weights
+
+
+def choose_experts(
+    scores: Tensor, top_k: int, norm_topk: bool, bias: Tensor | None = None, floor: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """The ``top_k`` experts of highest score (+ ``bias``, which steers the choice only) and their weights: the
+    chosen scores, rescaled to sum to 1 with ``norm_topk`` (divided by their sum + ``floor``)."""
+    choice = scores if bias is None else scores + bias
+    chosen = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + floor)
+    return chosen, weights
 
 
 class AuxLossGradient(torch.autograd.Function):
@@ -219,20 +250,31 @@ def _recomputing() -> bool:
 
 class MoE(nn.Module):
     """The Mixture-of-Experts feed-forward of block ``layer`` (module docstring): ``router``, ``experts``
-    (``GroupedExperts``) and ``shared`` (an MLP of the shared experts' total width, or None)."""
+    (``GroupedExperts``) and ``shared`` (an MLP of the shared experts' total width, or None). A subclass built from
+    another library's modules (``plait.models.hf_moe.HFMoE``) calls ``init_routing`` and overrides ``route`` and
+    ``shared_output``; the forward, the dispatch, the balance loss and the statistics stay these."""
 
     def __init__(self, config: GPTConfig, layer: int, shared: nn.Module | None = None) -> None:
         super().__init__()
-        self.layer = layer
-        self.n_experts, self.top_k = config.n_experts, config.top_k
-        self.balance, self.aux_coef = config.moe_balance, float(config.aux_loss_coef)
+        self.init_routing(layer, config.n_experts, config.top_k, config.moe_balance, config.aux_loss_coef)
         self.bias_rate = float(config.bias_update_rate)
-        self.capacity_factor = config.capacity_factor
+        self.capacity_factor: float | None = config.capacity_factor
         self.router = Router(config)
-        self.experts = GroupedExperts(
+        self.experts: ExpertGroup = GroupedExperts(
             config.n_experts, config.d_model, config.expert_ffn_dim, gated=config.mlp == "swiglu"
         )
         self.shared = shared
+
+    def init_routing(self, layer: int, n_experts: int, top_k: int, balance: str, aux_coef: float) -> None:
+        """The settings and the state every MoE layer keeps, whoever built its router and experts: ``MoE`` from a
+        ``GPTConfig``, ``plait.models.hf_moe.HFMoE`` from a Hugging Face block (which calls this instead of
+        ``MoE.__init__``, its router and experts being the family's own modules under the family's names).
+        Dropless and without a selection bias unless the builder sets ``capacity_factor`` / ``bias_rate``."""
+        self.layer = layer
+        self.n_experts, self.top_k = n_experts, top_k
+        self.balance, self.aux_coef = balance, float(aux_coef)
+        self.bias_rate = 0.0
+        self.capacity_factor = None
         self.dispatch: Dispatch = local_dispatch
         self.sequence_sum: Callable[[Tensor], Tensor] | None = None
         self.aux_grad_scale: float | Tensor | None = None
@@ -245,14 +287,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
         flat = x.reshape(-1, width)
-        scores, chosen, weights = self.router(flat)
+        scores, chosen, weights = self.route(flat)
         choices = chosen.view(batch, length, self.top_k)
         kept = None
         if self.capacity_factor is not None:
             kept = capacity_mask(choices, self.n_experts, self.capacity(length))
         out = self._route(flat, chosen, weights, kept).view(batch, length, width)
-        if self.shared is not None:
-            out = out + self.shared(x)
+        shared = self.shared_output(x)
+        if shared is not None:
+            out = out + shared
         aux = None
         if self.balance == "aux_loss" and self.aux_coef > 0 and self.training and torch.is_grad_enabled():
             aux = self._balance_loss(scores.view(batch, length, -1), choices)
@@ -261,6 +304,14 @@ class MoE(nn.Module):
         if self.training and not _recomputing():
             self._record(chosen, kept, aux, batch)
         return out
+
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows [n, d] -> (scores [n, E] fp32, chosen experts [n, k], their weights [n, k] fp32): the router's."""
+        return self.router(flat)
+
+    def shared_output(self, x: Tensor) -> Tensor | None:
+        """What the shared experts add to every token's output (None without shared experts)."""
+        return self.shared(x) if self.shared is not None else None
 
     def capacity(self, length: int) -> int:
         """Choices each expert takes per sequence of ``length`` tokens: ceil(capacity_factor x T x k / E)."""
@@ -375,12 +426,15 @@ def finish_moe_step(model: nn.Module, update_biases: bool = True) -> dict[int, L
 __all__ = [
     "AuxLossGradient",
     "Dispatch",
+    "ExpertGroup",
     "GroupedExperts",
     "LayerStatistics",
     "MoE",
     "Router",
     "capacity_mask",
+    "choose_experts",
     "finish_moe_step",
+    "group_offsets",
     "grouped_mm_available",
     "local_dispatch",
     "moe_layers",

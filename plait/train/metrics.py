@@ -12,7 +12,8 @@ parameters] + 4 b s^2 h per block plus 2 b s h V for the logits; backward twice 
 excluded, as in Chowdhery et al. 2022, app. B). The peak is the hardware catalogue's dense figure
 for the GPU named by ``torch.cuda.get_device_name`` at the layout's precision (fp32: TF32), times the world
 size; on CPU it is ``plait calibrate``'s measured matmul FLOP/s of the whole machine, times the number of
-hosts; otherwise MFU is null and one log line names ``plait calibrate``.
+hosts; otherwise MFU is null and one log line names ``plait calibrate``. A model the planner cannot describe
+(a ``ConfigError`` from its description, e.g. a Hugging Face config it does not know) trains with MFU null.
 
 Every file is strict JSON (RFC 8259, which has no NaN or Infinity): a non-finite number (a NaN loss, an undefined
 entropy) is written as ``null`` (``json_safe``). A training step whose loss or gradient norm is not finite, and
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from plait.engine import Engine, EvalStats, StepStats
-from plait.errors import PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.logging import get_logger
 from plait.parallel.expert.stats import MoEStepStats
 
@@ -154,10 +155,16 @@ class StepMeter:
     def __init__(self, engine: Engine, model: Any, seq: int) -> None:
         self.engine, self.device = engine, engine.comm.device
         self.axes = [a for a in engine.mesh.grid.axes if engine.mesh.size(a) > 1]
-        self.flops_per_token = model_flops_per_token(model, seq)
+        self.flops_per_token: float | None = None
+        try:
+            self.flops_per_token = model_flops_per_token(model, seq)
+        except ConfigError as error:  # a model the planner cannot describe (yet) trains all the same
+            log.info("model FLOPs unknown, so MFU is null in metrics.jsonl: %s", error)
         self.peak, source = peak_flops(self.device, engine.layout.precision, engine.mesh.world_size)
         self.memory_field = "max_allocated_bytes" if self.device.type == "cuda" else "max_rss_bytes"
-        if self.peak is None:
+        if self.flops_per_token is None:
+            pass
+        elif self.peak is None:
             log.info(
                 "MFU unknown (null in metrics.jsonl): %s. Fix: run `plait calibrate` to measure this machine.", source
             )
@@ -182,7 +189,8 @@ class StepMeter:
         wire = stats.comm.wire_by_axis()
         mine = torch.tensor([float(memory)] + [wire.get(a, 0.0) for a in self.axes], dtype=torch.float64)
         rows = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, 1 + len(self.axes))
-        mfu = stats.tokens * self.flops_per_token / stats.seconds / self.peak if self.peak and stats.seconds else None
+        flops, seconds = self.flops_per_token, stats.seconds
+        mfu = stats.tokens * flops / seconds / self.peak if self.peak and flops and seconds else None
         return {
             "mfu": mfu,
             "model_flops_per_token": self.flops_per_token,

@@ -291,11 +291,12 @@ class ChecksPassed(Exception):
     """Raised in place of building the mesh: ``plait.parallelize`` accepted the layout."""
 
 
-def check_in_one_process(world: int, layout: Layout, optimizer=optimizer) -> None:  # noqa: ANN001
+def check_in_one_process(world: int, layout: Layout, optimizer=optimizer, model=None) -> None:  # noqa: ANN001
     """Run ``plait.parallelize``'s checks in this one process as if it were a rank of ``world``: returns when the
     layout is accepted (parallelize reached ``Mesh.build``, where the first process groups would be created),
-    raises its LayoutError when refused. A refusal thus provably comes before any collective."""
-    model, _ = make_model()
+    raises its LayoutError when refused. A refusal thus provably comes before any collective. ``model``: the
+    matrix's GPT unless given."""
+    model = model if model is not None else make_model()[0]
     with (
         mock.patch("plait.parallelize.dist.is_initialized", return_value=True),
         mock.patch("plait.parallelize.dist.get_world_size", return_value=world),

@@ -11,6 +11,7 @@ aux-free bias of -1 (scores are in (0, 1), so they are never chosen): experts th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,15 +91,22 @@ def expert_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def reference(cell: Cell) -> dict[str, Any]:
     """One device on each whole global batch, with the MoE statistics of every step (``finish_moe_step``)."""
     model, task = make_model(cell.model, cell.starve)
-    loader = ShardedBatches(task, GLOBAL_BATCH)
+    return train_one_device(model, ShardedBatches(task, GLOBAL_BATCH).global_batch_at, cell.clip)
+
+
+def train_one_device(
+    model: torch.nn.Module, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], clip: float | None
+) -> dict[str, Any]:
+    """``STEPS`` plain steps of ``model`` on ``batch_at(step)`` (clipped at ``clip``), then an evaluation on
+    ``batch_at(STEPS)``: everything ``assert_cell_matches`` compares, the MoE statistics from ``finish_moe_step``."""
     opt = optimizer(model.parameters())
     out: dict[str, Any] = {"losses": [], "grad_norms": [], "aux": [], "load": [], "dropped": []}
     for step in range(STEPS):
-        inputs, targets = loader.global_batch_at(step)
+        inputs, targets = batch_at(step)
         loss = apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets)
         loss.backward()
-        if cell.clip:
-            out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cell.clip)))
+        if clip:
+            out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         if step == 0:
             out["grads"] = snapshot_grads(model)
         opt.step()
@@ -109,7 +117,7 @@ def reference(cell: Cell) -> dict[str, Any]:
         out["load"].append([[int(v) for v in stats[layer].load.tolist()] for layer in sorted(stats)])
         out["dropped"].append([int(stats[layer].dropped.sum()) for layer in sorted(stats)])
     out["params"], out["biases"] = snapshot_params(model), expert_biases(model)
-    inputs, targets = loader.global_batch_at(STEPS)
+    inputs, targets = batch_at(STEPS)
     model.eval()
     with torch.no_grad():
         out["eval"] = float(apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets))
@@ -124,17 +132,25 @@ def train_cell(cell: Cell) -> dict[str, Any]:
     engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
+    return cell_results(engine, stats, grads[0], engine.evaluate([loader.batch_at(STEPS)]).loss)
+
+
+def cell_results(
+    engine: plait.Engine, stats: list[Any], grads: dict[str, torch.Tensor], evaluation: float
+) -> dict[str, Any]:
+    """What ``assert_cell_matches`` compares, from a rank's trained engine, its steps' ``StepStats``, its step-0
+    gradients (whole) and its evaluation loss."""
     assert all(s.moe is not None for s in stats)
     return {
         "losses": [s.loss for s in stats],
         "grad_norms": [s.grad_norm for s in stats],
-        "aux": [s.moe.aux_loss for s in stats],  # type: ignore[union-attr]
-        "load": [s.moe.load for s in stats],  # type: ignore[union-attr]
-        "dropped": [s.moe.dropped for s in stats],  # type: ignore[union-attr]
-        "grads": grads[0],
+        "aux": [s.moe.aux_loss for s in stats],
+        "load": [s.moe.load for s in stats],
+        "dropped": [s.moe.dropped for s in stats],
+        "grads": grads,
         "params": whole_parameters(engine),
         "biases": expert_biases(engine.model),
-        "eval": engine.evaluate([loader.batch_at(STEPS)]).loss,
+        "eval": evaluation,
     }
 
 

@@ -21,14 +21,14 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.logging import get_logger
-from plait.models.moe import GroupedExperts, MoE
+from plait.models.moe import ExpertGroup, MoE
 from plait.parallel.expert.dispatch import AXIS, ExpertParallelDispatch, SequenceSum
 from plait.parallel.expert.plan import ExpertPlan
 
 log = get_logger(__name__)
 
 
-def split_experts(experts: GroupedExperts, parts: int, index: int) -> None:
+def split_experts(experts: ExpertGroup, parts: int, index: int) -> None:
     """Keep experts [index E/parts, (index+1) E/parts) of ``experts`` (in place) and tag their weights."""
     local = experts.total // parts
     first = index * local

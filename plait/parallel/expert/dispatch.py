@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from plait.comm import Comm, all_to_all_v
-from plait.models.moe import GroupedExperts
+from plait.models.moe import ExpertGroup
 
 AXIS = "ep"
 
@@ -49,7 +49,7 @@ class ExpertParallelDispatch:
     def __init__(self, comm: Comm, axis: str = AXIS) -> None:
         self.comm, self.axis = comm, axis
 
-    def __call__(self, x_perm: Tensor, counts: Tensor, experts: GroupedExperts) -> Tensor:
+    def __call__(self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor:
         ranks, local = self.comm.size(self.axis), experts.local_experts
         send_counts = counts.to(torch.int64).reshape(ranks * local)
         received = self.comm.all_to_all(send_counts.contiguous(), self.axis, scatter_dim=0, gather_dim=0)

@@ -11,6 +11,8 @@ from torch import nn
 
 from plait.errors import LayoutError
 from plait.layout import Layout, PipelineSchedule, TpMode
+from plait.models.hf import is_hf_model
+from plait.models.hf_moe import FAMILIES
 from plait.models.moe import MoE
 from plait.parallel.whole_tensor import WholeTensorOptimizer
 
@@ -37,6 +39,14 @@ def plan_expert_parallel(model: nn.Module, layout: Layout, optimizer: object = N
     when the model has none (then ep must be 1)."""
     layers = moe_modules(model)
     if not layers:
+        if layout.ep > 1 and is_hf_model(model):
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise LayoutError(
+                f"ep={layout.ep} splits the experts of Mixture-of-Experts layers, but {type(model).__name__} "
+                f"(model_type={model_type!r}) has none plait can split: plait runs the experts of the transformers "
+                f"families {', '.join(FAMILIES)} (plait.models.hf_moe). Fix: ep=1 (dp, tp and ZeRO train the model "
+                f"as it is), or a model of one of those families."
+            )
         if layout.ep > 1:
             raise LayoutError(
                 f"ep={layout.ep} splits the experts of Mixture-of-Experts layers, but {type(model).__name__} has none "
