@@ -29,6 +29,7 @@ from plait.checkpoint.slices import CheckpointSource
 from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models.hf_load import load_safetensors, read_config, read_hf_weights
+from plait.models.hf_moe import unfuse_expert_layout
 
 log = get_logger(__name__)
 HF_MODEL_KEY = "hf"
@@ -150,13 +151,15 @@ def export_hf(
         )
     specs = {name: (source.dtype(name), shapes[name]) for name in expected if name not in tied}
     config = cast(Any, model).config
+    # an MoE family's experts in the per-expert layout save_pretrained writes (what from_pretrained reads back)
+    specs, read = unfuse_expert_layout(specs, source.whole, str(getattr(config, "model_type", "")))
     config.architectures = [type(model).__name__]
     with outputs.staged(out) as tmp:
         tmp.mkdir()
         config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None and cast(Any, model).can_generate():
             cast(Any, model).generation_config.save_pretrained(str(tmp))
-        writer.write_sharded(tmp, specs, source.whole, HF_SHARD_BYTES, {"format": "pt"})
+        writer.write_sharded(tmp, specs, read, HF_SHARD_BYTES, {"format": "pt"})
         written = sorted(entry.name for entry in tmp.iterdir())
         marker = {"written_by": "plait convert", "source": str(checkpoint), "step": meta.get("step"), "files": written}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2))

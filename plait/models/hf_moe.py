@@ -41,7 +41,7 @@ recognised by ``config.model_type`` and class names.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +285,50 @@ def fuse_expert_layout(state: dict[str, Tensor], model_type: str) -> dict[str, T
     return out
 
 
+def unfuse_expert_layout(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], read: Callable[[str], Tensor], model_type: str
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Callable[[str], Tensor]]:
+    """The inverse of ``fuse_expert_layout`` for a streaming writer: ``specs`` (name -> (dtype, shape)) with a
+    listed family's fused ``experts.gate_up_proj`` / ``experts.down_proj`` replaced by the per-expert tensors
+    ``save_pretrained`` writes (in place, expert by expert), and a reader of those names that reads each fused
+    tensor once (the last one read is kept: the writer asks for a fused tensor's pieces one after another)."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        return specs, read
+    gate, up, down = family.legacy
+    pieces: dict[str, tuple[str, int, slice | None]] = {}  # per-expert name -> (fused name, expert, rows)
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, (dtype, shape) in specs.items():
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+            out[name] = (dtype, shape)
+            continue
+        saved = prefix if family.legacy_block is None else prefix.replace(".mlp.", f".{family.legacy_block}.")
+        experts, rows, cols = shape
+        for expert in range(experts):
+            if kind == "gate_up_proj":
+                half = rows // 2
+                for part, span in ((gate, slice(0, half)), (up, slice(half, rows))):
+                    key = f"{saved}.{expert}.{part}.weight"
+                    out[key], pieces[key] = (dtype, (half, cols)), (name, expert, span)
+            else:
+                key = f"{saved}.{expert}.{down}.weight"
+                out[key], pieces[key] = (dtype, (rows, cols)), (name, expert, None)
+    last: dict[str, Tensor] = {}
+
+    def read_piece(key: str) -> Tensor:
+        if key not in pieces:
+            return read(key)
+        fused, expert, span = pieces[key]
+        if fused not in last:
+            last.clear()
+            last[fused] = read(fused)
+        tensor = last[fused][expert]
+        return (tensor if span is None else tensor[span]).contiguous()
+
+    return out, read_piece
+
+
 __all__ = [
     "FAMILIES",
     "Family",
@@ -294,4 +338,5 @@ __all__ = [
     "balance_settings",
     "family_of",
     "fuse_expert_layout",
+    "unfuse_expert_layout",
 ]
