@@ -76,6 +76,11 @@ class Implementation:
         rail_collectives: ring collectives (all-reduce, all-gather, reduce-scatter) that cross nodes spread their
             traffic over the NICs of all the group's ranks in a node (NCCL's channels, one per NIC:
             ``group_link``); False: each rank's own link carries it.
+        expert_tp: Mixture-of-Experts layers split each routed expert over tp too (Megatron-Core's expert tensor
+            parallelism with ETP = TP); False: the routed experts are whole on every tp rank (plait; ETP = 1).
+        fold_experts: an ep group is laid out over consecutive ranks whatever tp is (Megatron-Core's "parallel
+            folding" with ETP = 1: experts over the tp ranks too); False: ep groups are data ranks, stride tp
+            (plait's mesh, ``plait.planner.experts.ep_stride``).
     """
 
     name: str = "plait"
@@ -93,6 +98,8 @@ class Implementation:
     comm_efficiency: float = COMM_EFFICIENCY
     reserved_bytes: float = 2 * 2**30
     rail_collectives: bool = True
+    expert_tp: bool = False
+    fold_experts: bool = False
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -279,7 +286,10 @@ def _ring_factors(op: str, n: int) -> tuple[float, float]:
 @dataclass(frozen=True)
 class BlockTime:
     """Seconds one transformer block keeps a device busy for one micro-batch, by pass; ``*_comm`` are the
-    exposed tensor/context-parallel collectives inside that pass."""
+    exposed tensor/context-parallel collectives (and expert parallelism's token exchange) inside that pass;
+    ``tp`` the tensor-parallel collectives of one forward (or backward) pass, ``ep`` the token exchange's forward +
+    backward and ``ep_recompute`` its forward again under recomputation (``plait.planner.experts``), all already
+    inside ``*_comm``."""
 
     forward: float
     backward: float
@@ -288,6 +298,9 @@ class BlockTime:
     backward_comm: float
     recompute_comm: float
     flops: float  # forward FLOPs of this block on this device
+    tp: float = 0.0
+    ep: float = 0.0
+    ep_recompute: float = 0.0
 
 
 def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e: int, flash: bool) -> float:
@@ -364,6 +377,7 @@ def block_time(
         backward_comm=2 * tp_one + cp_bwd_exposed,
         recompute_comm=recompute_comm,
         flops=flops,
+        tp=2 * tp_one,
     )
 
 
