@@ -53,7 +53,7 @@ HF_MOE = {  # transformers config class, tiny fields, parameters the spec leaves
         ("proj.bias", "shared_expert_gate"),
     ),
     "Qwen3MoeConfig": (
-        {"num_experts": 4, "intermediate_size": 40, "moe_intermediate_size": 8, "head_dim": 8, "mlp_only_layers": [0]},
+        {"num_experts": 4, "intermediate_size": 40, "moe_intermediate_size": 8, "head_dim": 16, "mlp_only_layers": [0]},
         ("q_norm", "k_norm"),
     ),
     "OlmoeConfig": ({"num_experts": 8, "intermediate_size": 8, "num_key_value_heads": 4}, ("q_norm", "k_norm")),
@@ -64,7 +64,8 @@ HF_MOE = {  # transformers config class, tiny fields, parameters the spec leaves
 def test_hf_moe_configs_count_what_transformers_builds(name):
     """Each MoE family's config, read as plait plan reads config.json, counts the parameters transformers builds
     from it, except the small ones the spec does not describe (named: Qwen2-MoE's q/k/v biases and shared-expert
-    gate, the q/k norms), and its active parameters are those of top_k routed experts."""
+    gate, the q/k norms), and its active parameters are those of top_k routed experts. Qwen3-MoE's heads here are
+    twice hidden / heads wide (its head_dim key, as Qwen3-30B-A3B's 128 with hidden 2048 and 32 heads)."""
     transformers = pytest.importorskip("transformers")
     fields, left_out = HF_MOE[name]
     base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4}
@@ -315,3 +316,28 @@ def test_estimate_for_a_module_splits_its_grouped_experts():
     dense = model.num_parameters() - routed
     assert from_module.parameters == from_config.parameters == 4 * dense + 4 * routed / 4  # ZeRO-1: whole params
     assert from_module.optimizer_states == from_config.optimizer_states == 8 * dense / 4 + 8 * routed / 4 / 1
+
+
+def test_cli_plans_and_simulates_an_hf_moe_config(tmp_path, capsys):
+    """plait plan --model config.json of a Mixtral-shaped model writes a run configuration with its ep; simulate
+    takes ep in --layout and shows the exchange in the breakdown."""
+    from plait.cli.main import main
+    from plait.train.config import load_config
+
+    config = {
+        "model_type": "mixtral", "num_hidden_layers": 8, "hidden_size": 1024, "intermediate_size": 3584,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "max_position_embeddings": 4096, "hidden_act": "silu",
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "run.toml"
+    args = ["plan", "--model", str(path), "--gpus", "16", "--gpu", "h100", "--global-batch", "64", "--out", str(out)]
+    assert main(args) == 0
+    assert "B active)" in capsys.readouterr().out  # the plan's title: total and active parameters
+    run = load_config(out)
+    assert run.model["hf_config"] == str(path) and run.layout.world_size == 16
+    assert 8 % run.layout.ep == 0 and (run.layout.dp * run.layout.cp) % run.layout.ep == 0
+    layout = "dp=16,ep=8,zero=1,microbatches=4"
+    assert main(["simulate", "--model", str(path), "--gpu", "h100", "--global-batch", "64", "--layout", layout]) == 0
+    assert "ep comm" in capsys.readouterr().out

@@ -307,7 +307,7 @@ def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e:
     """HBM bytes the memory-bound operators of one block's forward pass move on one device."""
     tokens = batch * seq_q
     replicated = 15 * spec.hidden * e * tokens / (tp if sp else 1)
-    split = ((3 if spec.gated else 2) * spec.ffn + 6 * spec.hidden) * e * tokens / tp
+    split = ((3 if spec.gated else 2) * spec.ffn + 6 * spec.q_width) * e * tokens / tp
     scores = 0.0 if flash else 4.5 * spec.heads * seq_q * seq_q * e * batch / tp
     return replicated + split + scores
 
@@ -352,7 +352,7 @@ def block_time(
         hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency, rails=impl.rail_collectives
     )
     cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
-    attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
+    attention_fwd = spec.attention_core_flops(micro_batch, s_local, seq) / t / peak
     cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_fwd
     cp_bwd_exposed = (
         max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_bwd
@@ -396,7 +396,7 @@ def _context_comm(
     if layout.cp_mode == CpMode.RING:
         step = collective_time(hw, "send_recv", kv_bytes, 2, inter, impl.comm_efficiency)
         return (cp - 1) * step, 2 * (cp - 1) * step
-    q_bytes = micro_batch * seq * spec.hidden * e / layout.tp  # the full sequence's heads, redistributed
+    q_bytes = micro_batch * seq * spec.q_width * e / layout.tp  # the full sequence's heads, redistributed
     kv_full = micro_batch * seq * 2 * spec.kv * spec.head_dim * e / layout.tp
     one_way = 2 * collective_time(hw, "all_to_all", q_bytes, cp, inter, impl.comm_efficiency) + collective_time(
         hw, "all_to_all", kv_full, cp, inter, impl.comm_efficiency

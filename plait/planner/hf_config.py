@@ -15,6 +15,9 @@ Decoder-only dense families, each with the keys its config class uses (transform
                   (or multi_query: 1); MLP ffn_hidden_size or 4h; max_position_embeddings (newer configs)
     mpt           n_layers, d_model, n_heads, expansion_ratio x d_model, max_seq_len      GELU     ALiBi / learned
 
+A ``head_dim`` key that is not hidden / heads (Qwen3, Gemma: wider heads than the width divides into) sets
+``ModelSpec.attention_head_dim``: q and the attention's output are heads x head_dim wide.
+
 ALiBi models (BLOOM, MPT with ``attn_config.alibi``, Falcon with ``alibi``) have no trained context length: their
 config may have no context key, and they are planned at the sequence length given with ``seq`` (``--seq``);
 without it the error names the missing key and the fix. Encoder-decoder configs are refused. ``tie_word_embeddings``
@@ -118,6 +121,9 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str, seq: 
         kv = 1
     else:
         kv = int(first("kv head count", "num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads))
+    head_dim = data.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+        raise ConfigError(f"{where}: head_dim={head_dim!r} must be a positive whole number. Fix: correct it.")
     ratio = data.get("expansion_ratio")
     ffn_default = int(ratio * hidden) if isinstance(ratio, (int, float)) else 4 * hidden
     context = next((data[key] for key in CONTEXT_KEYS if data.get(key) is not None), None)
@@ -147,6 +153,7 @@ def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str, seq: 
         learned_positions=kind in LEARNED_POSITIONS or (kind == "mpt" and not alibi),
         bias=bias,
         dropout=_dropout(data, attn),
+        attention_head_dim=head_dim if head_dim and head_dim * heads != hidden else None,
         **moe,
     )
     return spec

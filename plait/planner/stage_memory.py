@@ -137,7 +137,7 @@ def _moe_terms(spec: ModelSpec, fwd: Forward, kind: str, ep: int) -> tuple[tuple
 
 def _largest_matrix(spec: ModelSpec) -> float:
     """Parameters of a block's largest weight matrix (the MLP's, or q/k/v's when they are wider)."""
-    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.hidden + 2 * spec.kv * spec.head_dim)))
+    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.q_width + 2 * spec.kv * spec.head_dim)))
 
 
 def stage_memory(
