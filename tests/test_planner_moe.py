@@ -341,3 +341,21 @@ def test_cli_plans_and_simulates_an_hf_moe_config(tmp_path, capsys):
     layout = "dp=16,ep=8,zero=1,microbatches=4"
     assert main(["simulate", "--model", str(path), "--gpu", "h100", "--global-batch", "64", "--layout", layout]) == 0
     assert "ep comm" in capsys.readouterr().out
+
+
+def test_heads_wider_than_hidden_over_heads_are_counted():
+    """A config's head_dim that is not hidden / heads (Qwen3: 128 with hidden 1024 and 16 heads in the 0.6B) sets
+    the width of q and of the attention's output: the parameters transformers builds (the q/k norms aside), and
+    4 s a d FLOPs for the scores. Before, the reader ignored head_dim and counted hidden-wide q and o."""
+    transformers = pytest.importorskip("transformers")
+    fields = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2}
+    config = transformers.Qwen3Config(
+        **fields, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, head_dim=16
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n)
+    spec = spec_from_hf_dict(config.to_dict(), "qwen3", "qwen3")
+    assert spec.q_width == 64 and spec.parameters == sum(p.numel() for p in model.parameters()) - norms
+    assert spec.attention_core_flops(1, 8) == 4 * 8 * 8 * 64
+    with pytest.raises(ConfigError, match="head_dim = d_model / n_head"):
+        spec.to_gpt_config()
