@@ -78,9 +78,14 @@ class Implementation:
             ``group_link``); False: each rank's own link carries it.
         expert_tp: Mixture-of-Experts layers split each routed expert over tp too (Megatron-Core's expert tensor
             parallelism with ETP = TP); False: the routed experts are whole on every tp rank (plait; ETP = 1).
-        fold_experts: an ep group is laid out over consecutive ranks whatever tp is (Megatron-Core's "parallel
-            folding" with ETP = 1: experts over the tp ranks too); False: ep groups are data ranks, stride tp
-            (plait's mesh, ``plait.planner.experts.ep_stride``).
+        fold_experts: Megatron-Core's "parallel folding" with ETP = 1 (Liu et al. 2025): the experts are split over
+            ep x tp consecutive ranks (the layout's ep data ranks and their tp ranks), each exchanging its own
+            sequence-parallel share of the tokens; False: over ep data ranks, tp apart, each tp rank routing every
+            token without sequence parallelism (plait's mesh, ``plait.planner.experts.exchange_group``).
+        overlap_ep: the token exchange runs beside another micro-batch's compute (Megatron-Core's batch-level
+            overlap, ``--overlap-moe-expert-parallel-comm``): only what exceeds the block's own compute is exposed.
+        family: whose compute efficiency this is (``hardware.EFFICIENCY_FITTED_ON``): an efficiency belongs to an
+            implementation on a hardware generation, fitted on that implementation's own published runs.
     """
 
     name: str = "plait"
@@ -100,6 +105,8 @@ class Implementation:
     rail_collectives: bool = True
     expert_tp: bool = False
     fold_experts: bool = False
+    overlap_ep: bool = False
+    family: str = "plait"
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -109,11 +116,18 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # from their papers and code, not fitted
     # Megatron-LM 2021-22 (Narayanan et al. 2021, Korthikanti et al. 2022): local DDP reduces gradients after the
     # backward pass; fused softmax, no flash attention; pipeline scatter/gather
-    "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False, overlap_p2p=False),
+    "megatron-2021": Implementation(
+        name="megatron-2021", overlap_dp=False, flash_attention=False, overlap_p2p=False, family="megatron"
+    ),
     # Megatron-DeepSpeed (MT-NLG, BLOOM): DeepSpeed's pipeline engine (1F1B, whole activations between stages,
     # gradients reduced after the pipeline drains), Megatron's fused kernels, no flash attention
     "megatron-deepspeed": Implementation(
-        name="megatron-deepspeed", overlap_dp=False, flash_attention=False, scatter_gather=False, overlap_p2p=False
+        name="megatron-deepspeed",
+        overlap_dp=False,
+        flash_attention=False,
+        scatter_gather=False,
+        overlap_p2p=False,
+        family="megatron-deepspeed",
     ),
     # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered module by module with prefetch,
     # at most stage3_max_live_parameters (1e9) alive, released after use unless reused within
@@ -127,17 +141,27 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         zero3_reuse_limit=1e9,
         zero3_live_limit=1e9,
         rail_collectives=False,
+        family="deepspeed",
     ),
     # MosaicML Composer + PyTorch FSDP (llm-foundry): FULL_SHARD with prefetch, triton flash attention; mixed
     # precision DEFAULT reduces fp32 gradients, PURE bf16 ones
-    "composer-fsdp": Implementation(name="composer-fsdp", grad_bytes=4),
-    "composer-fsdp-pure": Implementation(name="composer-fsdp-pure", grad_bytes=2),
+    "composer-fsdp": Implementation(name="composer-fsdp", grad_bytes=4, family="composer"),
+    "composer-fsdp-pure": Implementation(name="composer-fsdp-pure", grad_bytes=2, family="composer"),
     # Meta's Llama 3 stack (Dubey et al. 2024, sec. 3.3): FSDP over dp (gradients reduce-scattered in fp32),
     # Megatron-style tp with sequence parallelism, interleaved pipeline, all-gather context parallelism, flash attention
-    "llama3": Implementation(name="llama3", grad_bytes=4),
+    "llama3": Implementation(name="llama3", grad_bytes=4, family="llama3"),
     # torchtitan (Liang et al. 2024): FSDP2 (per-parameter sharding, implicit prefetch), SDPA flash attention,
     # bf16 parameters with gradients reduce-scattered in fp32
-    "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4),
+    "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4, family="torchtitan"),
+    # Megatron-Core 2024-25 with MoE (its MoE README and Liu et al. 2025, "MoE Parallel Folding"): the distributed
+    # optimizer (ZeRO-1) reducing fp32 gradients (bf16 training accumulates and reduces them in fp32) with the
+    # reduction and the parameter gather overlapped, TransformerEngine's fused attention, interleaved pipeline with
+    # overlapped p2p, experts laid out by parallel folding (ETP = 1: over the ep x tp ranks), all-to-all dispatch
+    "megatron-core": Implementation(name="megatron-core", grad_bytes=4, fold_experts=True, family="megatron-core"),
+    # the same with the token exchange overlapped with another micro-batch's compute ("1F1B A2A overlap")
+    "megatron-core-overlap": Implementation(
+        name="megatron-core-overlap", grad_bytes=4, fold_experts=True, overlap_ep=True, family="megatron-core"
+    ),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
     # reduces and copies on the same processors the ranks compute on, so nothing overlaps: not the gradient
     # reduction, not ring attention's K/V passes, and not the pipeline's sends and receives (each chunk pays its

@@ -20,9 +20,9 @@ S = n_r k h e bytes of routed rows (n_r its routed tokens, e bytes an element) t
 expert and gets them back: two all-to-alls forward (dispatch, combine), two backward, and, under full or
 per-operator recomputation, the forward two again; plus a count exchange of the P x E / P split sizes (int64)
 each forward. An all-to-all over P ranks (``all_to_all_time``) keeps S / P and sends S / P to each peer. In plait's
-rank order (pp, dp, cp, tp innermost) an ep group is P consecutive data ranks, stride tp (``ep_stride``;
-Megatron-Core's parallel folding lays experts out over the tp ranks too: stride 1 when the experts are not split
-over tp). Its bytes to peers in the same node ride the node's links, those to other nodes the device's own NIC,
+rank order (pp, dp, cp, tp innermost) an ep group is P consecutive data ranks, stride tp (``exchange_group``;
+Megatron-Core's parallel folding lays them out over the tp ranks too: ep x tp consecutive ranks, each with its own
+sequence-parallel share of the tokens). Its bytes to peers in the same node ride the node's links, those to other nodes the device's own NIC,
 those beyond a leaf switch its share of the spine, all at once:
 
     t = (P - 1) alpha + max over levels L of  S (P - m_L) / P / (B_L x efficiency)
@@ -84,8 +84,9 @@ def stage_parameters(spec: ModelSpec, blocks: Iterable[int], first: bool, last: 
 
 
 def expert_split(layout: Layout, impl: Implementation) -> int:
-    """How many ways a rank's routed experts are split: ep, and tp where the implementation splits experts too."""
-    return layout.ep * (layout.tp if impl.expert_tp else 1)
+    """How many ways a rank's routed experts are split: ep, and tp where the implementation splits experts over it
+    too (``Implementation.expert_tp``, or folds them over the tp ranks: ``fold_experts``)."""
+    return layout.ep * (layout.tp if (impl.expert_tp or impl.fold_experts) else 1)
 
 
 def routed_layout(layout: Layout) -> Layout:
@@ -99,8 +100,9 @@ def routed_layout(layout: Layout) -> Layout:
 # ---------------------------------------------------------------------- the token exchange
 def routed_split(layout: Layout, impl: Implementation) -> int:
     """How many ways a tp group splits the routed tokens: t under sequence parallelism (each rank routes its own
-    chunk) or where the implementation splits experts over tp, else 1 (plait: each tp rank routes every token)."""
-    return layout.tp if (layout.sequence_parallel or impl.expert_tp) else 1
+    chunk) or where the implementation splits or folds experts over tp, else 1 (plait: each tp rank routes every
+    token)."""
+    return layout.tp if (layout.sequence_parallel or impl.expert_tp or impl.fold_experts) else 1
 
 
 def exchange_bytes(spec: ModelSpec, layout: Layout, impl: Implementation, micro_batch: int, seq: int) -> float:
@@ -110,11 +112,12 @@ def exchange_bytes(spec: ModelSpec, layout: Layout, impl: Implementation, micro_
     return tokens * spec.top_k * spec.hidden * act_bytes(layout.precision)
 
 
-def ep_stride(layout: Layout, impl: Implementation) -> int:
-    """Distance in ranks between neighbours of an ep group (module docstring)."""
-    if impl.fold_experts and not impl.expert_tp:
-        return 1
-    return layout.tp
+def exchange_group(layout: Layout, impl: Implementation) -> tuple[int, int]:
+    """(ranks, stride) of the group a token exchange runs in: plait's ep data ranks, tp apart (module docstring);
+    Megatron-Core's folded ep x tp consecutive ranks (``Implementation.fold_experts``)."""
+    if impl.fold_experts:
+        return layout.ep * layout.tp, 1
+    return layout.ep, layout.tp
 
 
 def all_to_all_time(hw: Hardware, nbytes: float, n: int, stride: int, comm_efficiency: float) -> float:
@@ -147,11 +150,12 @@ def exchange_time(
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's token exchange for one micro-batch: forward the count
     exchange and two all-to-alls of S, backward two."""
-    if layout.ep == 1:
+    ranks, stride = exchange_group(layout, impl)
+    if ranks == 1:
         return 0.0, 0.0
-    stride, eff = ep_stride(layout, impl), impl.comm_efficiency
-    one = all_to_all_time(hw, exchange_bytes(spec, layout, impl, micro_batch, seq), layout.ep, stride, eff)
-    counts = all_to_all_time(hw, COUNT_BYTES * spec.experts, layout.ep, stride, eff)
+    eff = impl.comm_efficiency
+    one = all_to_all_time(hw, exchange_bytes(spec, layout, impl, micro_batch, seq), ranks, stride, eff)
+    counts = all_to_all_time(hw, COUNT_BYTES * spec.experts, ranks, stride, eff)
     return 2 * one + counts, 2 * one
 
 
@@ -195,6 +199,8 @@ def moe_block_time(
     tp_one = dense.tp / 2  # one of the dense block's two tp collectives per pass
     tp = tp_one * (1 + (1 if spec.shared_experts else 0))
     ep_fwd, ep_bwd = exchange_time(spec, hw, impl, layout, micro_batch, seq)
+    if impl.overlap_ep:  # hidden behind another micro-batch's compute as far as the block's own compute lasts
+        ep_fwd, ep_bwd = max(0.0, ep_fwd - forward), max(0.0, ep_bwd - 2 * forward)
     mode = recompute_mode(layout)
     recompute, recompute_comm = dense.recompute, dense.recompute_comm
     if mode in ("full", "blocks"):
@@ -233,8 +239,14 @@ def gradient_groups(layout: Layout) -> tuple[tuple[int, int], tuple[int, int]]:
     return (data, span), (data // layout.ep, span)
 
 
-def check_experts(spec: ModelSpec, layout: Layout) -> str | None:
-    """Why ``layout``'s ep cannot split ``spec``'s experts (None when it can): the message of a LayoutError."""
+def check_experts(spec: ModelSpec, layout: Layout, impl: Implementation | None = None) -> str | None:
+    """Why ``layout``'s ep cannot split ``spec``'s experts under ``impl`` (None when it can): the message of a
+    LayoutError."""
+    if impl is not None and impl.fold_experts and spec.experts and spec.experts % expert_split(layout, impl):
+        return (
+            f"ep={layout.ep} x tp={layout.tp} (experts folded over the tp ranks) does not divide the {spec.experts} "
+            f"experts of {spec.name}. Fix: an ep x tp dividing {spec.experts}."
+        )
     if layout.ep == 1:
         return None
     if not spec.experts:
@@ -272,7 +284,7 @@ __all__ = [
     "block_times",
     "check_experts",
     "ep_options",
-    "ep_stride",
+    "exchange_group",
     "exchange_bytes",
     "exchange_time",
     "expert_split",

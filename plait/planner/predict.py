@@ -139,7 +139,7 @@ class Prediction:
         }
 
 
-def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
+def check_layout(spec: ModelSpec, layout: Layout, global_batch: int, impl: Implementation | None = None) -> int:
     """Raise LayoutError (problem + fix) for a layout this model cannot use; return the micro-batch size."""
     if spec.heads % layout.tp or (spec.kv % layout.tp and layout.tp % spec.kv):
         raise LayoutError(
@@ -173,7 +173,7 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
             f"recompute={list(layout.recompute)} names block {max(layout.recompute)}, but {spec.name} has "
             f"{spec.layers} blocks. Fix: block indices below {spec.layers}."
         )
-    problem = check_experts(spec, layout)
+    problem = check_experts(spec, layout, impl)
     if problem:
         raise LayoutError(problem)
     return layout.check_batch(global_batch)
@@ -297,7 +297,7 @@ def predict(
     layout = layout.resolve(world_size) if world_size is not None else layout
     if global_batch is None:
         global_batch = layout.dp * layout.microbatches
-    b = check_layout(spec, layout, global_batch)
+    b = check_layout(spec, layout, global_batch, impl)
     s, t, p, v, m = spec.seq, layout.tp, layout.pp, layout.virtual_stages, layout.microbatches
     e = act_bytes(layout.precision)
     n_shard = layout.dp * layout.cp
