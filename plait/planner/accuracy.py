@@ -163,7 +163,7 @@ def default_evaluation() -> tuple[dict[str, tuple[float, dict[str, float]]], lis
     return fitted, evaluate(fitted=fitted)
 
 
-def _stats(errors: list[float]) -> str:
+def error_stats(errors: list[float]) -> str:
     if not errors:
         return "-"
     absolute = [abs(e) for e in errors]
@@ -228,13 +228,13 @@ def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, floa
         )
         + ".",
         "",
-        f"- in-sample (fitting rows): {_stats(stats['in_sample'])}",
-        f"- leave-one-out (fitting rows, each predicted by a fit without it): {_stats(stats['leave_one_out'])}",
+        f"- in-sample (fitting rows): {error_stats(stats['in_sample'])}",
+        f"- leave-one-out (fitting rows, each predicted by a fit without it): {error_stats(stats['leave_one_out'])}",
         f"- out-of-sample ({', '.join(stats['out_of_sample_papers'])}: papers not used for fitting): "
-        f"{_stats(stats['out_of_sample'])}",
-        f"- out-of-table (other tables of a fitting source): {_stats(stats['out_of_table'])}",
-        f"- test rows of the implementation each efficiency was fitted on: {_stats(stats['own'])}; of other "
-        f"implementations, borrowing it: {_stats(stats['borrowed'])}",
+        f"{error_stats(stats['out_of_sample'])}",
+        f"- out-of-table (other tables of a fitting source): {error_stats(stats['out_of_table'])}",
+        f"- test rows of the implementation each efficiency was fitted on: {error_stats(stats['own'])}; of other "
+        f"implementations, borrowing it: {error_stats(stats['borrowed'])}",
         f"- published layouts predicted not to fit their GPUs: {len(stats['not_fitting'])}"
         + "".join(f"; {s.run.label}: {s.memory_gib:.1f} of {s.limit_gib:.1f} GiB" for s in stats["not_fitting"]),
         f"- pending (not predicted): {len(stats['pending'])}",
@@ -246,14 +246,15 @@ def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, floa
         rows = [s for s in scored if s.run.source == source and s.error is not None]
         loo = [s.loo_error for s in rows if s.loo_error is not None]
         role = SOURCES[source].role
-        text = f"- {source} ({role}): {_stats([s.error for s in rows if s.error is not None])}"
-        lines.append(text + (f"; leave-one-out {_stats(loo)}" if loo else ""))
+        text = f"- {source} ({role}): {error_stats([s.error for s in rows if s.error is not None])}"
+        lines.append(text + (f"; leave-one-out {error_stats(loo)}" if loo else ""))
     return "\n".join(lines)
 
 
 __all__ = [
     "Scored",
     "default_evaluation",
+    "error_stats",
     "evaluate",
     "fit",
     "markdown",

@@ -42,7 +42,7 @@ from plait.layout import RECOMPUTE_MODES, Layout, PipelineSchedule
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
 from plait.planner.experts import ep_options, expert_split, routed_layout, routed_parameters
-from plait.planner.hardware import Hardware, get_hardware
+from plait.planner.hardware import EFFICIENCY_FITTED_ON, Hardware, get_hardware
 from plait.planner.inter_op import inter_op_plan
 from plait.planner.intra_op import IntraOpPlan, block_operators, solve_intra_op
 from plait.planner.models import ModelSpec, resolve_model
@@ -274,6 +274,14 @@ def plan(
     exact.sort(key=lambda p: (round(p.step_time, 12), p.memory.device))
     result = PlanResult(spec, hw, world_size, batch, exact[:top], evaluated, pruned, time.perf_counter() - started)
     result.notes.extend(_pass_notes(intra, spec, hw, result.best, precision))
+    owner = EFFICIENCY_FITTED_ON.get(hw.generation)
+    if owner and owner != impl.family:
+        result.notes.append(
+            f"compute efficiency {hw.compute_efficiency:.3f}: the {hw.generation} generation's, fitted on {owner}'s "
+            f"published runs, not {impl.family}'s (an efficiency belongs to an implementation on a hardware); "
+            f"plait's own is what plait calibrate measures on the machine it runs on (--gpu this-machine; CPU ranks "
+            f"today)"
+        )
     logger.info(
         "planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s",
         spec.name,
