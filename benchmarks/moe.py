@@ -1,7 +1,8 @@
 """plait's Mixture-of-Experts against DeepSpeed-MoE, and expert parallelism against none, at equal world size.
 
 ``python -m benchmarks.moe [--steps 5] [--warmup 2] [--rounds 3] [--deepspeed /work/ds-venv/bin/python]
-[--out BENCHMARKS.md]`` trains one model, a 4-block GPT (d 128, 4 heads, sequence 128) whose every feed-forward is
+[--out BENCHMARKS.md]`` (``--curves DENSE_RUN MOE_RUN --png F``: the held-out curves of two ``plait train`` runs
+instead, docs/expert_parallel.md) trains one model, a 4-block GPT (d 128, 4 heads, sequence 128) whose every feed-forward is
 8 GELU experts of width 256 with top-2 routing, on 2 gloo ranks in fp32 (one intra-op thread each), DDP-style
 (no ZeRO), AdamW, a global batch of 8 sequences in 4 micro-batches of one sequence per rank:
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -242,14 +244,73 @@ def _merge(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {**good[0], "median": statistics.median(row["median"] for row in good)}
 
 
+def curves(dense: Path, moe: Path, png: Path | None = None) -> str:
+    """The held-out curves of two ``plait train`` runs (``--preset stdlib-lm`` and ``--preset stdlib-moe``) side by
+    side: a Markdown table of held-out loss, perplexity and accuracy at each evaluation, the mean training loss of
+    the last 50 steps and tokens/s, and (``png``) the picture of docs/expert_parallel.md."""
+    from plait.train.metrics import read_metrics
+
+    runs = {
+        "dense (stdlib-lm)": read_metrics(dense / "metrics.jsonl"),
+        "MoE (stdlib-moe)": read_metrics(moe / "metrics.jsonl"),
+    }
+    evals = {name: [r for r in records if r["kind"] == "eval"] for name, records in runs.items()}
+    trains = {name: [r for r in records if r["kind"] == "train"] for name, records in runs.items()}
+    steps = [r["step"] for r in next(iter(evals.values()))]
+    lines = ["| run | " + " | ".join(f"step {s}" for s in steps) + " | train loss, last 50 | tokens/s |"]
+    lines.append("| --- | " + " | ".join("---" for _ in steps) + " | --- | --- |")
+    for name in runs:
+        by_step = {r["step"]: r for r in evals[name]}
+        cells = [
+            f"{by_step[s]['loss']:.3f} ({math.exp(by_step[s]['loss']):.0f}, {100 * by_step[s]['accuracy']:.1f}%)"
+            if s in by_step else "" for s in steps
+        ]  # fmt: skip
+        tail = [r["loss"] for r in trains[name][-50:]]
+        rate = statistics.median(r["tokens_per_s"] for r in trains[name])
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {statistics.fmean(tail):.3f} | {rate:,.0f} |")
+    if png is not None:
+        _plot(trains, evals, png)
+    return "\n".join(lines)
+
+
+def _plot(trains: dict[str, list[dict[str, Any]]], evals: dict[str, list[dict[str, Any]]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for (name, train), color in zip(trains.items(), ("tab:blue", "tab:red")):
+        losses = [r["loss"] for r in train]
+        smooth = [statistics.fmean(losses[max(0, i - 19) : i + 1]) for i in range(len(losses))]
+        ax.plot([r["step"] for r in train], smooth, color=color, lw=1, alpha=0.6, label=f"{name}: train (20-step mean)")
+        ax.plot([r["step"] for r in evals[name]], [r["loss"] for r in evals[name]], "o-", color=color,
+                label=f"{name}: held-out")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylim(3.5, 8.5)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title("stdlib corpus: MoE (8 experts, top-2) vs dense, same active parameters")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--curves", nargs=2, metavar=("DENSE_RUN", "MOE_RUN"), help="compare two plait train run folders instead"
+    )
+    parser.add_argument("--png", help="with --curves: draw the picture here")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--deepspeed", help="python of a virtualenv with deepspeed (e.g. /work/ds-venv/bin/python)")
     parser.add_argument("--out", help="write the table into this file's <!-- bench:moe --> block (BENCHMARKS.md)")
     args = parser.parse_args(argv)
+    if args.curves:
+        print(curves(Path(args.curves[0]), Path(args.curves[1]), Path(args.png) if args.png else None))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     text = markdown(run(args), args)

@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-from helpers.gpt import OPTIMIZERS
 from helpers.harness import run_distributed
-from test_memory import _Activations
+from helpers.memory import measured_step
+from helpers.moe import MODEL
 
-import plait
-from plait import Layout, estimate_memory, measure_held
+from plait import Layout, estimate_memory
 from plait.errors import ConfigError, LayoutError
-from plait.models import GPT, GPTConfig, ModelSpec, lm_loss
+from plait.models import GPT, GPTConfig, ModelSpec
 from plait.planner import get_hardware, plan, predict
 from plait.planner.activations import Forward, block_bytes
 from plait.planner.costs import IMPLEMENTATIONS
@@ -28,20 +27,9 @@ H100 = get_hardware("h100")
 PLAIT = IMPLEMENTATIONS["plait"]
 MIXTRAL = ModelSpec("mixtral-8x7b", 32, 4096, 32, 14336, 32000, 4096, kv_heads=8, gated=True, experts=8, top_k=2)
 """Mixtral 8x7B (Jiang et al. 2024): 32 blocks of width 4096, 32 heads (8 kv), 8 SwiGLU experts of 14336, top-2."""
-TINY = {  # tests/helpers/moe.py's shape: 4 blocks, blocks 1 and 3 MoE, 8 experts of width 8, top-2, one shared
-    "vocab_size": 12,
-    "seq_len": 8,
-    "n_layer": 4,
-    "n_head": 4,
-    "d_model": 16,
-    "bias": False,
-    "n_experts": 8,
-    "top_k": 2,
-    "moe_d_ff": 8,
-    "n_shared_experts": 1,
-    "moe_start": 1,
-    "moe_every": 2,
-}
+TINY = {**MODEL, "vocab_size": 12, "seq_len": 8}
+"""tests/helpers/moe.py's model (4 blocks, blocks 1 and 3 MoE, 8 experts of width 8, top-2, one shared) on
+12-token vocabularies and 8-token rows."""
 
 
 # ---------------------------------------------------------------------- the model: configs, parameters, FLOPs
@@ -234,17 +222,8 @@ def test_moe_estimate_equals_measured_on_one_rank(overrides):
     batch = tuple(torch.randint(0, 12, (4, 8), generator=torch.Generator().manual_seed(i)) for i in (1, 2))
     modes = ("none", "selective", "full", (1,)) + (("op",) if config.mlp == "gelu" else ())
     for stage, recompute in [(0, mode) for mode in modes] + [(1, "none"), (3, "full")]:
-        torch.manual_seed(0)
-        engine = plait.parallelize(
-            GPT(config), Layout(zero=stage, recompute=recompute), optimizer=OPTIMIZERS["adamw"], loss_fn=lm_loss
-        )
-        held: dict[str, int] = {}
-        engine.before_optimizer_step.append(lambda e, held=held: held.update(measure_held(e)))
-        engine.train_step(batch)
-        with _Activations(engine) as saved:
-            engine.train_step(batch)
-        estimate = estimate_memory(config, engine.layout, engine.optimizer, activations={"batch": 4}, device="cpu")
-        assert saved.bytes == estimate.activations, (stage, recompute, saved.bytes, estimate.activations)
+        saved, held, estimate = measured_step(config, Layout(zero=stage, recompute=recompute), batch, 4)
+        assert saved == estimate.activations, (stage, recompute, saved, estimate.activations)
         for kind in ("parameters", "master_weights", "optimizer_states"):
             assert held[kind] == getattr(estimate, kind), (stage, recompute, kind)
         assert held["gradients"] == estimate.gradients_at_step
@@ -256,19 +235,10 @@ def _held_under_ep(world: int, ep: int, stages: tuple[int, ...]) -> dict:
     rank = torch.distributed.get_rank()
     batch = tuple(torch.randint(0, 12, (4, 8), generator=torch.Generator().manual_seed(10 * rank + i)) for i in (1, 2))
     out = {}
+    kinds = ("activations", "parameters", "master_weights", "optimizer_states", "gradients_at_step")
     for stage in stages:
-        torch.manual_seed(0)
-        layout = Layout(dp=world, ep=ep, zero=stage)
-        engine = plait.parallelize(GPT(config), layout, optimizer=OPTIMIZERS["adamw"], loss_fn=lm_loss)
-        held: dict[str, int] = {}
-        engine.before_optimizer_step.append(lambda e, held=held: held.update(measure_held(e)))
-        engine.train_step(batch)
-        with _Activations(engine) as saved:
-            engine.train_step(batch)
-        estimate = estimate_memory(config, engine.layout, engine.optimizer, activations={"batch": 4}, device="cpu")
-        kinds = ("activations", "parameters", "master_weights", "optimizer_states", "gradients_at_step")
-        out[stage] = (saved.bytes, held, {k: getattr(estimate, k) for k in kinds})
-        getattr(engine.strategy, "close", lambda: None)()
+        saved, held, estimate = measured_step(config, Layout(dp=world, ep=ep, zero=stage), batch, 4)
+        out[stage] = (saved, held, {k: getattr(estimate, k) for k in kinds})
     return out
 
 

@@ -33,23 +33,12 @@ def test_stdlib_moe_preset_trains_and_reports_its_experts(tmp_path, monkeypatch)
     from plait.train.loop import run
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
-    small = [
-        "data.corpus_mb=1",
-        "data.vocab=300",
-        "data.seq_len=32",
-        "model.n_layer=2",
-        "model.d_model=32",
-        "model.n_head=2",
-        "model.moe_d_ff=32",
-        "train.steps=6",
-        "train.global_batch=4",
-        "train.eval_every=6",
-        "train.eval_batches=1",
-        "train.save_every=6",
-        "train.log_every=1",
-        f"train.out={json.dumps(str(tmp_path / 'run'))}",
-    ]
-    config = load_config(None, small, preset="stdlib-moe")
+    small = {  # the preset made small: 1 MB of the corpus, a 300-token BPE, a 2-block d = 32 model, 6 steps
+        "data.corpus_mb": 1, "data.vocab": 300, "data.seq_len": 32, "model.n_layer": 2, "model.d_model": 32,
+        "model.n_head": 2, "model.moe_d_ff": 32, "train.steps": 6, "train.global_batch": 4, "train.eval_every": 6,
+        "train.eval_batches": 1, "train.save_every": 6, "train.log_every": 1, "train.out": str(tmp_path / "run"),
+    }  # fmt: skip
+    config = load_config(None, [f"{key}={json.dumps(value)}" for key, value in small.items()], preset="stdlib-moe")
     assert isinstance(model_config(config.model, 300, 32), GPTConfig)
     summary = run(config)
     assert math.isfinite(summary.eval_loss)

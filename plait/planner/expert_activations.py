@@ -168,20 +168,6 @@ def korthikanti_moe_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = 
     return dense + (moe - mlp) * scale
 
 
-def moe_block_bytes(
-    spec: ModelSpec,
-    fwd: Forward,
-    recompute: str = "none",
-    accounting: str = "plait",
-    ep: int = 1,
-    routing: Routing = PLAIT_ROUTING,
-) -> float:
-    """One MoE block's saved activations for one micro-batch under ``accounting`` and expert parallelism ``ep``."""
-    if accounting == "korthikanti":
-        return korthikanti_moe_block_bytes(spec, fwd, recompute)
-    return plait_moe_block_bytes(spec, fwd, recompute, ep, routing)
-
-
 def layer_bytes(
     spec: ModelSpec,
     fwd: Forward,
@@ -191,10 +177,13 @@ def layer_bytes(
     ep: int = 1,
     routing: Routing = PLAIT_ROUTING,
 ) -> float:
-    """Block ``index``'s saved activations: an MoE block's or a dense one's."""
-    if spec.is_moe_block(index):
-        return moe_block_bytes(spec, fwd, recompute, accounting, ep, routing)
-    return block_bytes(spec, fwd, recompute, accounting)
+    """Block ``index``'s saved activations for one micro-batch under ``accounting`` and expert parallelism ``ep``:
+    an MoE block's (module docstring) or a dense one's."""
+    if not spec.is_moe_block(index):
+        return block_bytes(spec, fwd, recompute, accounting)
+    if accounting == "korthikanti":
+        return korthikanti_moe_block_bytes(spec, fwd, recompute)
+    return plait_moe_block_bytes(spec, fwd, recompute, ep, routing)
 
 
 __all__ = [
@@ -202,7 +191,6 @@ __all__ = [
     "Routing",
     "korthikanti_moe_block_bytes",
     "layer_bytes",
-    "moe_block_bytes",
     "plait_moe_block_bytes",
     "plait_moe_ffn_bytes",
 ]

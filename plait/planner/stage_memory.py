@@ -16,7 +16,7 @@ from plait.layout import Layout, Offload, PipelineSchedule
 from plait.models.spec import ModelSpec
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
-from plait.planner.expert_activations import moe_block_bytes
+from plait.planner.expert_activations import layer_bytes
 from plait.planner.experts import expert_split, routed_layout
 from plait.planner.memory import CUDA_CACHING_OVERHEAD, _states
 from plait.planner.model_states import zero_paper_bytes
@@ -132,7 +132,7 @@ def _activation_terms(
 @functools.lru_cache(maxsize=65536)
 def _moe_terms(spec: ModelSpec, fwd: Forward, kind: str, ep: int) -> tuple[tuple[str, float], ...]:
     """One MoE block's bytes under each recompute mode, for one micro-batch (cached as ``_activation_terms``)."""
-    return tuple((m, moe_block_bytes(spec, fwd, m, kind, ep)) for m in ("none", "selective", "op", "full"))
+    return tuple((m, layer_bytes(spec, fwd, spec.moe_start, m, kind, ep)) for m in ("none", "selective", "op", "full"))
 
 
 def _largest_matrix(spec: ModelSpec) -> float:
