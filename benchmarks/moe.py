@@ -149,6 +149,14 @@ def theory() -> dict[str, float]:
     }
 
 
+def _state_ratio() -> float:
+    """Model states (parameters and AdamW states) per rank at ep = 2 over ep = 1: the routed experts halved."""
+    model = GPT(CONFIG)
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    total = sum(p.numel() for p in model.parameters())
+    return (total - routed / WORLD) / total
+
+
 def _a2a(row: dict[str, Any]) -> float:
     return sum(b for key, b in row["wire"].items() if "all_to_all" in key)
 
@@ -200,16 +208,24 @@ def _ratios(rows: dict[str, dict[str, Any]], law: dict[str, float], mode: str) -
             f"- plait ep=2 all-to-all bytes / uniform-routing theory: {_a2a(plait2) / law['plait a2a']:.3f} (theory "
             f"{law['plait a2a'] / 1e6:.3f} MB; the routers' actual choices move it)"
         )
+    if ds2 and mode != "dropless":
+        out.append(
+            f"- DeepSpeed ep=2 all-to-all bytes / its capacity-padded theory: {_a2a(ds2) / law['deepspeed a2a']:.3f} "
+            f"(theory {law['deepspeed a2a'] / 1e6:.3f} MB, whatever the routing)"
+        )
     if ds2 and plait2:
         padded = f"{law['deepspeed a2a'] / law['plait a2a']:.2f}" if mode != "dropless" else "E x max rows / (n k)"
         out.append(f"- DeepSpeed / plait all-to-all bytes at ep=2: {_a2a(ds2) / _a2a(plait2):.2f} (theory {padded})")
         out.append(f"- DeepSpeed / plait step time at ep=2: {ds2['median'] / plait2['median']:.2f}")
     if plait1 and plait2:
         theory_reduce = law["allreduce ep=2"] / law["allreduce ep=1"]
+        theory_total = (law["allreduce ep=2"] + law["plait a2a"]) / law["allreduce ep=1"]
+        total = (_reduce(plait2) + _a2a(plait2)) / max(_reduce(plait1) + _a2a(plait1), 1.0)
         out.append(
             f"- ep=2 / ep=1 at world 2, plait: step time {plait2['median'] / plait1['median']:.2f}, gradient "
-            f"all-reduce bytes {_reduce(plait2) / max(_reduce(plait1), 1.0):.3f} (theory {theory_reduce:.3f}), model "
-            f"states {plait2['model_state_bytes'] / plait1['model_state_bytes']:.3f}"
+            f"all-reduce bytes {_reduce(plait2) / max(_reduce(plait1), 1.0):.3f} (theory {theory_reduce:.3f}), all "
+            f"bytes {total:.3f} (theory {theory_total:.3f}), model states "
+            f"{plait2['model_state_bytes'] / plait1['model_state_bytes']:.3f} (theory {_state_ratio():.3f})"
         )
     if ds1 and ds2:
         out.append(
