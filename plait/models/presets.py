@@ -28,7 +28,6 @@ _LLAMA = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"n_layer": 2, "n_head": 4, "d_model": 64},
-    "small-moe": {"n_layer": 4, "n_head": 4, "d_model": 128, "n_experts": 8, "top_k": 2, "moe_d_ff": 256},
     "gpt2-small": {**_GPT2, "n_layer": 12, "n_head": 12, "d_model": 768},
     "gpt2-medium": {**_GPT2, "n_layer": 24, "n_head": 16, "d_model": 1024},
     "gpt2-large": {**_GPT2, "n_layer": 36, "n_head": 20, "d_model": 1280},
@@ -44,6 +43,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_ff": 8192,
         "rope_theta": 500000.0,
     },
+    "small-moe": {"n_layer": 4, "n_head": 4, "d_model": 128, "n_experts": 8, "top_k": 2, "moe_d_ff": 256},
 }
 """Preset name -> GPTConfig fields (without vocab_size and seq_len)."""
 
