@@ -9,4 +9,9 @@
 - ``measure.py``    medians, spreads, ratios, theory: one row (a dict) per contender
 - ``report.py``     the rich table on the console and the markdown tables of BENCHMARKS.md
 - ``run.py``        the command line and ``run_suite(name, world, steps, warmup, rounds)``
+
+Stand-alone comparisons, each with its own command (BENCHMARKS.md): ``muon.py`` (and DeepSpeed's Muon),
+``moe.py`` + ``moe_deepspeed.py`` (plait's MoE against DeepSpeed-MoE in its own virtualenv; ep against none),
+``recompute.py``, ``checkpoint.py``, ``param_server.py``, ``context_memory.py``, ``gpu.py``, ``data_prepare.py``,
+``planner_validation.py`` and ``planner_published.py``.
 """

@@ -86,3 +86,30 @@ def test_param_server_benchmark_measures_pushes_and_writes_its_block(tmp_path):
     text = out.read_text()
     assert text.startswith("intro\n<!-- bench:ps -->\n`python -m benchmarks.param_server`") and "old" not in text
     assert f"| tiny | after | asp | {SERVERS} | 2 | float32 |" in text and text.endswith("<!-- /bench:ps -->\noutro\n")
+
+
+@pytest.mark.timeout(300)
+def test_moe_benchmark_runs_plait_at_ep_2_and_1_and_reports_against_theory(tmp_path):
+    """benchmarks/moe.py without its DeepSpeed peer (its own virtualenv; BENCHMARKS.md has the comparison): both
+    layouts train the same model (the same step-0 loss), ep=2 reduces only the dense parameters' gradients (the
+    theory's 1/7 of ep=1's here) and exchanges tokens, and the block is written."""
+    import argparse
+
+    from benchmarks.moe import markdown, run, theory
+    from benchmarks.report import replace_block
+
+    args = argparse.Namespace(steps=1, warmup=0, rounds=1, deepspeed=None)
+    results = run(args)
+    law = theory()
+    for rows in results.values():
+        ep2, ep1 = rows["plait ep=2"], rows["plait ep=1"]
+        assert ep2["losses"][0] == pytest.approx(ep1["losses"][0], rel=1e-6)
+        reduce = {name: sum(b for k, b in row["wire"].items() if "all_reduce" in k and k.split()[0] != "ep")
+                  for name, row in (("ep2", ep2), ("ep1", ep1))}  # fmt: skip
+        assert reduce["ep2"] / reduce["ep1"] == pytest.approx(law["allreduce ep=2"] / law["allreduce ep=1"], rel=1e-3)
+        assert sum(b for k, b in ep2["wire"].items() if "all_to_all" in k) > 0.5 * law["plait a2a"]
+        assert ep2["model_state_bytes"] < ep1["model_state_bytes"]
+    out = tmp_path / "BENCH.md"
+    out.write_text("<!-- bench:moe -->\nold\n<!-- /bench:moe -->\n")
+    replace_block(out, "moe", markdown(results, args))
+    assert "| plait ep=2 |" in out.read_text() and "old" not in out.read_text()

@@ -6,12 +6,12 @@ import pytest
 import torch
 from helpers.gpt import OPTIMIZERS, make_model
 from helpers.harness import run_distributed
+from helpers.memory import measured_step
 
 import plait
 from plait import Layout, estimate_memory, measure_held
 from plait.data import ShardedBatches
-from plait.models import GPT, GPTConfig, ModelSpec, lm_loss
-from plait.observe.memory import SavedActivations
+from plait.models import GPTConfig, ModelSpec
 from plait.planner import get_hardware, predict
 from plait.planner.activations import Forward, block_bytes
 from plait.planner.costs import IMPLEMENTATIONS, block_time, recomputed_blocks
@@ -159,27 +159,6 @@ def test_each_stage_removes_what_the_paper_says(world):
 
 
 # ------------------------------------------------------------------------------------------ a whole step's peak
-def _zero3_gathered(engine: plait.Engine) -> set[int]:
-    """Storages of ZeRO-3's gathered units now: a Linear saves its (gathered) weight by reference; that storage is
-    the unit's, freed after its use and gathered again in backward, so it is not an activation."""
-    units = getattr(engine.strategy, "units", [])
-    full = [getattr(unit, "full", None) for unit in units]
-    return {t.untyped_storage().data_ptr() for t in full if isinstance(t, torch.Tensor) and t.numel()}
-
-
-class _Activations(SavedActivations):
-    """SavedActivations of a training step, leaving out the parameters and ZeRO-3's gathered units."""
-
-    def __init__(self, engine: plait.Engine) -> None:
-        super().__init__(exclude=engine.model.parameters())
-        self.engine = engine
-
-    def add(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() in _zero3_gathered(self.engine):
-            return tensor
-        return super().add(tensor)
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_estimate_equals_measured_per_zero_stage_and_recompute_mode(stage):
     """World 1, plait's GPT in fp32, AdamW: for each recompute mode, the activations one training step keeps for
@@ -188,16 +167,8 @@ def test_estimate_equals_measured_per_zero_stage_and_recompute_mode(stage):
     config = GPTConfig(vocab_size=12, seq_len=8, n_layer=2, n_head=4, d_model=16)
     batch = tuple(torch.randint(0, 12, (4, 8), generator=torch.Generator().manual_seed(i)) for i in (1, 2))
     for recompute in ("none", "selective", "op", "full", (1,)):
-        torch.manual_seed(0)
-        layout = Layout(zero=stage, recompute=recompute)
-        engine = plait.parallelize(GPT(config), layout, optimizer=OPTIMIZERS["adamw"], loss_fn=lm_loss)
-        held: dict[str, int] = {}
-        engine.before_optimizer_step.append(lambda e, held=held: held.update(measure_held(e)))
-        engine.train_step(batch)  # optimizer states exist from the first step on
-        with _Activations(engine) as saved:
-            engine.train_step(batch)
-        estimate = estimate_memory(config, engine.layout, engine.optimizer, activations={"batch": 4}, device="cpu")
-        assert saved.bytes == estimate.activations, (stage, recompute, saved.bytes, estimate.activations)
+        saved, held, estimate = measured_step(config, Layout(zero=stage, recompute=recompute), batch, 4)
+        assert saved == estimate.activations, (stage, recompute, saved, estimate.activations)
         for kind in ("parameters", "master_weights", "optimizer_states"):
             assert held[kind] == getattr(estimate, kind), (stage, recompute, kind)
         assert held["gradients"] == estimate.gradients_at_step, (stage, recompute)

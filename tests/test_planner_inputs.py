@@ -139,7 +139,7 @@ def test_hf_configs_give_their_dropout_so_the_activation_masks_count(tmp_path):
                 "vocab_size": 32000,
                 "max_position_embeddings": 32768,
             },
-            "mixture-of-experts.*num_local_experts=8",
+            r"8 experts \(num_local_experts\) but no top-k key.*Fix: set num_experts_per_tok",
         ),
         (
             {

@@ -91,6 +91,6 @@ def test_stdlib_preset_beats_the_unigram_entropy_and_caches_the_corpus(tmp_path,
 def test_unknown_preset_names_the_presets():
     from plait.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"--preset 'gpt5' is unknown. Fix: use one of \['stdlib-lm'\]"):
+    with pytest.raises(ConfigError, match=r"--preset 'gpt5' is unknown. Fix: use one of \['stdlib-lm', 'stdlib-moe'\]"):
         preset("gpt5")
     assert load_config(None, ["train.steps=7"], preset="stdlib-lm").train.steps == 7  # --set applies on top

@@ -15,8 +15,8 @@ def add_planner_commands(commands: Any) -> None:
     plan = commands.add_parser(
         "plan",
         help="rank every layout of a model on a cluster by predicted step time",
-        description="Search all layouts (dp, tp, pp, cp, ZeRO, micro-batches, schedule, "
-        "recomputation, offload) and print the best.",
+        description="Search all layouts (dp, tp, pp, cp, expert parallelism for MoE models, ZeRO, micro-batches, "
+        "schedule, recomputation, offload) and print the best.",
     )
     _model_args(plan)
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
@@ -50,7 +50,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="a name (llama-70b, gpt3-175b, ...) or a Hugging Face config.json path (ALiBi models such as BLOOM: give --seq)",
+        help="a name (llama-70b, gpt3-175b, ...) or a Hugging Face config.json path, dense or Mixture-of-Experts "
+        "(Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-MoE; ALiBi models such as BLOOM: give --seq)",
     )
     parser.add_argument("--gpus", type=int, help="number of devices (plan: required; simulate: from --layout)")
     parser.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200 or this-machine")

@@ -10,6 +10,11 @@ originals: plait's GPT has an untied LM head (V d more parameters than GPT-2) an
   GPT-3 paper's 125M / 350M shapes (Brown et al. 2020, Table 2.1) with Llama's switches; ``llama-style-1b`` is
   Llama 3.2 1B's shape (16 layers, d 2048, 32 heads, 8 key/value heads, SwiGLU width 8192, rope theta 500000).
 - ``tiny``: plait's test and demo model (2 layers, d 64, 4 heads).
+- ``small-moe``: the ``stdlib-lm`` run's GPT (4 layers, d 128, 4 heads, GELU MLP of 4 d = 512) with a
+  Mixture-of-Experts feed-forward in every block: 8 experts of width 256, top-2, so a token goes through the same
+  512-wide feed-forward as the dense model's (and its router: 128 x 8 more per block); 4 x the feed-forward
+  parameters in all. Balanced by the sequence-wise auxiliary loss (plait's default), dropless
+  (docs/expert_parallel.md).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_ff": 8192,
         "rope_theta": 500000.0,
     },
+    "small-moe": {"n_layer": 4, "n_head": 4, "d_model": 128, "n_experts": 8, "top_k": 2, "moe_d_ff": 256},
 }
 """Preset name -> GPTConfig fields (without vocab_size and seq_len)."""
 

@@ -8,6 +8,8 @@ the same class (``plait.planner.models``).
 
 Parameters of one block (Narayanan et al. 2021, sec. 5.1, generalised to grouped-query attention and gated
 MLPs), h = hidden, k kv heads of width d = h / a, f = ffn width: attention h (h + 2 k d) + h h, MLP (2|3) h f,
+(a model whose heads are wider or narrower than h / a, ``attention_head_dim`` as Qwen3 and Gemma set it: q and the
+attention's output are a d wide, so attention is h (a d + 2 k d) + a d h and its core 4 b s_q s_k a d),
 norms 2 h (4 h with LayerNorm biases), biases where the model has them; plus the embeddings V h (+ s h for
 learned positions), the final norm and an untied head V h.
 
@@ -91,6 +93,9 @@ class ModelSpec:
     moe_start: int = 0
     moe_every: int = 1
     """The MoE blocks are moe_start, moe_start + moe_every, ... (as ``GPTConfig``)."""
+    attention_head_dim: int | None = None
+    """The width of one attention head where it is not hidden / heads (Qwen3, Gemma: a Hugging Face config's
+    ``head_dim``); q and the attention's output are then heads x it wide (``q_width``)."""
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
@@ -99,8 +104,11 @@ class ModelSpec:
                 raise ConfigError(f"model {self.name!r}: {key}={value!r} must be a positive integer.")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model {self.name!r}: dropout={self.dropout!r} is outside [0, 1); use e.g. 0.0 or 0.1.")
-        if self.hidden % self.heads:
+        if self.attention_head_dim is None and self.hidden % self.heads:
             raise ConfigError(f"model {self.name!r}: hidden={self.hidden} is not a multiple of heads={self.heads}.")
+        width = self.attention_head_dim
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+            raise ConfigError(f"model {self.name!r}: attention_head_dim={width!r} must be a positive integer or None.")
         if self.heads % self.kv:
             raise ConfigError(f"model {self.name!r}: kv_heads={self.kv} does not divide heads={self.heads}.")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -113,7 +121,12 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """The width of q and of the attention's output: heads x head_dim (= hidden unless ``attention_head_dim``)."""
+        return self.heads * self.head_dim
 
     @property
     def uses_rms_norm(self) -> bool:
@@ -127,13 +140,13 @@ class ModelSpec:
     @property
     def matmul_parameters(self) -> int:
         """Weights of one block's matmuls: q, k, v, o and the MLP's (2|3) matrices."""
-        h, f, kvw = self.hidden, self.ffn, self.kv * self.head_dim
-        return h * (h + 2 * kvw) + h * h + (3 if self.gated else 2) * h * f
+        h, f, kvw, qw = self.hidden, self.ffn, self.kv * self.head_dim, self.q_width
+        return h * (qw + 2 * kvw) + qw * h + (3 if self.gated else 2) * h * f
 
     @property
     def block_parameters(self) -> int:
-        h, f, kvw = self.hidden, self.ffn, self.kv * self.head_dim
-        biases = (h + 2 * kvw + h + (2 if self.gated else 1) * f + h) if self.bias else 0
+        h, f, kvw, qw = self.hidden, self.ffn, self.kv * self.head_dim, self.q_width
+        biases = (qw + 2 * kvw + h + (2 if self.gated else 1) * f + h) if self.bias else 0
         return self.matmul_parameters + biases + 2 * self.norm_parameters
 
     # ------------------------------------------------------------------ Mixture-of-Experts (module docstring)
@@ -154,13 +167,15 @@ class ModelSpec:
     @property
     def attention_parameters(self) -> int:
         """Weights of one block's attention matmuls: q, k, v, o."""
-        h, kvw = self.hidden, self.kv * self.head_dim
-        return h * (h + 2 * kvw) + h * h
+        h, kvw, qw = self.hidden, self.kv * self.head_dim, self.q_width
+        return h * (qw + 2 * kvw) + qw * h
 
     def _moe_block(self, routed: int) -> int:
         """An MoE block's parameters with ``routed`` routed experts (biases: attention's, the shared MLP's)."""
         h, kvw, width = self.hidden, self.kv * self.head_dim, self.shared_experts * (self.expert_ffn or self.ffn)
-        biases = (h + 2 * kvw + h + ((2 if self.gated else 1) * width + h if width else 0)) if self.bias else 0
+        biases = (
+            (self.q_width + 2 * kvw + h + ((2 if self.gated else 1) * width + h if width else 0)) if self.bias else 0
+        )
         experts = (routed + self.shared_experts) * self.expert_parameters
         return self.attention_parameters + h * self.experts + experts + biases + 2 * self.norm_parameters
 
@@ -215,7 +230,7 @@ class ModelSpec:
     def attention_core_flops(self, batch: int, seq_q: int, seq_k: int | None = None) -> int:
         """Forward FLOPs of one block's attention core (q k^T and the product with v): 4 b s_q s_k h."""
         seq_k = seq_q if seq_k is None else seq_k
-        return 4 * batch * seq_q * seq_k * self.hidden
+        return 4 * batch * seq_q * seq_k * self.q_width
 
     def logits_forward_flops(self, batch: int, seq: int) -> int:
         """Forward FLOPs of the output projection: 2 b s h V."""
@@ -235,7 +250,7 @@ class ModelSpec:
         if block_indices is None:
             block_indices = range(self.layers if blocks is None else blocks)
         matmuls = sum(2 * self.block_matmul_parameters(index) for index in block_indices)
-        return matmuls + len(block_indices) * 4 * s * self.hidden + (2 * self.hidden * self.vocab if logits else 0)
+        return matmuls + len(block_indices) * 4 * s * self.q_width + (2 * self.hidden * self.vocab if logits else 0)
 
     def flops_per_token(self, seq: int | None = None, blocks: int | None = None, logits: bool = True) -> int:
         """Model FLOPs of one trained token (forward + backward = 3 x forward, recomputation excluded)."""
@@ -251,7 +266,7 @@ class ModelSpec:
         the region's last matmul (whose output nothing saved), so it really spends a little less.
 
         "op" (``plait.parallel.recompute.OperatorPolicy``) is counted as torch spends it: the even-numbered
-        matmuls of each block except the last, which that early stop skips (k and o: 2 h (k d + h); gated, up:
+        matmuls of each block except the last, which that early stop skips (k and o: 2 h (k d + a d); gated, up:
         2 h f), and with an unfused attention kernel (``fused_attention`` False) the core, 4 s h."""
         s = self.seq if seq is None else seq
         if recompute == "none":
@@ -259,11 +274,11 @@ class ModelSpec:
         if recompute == "full":
             return self.forward_flops_per_token(s, logits=False)
         if recompute == "selective":
-            return self.layers * 4 * s * self.hidden
+            return self.layers * 4 * s * self.q_width
         if recompute == "op":
             h = self.hidden
-            matmuls = 2 * h * (self.kv * self.head_dim + h) + (2 * h * self.ffn if self.gated else 0)
-            return self.layers * (matmuls + (0 if fused_attention else 4 * s * h))
+            matmuls = 2 * h * (self.kv * self.head_dim + self.q_width) + (2 * h * self.ffn if self.gated else 0)
+            return self.layers * (matmuls + (0 if fused_attention else 4 * s * self.q_width))
         if isinstance(recompute, tuple):
             return self.forward_flops_per_token(s, blocks=len(set(recompute)), logits=False)
         raise ValueError(f"recompute={recompute!r} is unknown; use one of {RECOMPUTE_KINDS} or a tuple of blocks")
@@ -300,7 +315,14 @@ class ModelSpec:
         )
 
     def to_gpt_config(self) -> dict[str, object]:
-        """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model."""
+        """The ``[model]`` fields of a RunConfig (plait.models.GPTConfig) that build this model (ConfigError for
+        heads that are not hidden / heads wide: plait's GPT has no such attention)."""
+        if self.q_width != self.hidden:
+            raise ConfigError(
+                f"model {self.name!r} has heads of width {self.head_dim} ({self.heads} x {self.head_dim} = "
+                f"{self.q_width} != hidden {self.hidden}): plait's GPT has head_dim = d_model / n_head. Fix: train it "
+                f"from its Hugging Face config (model.hf_config)."
+            )
         fields: dict[str, object] = {
             "n_layer": self.layers,
             "d_model": self.hidden,

@@ -12,6 +12,11 @@ Then:
 - out-of-sample error of a test row (another paper, or another table of a fitting paper): predicted with the fitted
   value of its generation, which never saw it.
 
+An efficiency belongs to the implementation it was fitted on, on that generation (``hardware.EFFICIENCY_FITTED_ON``:
+Megatron-LM on A100s, Composer's FSDP on H100s). A row of another implementation has no efficiency of its own
+published: it borrows its generation's, and ``Scored.borrowed`` names whose (the table shows it beside the
+efficiency), so that its error is read as the cost model's and the borrowing's together.
+
 Errors are on throughput: predicted / measured - 1 for TFLOP/s and MFU, measured / predicted time - 1 for step times
 (a positive error: the model is optimistic). ``python -m benchmarks.planner_published`` prints the table
 (``--write-docs`` puts it into docs/planner.md).
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from plait.planner.hardware import GENERATION_EFFICIENCY, Hardware, get_hardware
+from plait.planner.costs import IMPLEMENTATIONS
+from plait.planner.hardware import EFFICIENCY_FITTED_ON, GENERATION_EFFICIENCY, Hardware, get_hardware
 from plait.planner.predict import Prediction, predict
 from plait.planner.published import SOURCES, PublishedRun, published_runs
 
@@ -108,6 +114,8 @@ class Scored:
     limit_gib: float = 0.0
     efficiency: float = 0.0
     pending: str = ""
+    borrowed: str = ""
+    """The implementation family whose efficiency the row was predicted with, when not its own (module docstring)."""
 
     @property
     def error(self) -> float | None:
@@ -131,6 +139,7 @@ def evaluate(
             continue
         efficiency = fitted[run.generation][0] if run.generation in fitted else GENERATION_EFFICIENCY[run.generation]
         prediction = predict_run(run, efficiency)
+        owner = EFFICIENCY_FITTED_ON.get(run.generation, "")
         row = Scored(
             run,
             predicted_value(run, prediction),
@@ -138,6 +147,7 @@ def evaluate(
             memory_gib=prediction.memory.device / 2**30,
             limit_gib=prediction.memory_limit / 2**30,
             efficiency=efficiency,
+            borrowed="" if IMPLEMENTATIONS[run.implementation].family == owner else owner,
         )
         if run.role == "fit":
             others = [e for label, e in fitted[run.generation][1].items() if label != run.label]
@@ -153,7 +163,7 @@ def default_evaluation() -> tuple[dict[str, tuple[float, dict[str, float]]], lis
     return fitted, evaluate(fitted=fitted)
 
 
-def _stats(errors: list[float]) -> str:
+def error_stats(errors: list[float]) -> str:
     if not errors:
         return "-"
     absolute = [abs(e) for e in errors]
@@ -176,42 +186,55 @@ def summary(scored: list[Scored]) -> dict[str, Any]:
         "out_of_sample_papers": sorted({SOURCES[s.run.source].paper for s in out_of_sample}),
         "not_fitting": [s for s in scored if s.predicted is not None and not s.fits],
         "pending": [s for s in scored if s.pending],
+        "borrowed": [s.error for s in tests if s.borrowed],
+        "own": [s.error for s in tests if not s.borrowed],
     }
 
 
-def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, float]]]) -> str:
-    """The docs table: every row with measured, predicted, its error (and leave-one-out), memory; then the
-    statistics."""
+def table(scored: list[Scored]) -> list[str]:
+    """The rows of the docs table: measured, predicted, error (and leave-one-out), the efficiency used (and whose,
+    when borrowed), memory."""
     units = {"hardware_tflops": "TFLOP/s", "mfu": "MFU", "step_time": "s/iter", "tokens_per_gpu": "tokens/s/GPU"}
     lines = [
-        "| source | row | measured | predicted | error | leave-one-out | memory (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| source | row | measured | predicted | error | leave-one-out | efficiency | memory (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in scored:
         run = s.run
         role = "fit" if run.role == "fit" else "test"
         value = f"{run.value:.3g} {units[run.metric]}"
         if s.pending:
-            lines.append(f"| {run.source} ({role}) | {run.label} | {value} | pending: {s.pending} | | | |")
+            lines.append(f"| {run.source} ({role}) | {run.label} | {value} | pending: {s.pending} | | | | |")
             continue
         loo_text = "" if s.loo_error is None else f"{s.loo_error:+.1%}"
         memory = f"{s.memory_gib:.0f} / {s.limit_gib:.0f}" + ("" if s.fits else " **does not fit**")
+        efficiency = f"{s.efficiency:.3f}" + (f" ({s.borrowed}'s)" if s.borrowed else "")
         lines.append(
             f"| {run.source} ({role}) | {run.label} | {value} | {s.predicted:.3g} | {s.error:+.1%} | {loo_text} | "
-            f"{memory} |"
+            f"{efficiency} | {memory} |"
         )
+    return lines
+
+
+def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, float]]]) -> str:
+    """The docs table (``table``); then the statistics."""
+    lines = table(scored)
     stats = summary(scored)
     lines += [
         "",
-        "Fitted compute efficiency per generation: "
-        + ", ".join(f"{g} {value:.3f} (from {len(own)} rows)" for g, (value, own) in fitted.items())
+        "Fitted compute efficiency per generation, of the implementation it was fitted on: "
+        + ", ".join(
+            f"{g} {value:.3f} ({EFFICIENCY_FITTED_ON[g]}, from {len(own)} rows)" for g, (value, own) in fitted.items()
+        )
         + ".",
         "",
-        f"- in-sample (fitting rows): {_stats(stats['in_sample'])}",
-        f"- leave-one-out (fitting rows, each predicted by a fit without it): {_stats(stats['leave_one_out'])}",
+        f"- in-sample (fitting rows): {error_stats(stats['in_sample'])}",
+        f"- leave-one-out (fitting rows, each predicted by a fit without it): {error_stats(stats['leave_one_out'])}",
         f"- out-of-sample ({', '.join(stats['out_of_sample_papers'])}: papers not used for fitting): "
-        f"{_stats(stats['out_of_sample'])}",
-        f"- out-of-table (other tables of a fitting source): {_stats(stats['out_of_table'])}",
+        f"{error_stats(stats['out_of_sample'])}",
+        f"- out-of-table (other tables of a fitting source): {error_stats(stats['out_of_table'])}",
+        f"- test rows of the implementation each efficiency was fitted on: {error_stats(stats['own'])}; of other "
+        f"implementations, borrowing it: {error_stats(stats['borrowed'])}",
         f"- published layouts predicted not to fit their GPUs: {len(stats['not_fitting'])}"
         + "".join(f"; {s.run.label}: {s.memory_gib:.1f} of {s.limit_gib:.1f} GiB" for s in stats["not_fitting"]),
         f"- pending (not predicted): {len(stats['pending'])}",
@@ -223,14 +246,15 @@ def markdown(scored: list[Scored], fitted: dict[str, tuple[float, dict[str, floa
         rows = [s for s in scored if s.run.source == source and s.error is not None]
         loo = [s.loo_error for s in rows if s.loo_error is not None]
         role = SOURCES[source].role
-        text = f"- {source} ({role}): {_stats([s.error for s in rows if s.error is not None])}"
-        lines.append(text + (f"; leave-one-out {_stats(loo)}" if loo else ""))
+        text = f"- {source} ({role}): {error_stats([s.error for s in rows if s.error is not None])}"
+        lines.append(text + (f"; leave-one-out {error_stats(loo)}" if loo else ""))
     return "\n".join(lines)
 
 
 __all__ = [
     "Scored",
     "default_evaluation",
+    "error_stats",
     "evaluate",
     "fit",
     "markdown",
@@ -238,5 +262,6 @@ __all__ = [
     "predicted_value",
     "row_efficiency",
     "summary",
+    "table",
     "throughput_error",
 ]

@@ -138,7 +138,7 @@ def core_internal_bytes(spec: ModelSpec, fwd: Forward) -> float:
         return 4 * a * s * b / t
     squares = a * s * s * b / t
     internal = 4 * squares + (fwd.mask(4) * squares + 4 * squares if fwd.dropout > 0 else 0.0)
-    return internal + 3 * (4 - fwd.e) * b * s * spec.hidden / t  # the upcast q, k, v beyond the e-byte ones
+    return internal + 3 * (4 - fwd.e) * b * s * spec.q_width / t  # the upcast q, k, v beyond the e-byte ones
 
 
 def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") -> float:
@@ -152,12 +152,13 @@ def plait_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "none") ->
         return RESIDUAL_BYTES * sbh / fwd.n + fwd.e * _operator_outputs(spec, fwd) + _kernel_statistics(spec, fwd)
     norms = 2 * _norm_site(spec, fwd)
     inputs = _matmul_inputs(spec, fwd, 3) + _matmul_inputs(spec, fwd, 2 if spec.gated else 1)
-    output = fwd.e * sbh / t  # the core's output, o's input
+    sbq = b * s * spec.q_width  # sbh unless the heads are not h / a wide (``ModelSpec.attention_head_dim``)
+    output = fwd.e * sbq / t  # the core's output, o's input
     if recompute == "selective":  # the checkpoint keeps q, k, v as they enter the core (before the kv repetition)
         qkv = fwd.e * sb * (spec.heads + 2 * spec.kv) * spec.head_dim / t
         core = 0.0
     elif recompute == "none":
-        qkv = 3 * fwd.e * sbh / t
+        qkv = 3 * fwd.e * sbq / t
         core = core_internal_bytes(spec, fwd)
     else:
         raise ValueError(f"recompute={recompute!r} is not a per-block choice; use 'none', 'selective', 'op' or 'full'")
@@ -172,9 +173,9 @@ def _operator_outputs(spec: ModelSpec, fwd: Forward) -> float:
     """Elements of the outputs "op" keeps per block beside its input: q, v, the fused attention kernel's output,
     the MLP's first matmul (each split by t) and, gated, down (module docstring). Down is row-parallel under tp:
     its matmul's output is whole (partial sums, before their all-reduce or reduce-scatter)."""
-    b, s, t, h = fwd.batch, fwd.seq, fwd.tp, spec.hidden
-    attention = h if fwd.attention == "flash" else 0
-    return b * s * ((h + spec.kv * spec.head_dim + attention + spec.ffn) / t + (h if spec.gated else 0))
+    b, s, t, h, q = fwd.batch, fwd.seq, fwd.tp, spec.hidden, spec.q_width
+    attention = q if fwd.attention == "flash" else 0
+    return b * s * ((q + spec.kv * spec.head_dim + attention + spec.ffn) / t + (h if spec.gated else 0))
 
 
 def _kernel_statistics(spec: ModelSpec, fwd: Forward) -> float:
@@ -228,7 +229,8 @@ def korthikanti_block_bytes(spec: ModelSpec, fwd: Forward, recompute: str = "non
     if recompute == "op":
         return (2 * sbh / fwd.n + 2 * _operator_outputs(spec, fwd)) * scale
     replicated = 4 + 2 + 2 + 2 * m
-    split = 2 + 4 * spec.kv / a + 2 + (6 if spec.gated else 4) * spec.ffn / h
+    q = spec.q_width / h  # 1 unless the heads are not h / a wide
+    split = 2 * q + 4 * spec.kv * spec.head_dim / h + 2 * q + (6 if spec.gated else 4) * spec.ffn / h
     scores = 0.0 if recompute == "selective" or fwd.attention == "flash" else (2 + 3 * m) * a * s / h
     return sbh * (replicated / fwd.n + (split + scores) / t) * scale
 

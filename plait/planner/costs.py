@@ -76,6 +76,16 @@ class Implementation:
         rail_collectives: ring collectives (all-reduce, all-gather, reduce-scatter) that cross nodes spread their
             traffic over the NICs of all the group's ranks in a node (NCCL's channels, one per NIC:
             ``group_link``); False: each rank's own link carries it.
+        expert_tp: Mixture-of-Experts layers split each routed expert over tp too (Megatron-Core's expert tensor
+            parallelism with ETP = TP); False: the routed experts are whole on every tp rank (plait; ETP = 1).
+        fold_experts: Megatron-Core's "parallel folding" with ETP = 1 (Liu et al. 2025): the experts are split over
+            ep x tp consecutive ranks (the layout's ep data ranks and their tp ranks), each exchanging its own
+            sequence-parallel share of the tokens; False: over ep data ranks, tp apart, each tp rank routing every
+            token without sequence parallelism (plait's mesh, ``plait.planner.experts.exchange_group``).
+        overlap_ep: the token exchange runs beside another micro-batch's compute (Megatron-Core's batch-level
+            overlap, ``--overlap-moe-expert-parallel-comm``): only what exceeds the block's own compute is exposed.
+        family: whose compute efficiency this is (``hardware.EFFICIENCY_FITTED_ON``): an efficiency belongs to an
+            implementation on a hardware generation, fitted on that implementation's own published runs.
     """
 
     name: str = "plait"
@@ -93,6 +103,10 @@ class Implementation:
     comm_efficiency: float = COMM_EFFICIENCY
     reserved_bytes: float = 2 * 2**30
     rail_collectives: bool = True
+    expert_tp: bool = False
+    fold_experts: bool = False
+    overlap_ep: bool = False
+    family: str = "plait"
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -102,11 +116,18 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # from their papers and code, not fitted
     # Megatron-LM 2021-22 (Narayanan et al. 2021, Korthikanti et al. 2022): local DDP reduces gradients after the
     # backward pass; fused softmax, no flash attention; pipeline scatter/gather
-    "megatron-2021": Implementation(name="megatron-2021", overlap_dp=False, flash_attention=False, overlap_p2p=False),
+    "megatron-2021": Implementation(
+        name="megatron-2021", overlap_dp=False, flash_attention=False, overlap_p2p=False, family="megatron"
+    ),
     # Megatron-DeepSpeed (MT-NLG, BLOOM): DeepSpeed's pipeline engine (1F1B, whole activations between stages,
     # gradients reduced after the pipeline drains), Megatron's fused kernels, no flash attention
     "megatron-deepspeed": Implementation(
-        name="megatron-deepspeed", overlap_dp=False, flash_attention=False, scatter_gather=False, overlap_p2p=False
+        name="megatron-deepspeed",
+        overlap_dp=False,
+        flash_attention=False,
+        scatter_gather=False,
+        overlap_p2p=False,
+        family="megatron-deepspeed",
     ),
     # DeepSpeed ZeRO-3 as Narayanan et al. 2021 Table 2 ran it: parameters gathered module by module with prefetch,
     # at most stage3_max_live_parameters (1e9) alive, released after use unless reused within
@@ -120,17 +141,27 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         zero3_reuse_limit=1e9,
         zero3_live_limit=1e9,
         rail_collectives=False,
+        family="deepspeed",
     ),
     # MosaicML Composer + PyTorch FSDP (llm-foundry): FULL_SHARD with prefetch, triton flash attention; mixed
     # precision DEFAULT reduces fp32 gradients, PURE bf16 ones
-    "composer-fsdp": Implementation(name="composer-fsdp", grad_bytes=4),
-    "composer-fsdp-pure": Implementation(name="composer-fsdp-pure", grad_bytes=2),
+    "composer-fsdp": Implementation(name="composer-fsdp", grad_bytes=4, family="composer"),
+    "composer-fsdp-pure": Implementation(name="composer-fsdp-pure", grad_bytes=2, family="composer"),
     # Meta's Llama 3 stack (Dubey et al. 2024, sec. 3.3): FSDP over dp (gradients reduce-scattered in fp32),
     # Megatron-style tp with sequence parallelism, interleaved pipeline, all-gather context parallelism, flash attention
-    "llama3": Implementation(name="llama3", grad_bytes=4),
+    "llama3": Implementation(name="llama3", grad_bytes=4, family="llama3"),
     # torchtitan (Liang et al. 2024): FSDP2 (per-parameter sharding, implicit prefetch), SDPA flash attention,
     # bf16 parameters with gradients reduce-scattered in fp32
-    "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4),
+    "torchtitan-fsdp2": Implementation(name="torchtitan-fsdp2", grad_bytes=4, family="torchtitan"),
+    # Megatron-Core 2024-25 with MoE (its MoE README and Liu et al. 2025, "MoE Parallel Folding"): the distributed
+    # optimizer (ZeRO-1) reducing fp32 gradients (bf16 training accumulates and reduces them in fp32) with the
+    # reduction and the parameter gather overlapped, TransformerEngine's fused attention, interleaved pipeline with
+    # overlapped p2p, experts laid out by parallel folding (ETP = 1: over the ep x tp ranks), all-to-all dispatch
+    "megatron-core": Implementation(name="megatron-core", grad_bytes=4, fold_experts=True, family="megatron-core"),
+    # the same with the token exchange overlapped with another micro-batch's compute ("1F1B A2A overlap")
+    "megatron-core-overlap": Implementation(
+        name="megatron-core-overlap", grad_bytes=4, fold_experts=True, overlap_ep=True, family="megatron-core"
+    ),
     # plait on CPU ranks in fp32 (``plait calibrate`` measures what is achieved, so no efficiency factors); gloo
     # reduces and copies on the same processors the ranks compute on, so nothing overlaps: not the gradient
     # reduction, not ring attention's K/V passes, and not the pipeline's sends and receives (each chunk pays its
@@ -279,7 +310,10 @@ def _ring_factors(op: str, n: int) -> tuple[float, float]:
 @dataclass(frozen=True)
 class BlockTime:
     """Seconds one transformer block keeps a device busy for one micro-batch, by pass; ``*_comm`` are the
-    exposed tensor/context-parallel collectives inside that pass."""
+    exposed tensor/context-parallel collectives (and expert parallelism's token exchange) inside that pass;
+    ``tp`` the tensor-parallel collectives of one forward (or backward) pass, ``ep`` the token exchange's forward +
+    backward and ``ep_recompute`` its forward again under recomputation (``plait.planner.experts``), all already
+    inside ``*_comm``."""
 
     forward: float
     backward: float
@@ -288,13 +322,16 @@ class BlockTime:
     backward_comm: float
     recompute_comm: float
     flops: float  # forward FLOPs of this block on this device
+    tp: float = 0.0
+    ep: float = 0.0
+    ep_recompute: float = 0.0
 
 
 def block_traffic(spec: ModelSpec, batch: int, seq_q: int, tp: int, sp: bool, e: int, flash: bool) -> float:
     """HBM bytes the memory-bound operators of one block's forward pass move on one device."""
     tokens = batch * seq_q
     replicated = 15 * spec.hidden * e * tokens / (tp if sp else 1)
-    split = ((3 if spec.gated else 2) * spec.ffn + 6 * spec.hidden) * e * tokens / tp
+    split = ((3 if spec.gated else 2) * spec.ffn + 6 * spec.q_width) * e * tokens / tp
     scores = 0.0 if flash else 4.5 * spec.heads * seq_q * seq_q * e * batch / tp
     return replicated + split + scores
 
@@ -339,7 +376,7 @@ def block_time(
         hw, "all_reduce", message, t, axis_span(layout, "tp"), impl.comm_efficiency, rails=impl.rail_collectives
     )
     cp_fwd, cp_bwd = _context_comm(spec, hw, impl, layout, micro_batch, seq, e)
-    attention_fwd = 4 * micro_batch * s_local * seq * spec.hidden / t / peak
+    attention_fwd = spec.attention_core_flops(micro_batch, s_local, seq) / t / peak
     cp_fwd_exposed = max(0.0, cp_fwd - attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_fwd
     cp_bwd_exposed = (
         max(0.0, cp_bwd - 2 * attention_fwd) if (layout.cp_mode == CpMode.RING and impl.overlap_cp) else cp_bwd
@@ -364,6 +401,7 @@ def block_time(
         backward_comm=2 * tp_one + cp_bwd_exposed,
         recompute_comm=recompute_comm,
         flops=flops,
+        tp=2 * tp_one,
     )
 
 
@@ -382,7 +420,7 @@ def _context_comm(
     if layout.cp_mode == CpMode.RING:
         step = collective_time(hw, "send_recv", kv_bytes, 2, inter, impl.comm_efficiency)
         return (cp - 1) * step, 2 * (cp - 1) * step
-    q_bytes = micro_batch * seq * spec.hidden * e / layout.tp  # the full sequence's heads, redistributed
+    q_bytes = micro_batch * seq * spec.q_width * e / layout.tp  # the full sequence's heads, redistributed
     kv_full = micro_batch * seq * 2 * spec.kv * spec.head_dim * e / layout.tp
     one_way = 2 * collective_time(hw, "all_to_all", q_bytes, cp, inter, impl.comm_efficiency) + collective_time(
         hw, "all_to_all", kv_full, cp, inter, impl.comm_efficiency

@@ -41,7 +41,15 @@ GENERATION_EFFICIENCY = {"ampere": 0.713, "hopper": 0.519, "blackwell": 0.519}
 """Fitted achieved / peak FLOP/s of training matmuls per GPU generation (``plait.planner.accuracy``: the median of
 measured / predicted over that generation's fitting tables is 1). Ampere: Narayanan et al. 2021 Table 1; Hopper:
 the one-node rows of MosaicML's llm-foundry H100 BF16 table; Blackwell: no published table fitted yet, Hopper's
-value assumed. tests/test_planner_validation.py holds these to what ``accuracy.fit()`` gives."""
+value assumed. tests/test_planner_validation.py holds these to what ``accuracy.fit()`` gives.
+
+Each is a property of the implementation whose runs it was fitted on, on that generation (``EFFICIENCY_FITTED_ON``),
+not of the generation alone: another system on the same GPUs reaches another fraction of the peak (Megatron-Core on
+H100s more than Composer's FSDP). A prediction for another implementation borrows it, and says so
+(``plait.planner.accuracy``, ``plan()``'s notes); plait's own on a machine comes from ``plait calibrate``."""
+EFFICIENCY_FITTED_ON = {"ampere": "megatron", "hopper": "composer", "blackwell": "composer"}
+"""The implementation family (``costs.Implementation.family``) whose published runs each generation's efficiency
+was fitted on: Megatron-LM 2021 on A100s, MosaicML's Composer (FSDP) on H100s; Blackwell borrows Hopper's."""
 
 TB = 1e12
 GB = 1e9
@@ -258,6 +266,7 @@ def get_hardware(name: str | Path | Hardware) -> Hardware:
 __all__ = [
     "CATALOGUE",
     "COLLECTIVES",
+    "EFFICIENCY_FITTED_ON",
     "GENERATION_EFFICIENCY",
     "GIB",
     "Hardware",

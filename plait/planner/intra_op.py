@@ -128,7 +128,8 @@ def block_operators(
             options.append(Strategy("split", "H", "H", t_full / tp, 0.0))
         return Operator(name, tuple(options), tokens * width * e)
 
-    attn_flops = 4 * tokens * tokens * h / flops_rate  # one sequence of ``tokens``
+    q = spec.q_width
+    attn_flops = 4 * tokens * tokens * q / flops_rate  # one sequence of ``tokens``
     kv_gather = collective_time(hw, "all_gather", tokens * kv * e, tp, span=tp)
     attention = Operator(
         "attention",
@@ -137,13 +138,13 @@ def block_operators(
             Strategy("heads", "H", "H", attn_flops / tp, 0.0),
             Strategy("sequence", "S", "S", attn_flops / tp + kv_gather, 0.0),
         ),
-        tokens * h * e,
+        tokens * q * e,
     )
     return [
         pointwise("norm1", h, False),
-        linear("qkv", h, h + kv),
+        linear("qkv", h, q + kv),
         attention,
-        linear("out", h, h),
+        linear("out", q, h),
         pointwise("norm2", h, False),
         linear("up", h, (2 if spec.gated else 1) * f),
         pointwise("act", f, True),

@@ -50,6 +50,12 @@ model). ``phases["start-up"]`` is ``startup``; it never exceeds the step's phase
 On CUDA the caching allocator rounds blocks up and fragments: ``reserved`` = peak x (1 + ``CUDA_CACHING_OVERHEAD``),
 a documented prior (5%), not a fit; issue 14 quotes one reserved/allocated pair (17.4 / 17.1 GiB, +1.8%).
 Communication buffers of DDP's buckets and offload staging are not modelled beyond the gradients they hold.
+
+**Mixture-of-Experts** (``plait.planner.experts``, ``expert_activations``): the routed experts' parameters (a
+module's ``GroupedExperts`` weights, or the spec's count) are split over ``Layout.ep`` and their states sharded over
+edp = dp x cp / ep (the data ranks holding the same experts), the rest as above; MoE blocks keep what
+``expert_activations`` counts (a rank's experts get n k rows under uniform routing: the mean over the ep group's
+ranks, exact; each rank's own figure moves with its routing).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ from plait.layout import Layout, Offload, Recompute
 from plait.models.spec import ModelSpec
 from plait.parallel.pipeline.schedule import Kind
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes, positions_bytes
+from plait.planner.expert_activations import PLAIT_ROUTING, Routing, layer_bytes
+from plait.planner.experts import routed_layout, routed_parameters, stage_parameters
 from plait.planner.model_states import FOREACH_TEMPORARIES, STATE_FLOATS, optimizer_kind, zero_paper_bytes
 
 CUDA_CACHING_OVERHEAD = 0.05
@@ -134,6 +142,30 @@ def _states(psi: float, layout: Layout, kind: str) -> MemoryEstimate:
     if offloaded:
         estimate.host = estimate.optimizer_states + estimate.master_weights
     return estimate
+
+
+def _with_experts(psi: float, routed: float, layout: Layout, kind: str) -> MemoryEstimate:
+    """``_states`` of ``psi`` parameters beside ``routed`` routed expert parameters (already split over ep), whose
+    states are sharded over edp (``experts.routed_layout``)."""
+    estimate = _states(psi, layout, kind)
+    if routed:
+        more = _states(routed, routed_layout(layout), kind)
+        for name in ("parameters", "gradients", "optimizer_states", "master_weights", "host", "gradients_at_step"):
+            setattr(estimate, name, getattr(estimate, name) + getattr(more, name))
+    return estimate
+
+
+def _routed_count(model: Any, spec: ModelSpec | None) -> int:
+    """The routed expert parameters of ``model`` (what ep splits): a module's ``GroupedExperts`` weights, a
+    description's count (0 for a bare parameter count)."""
+    if isinstance(model, nn.Module):
+        from plait.models.moe import GroupedExperts
+
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        return sum(w.numel() for m in experts for w in m.weights() if w.requires_grad)
+    if spec is None or isinstance(model, int):
+        return 0
+    return spec.moe_blocks * routed_parameters(spec)
 
 
 def _accumulates(layout: Layout) -> bool:
@@ -245,13 +277,15 @@ def estimate_memory(
     if psi_model < 0:
         assert spec is not None
         psi_model = spec.parameters
+    routed = _routed_count(model, spec)
     if not activations:
-        estimate = _states(psi_model / layout.tp / layout.pp, layout, kind)
+        dense = (psi_model - routed) / layout.tp / layout.pp
+        estimate = _with_experts(dense, routed / layout.ep / layout.pp, layout, kind)
         estimate.peak = _step_phase(estimate, layout, kind, device)
         estimate.phases = {"step": estimate.peak}
     else:
         assert spec is not None
-        estimate = _estimate_step(spec, psi_model, layout, kind, shape, device)
+        estimate = _estimate_step(spec, psi_model, layout, kind, shape, device, routed, Routing.of(config))
     return _with_startup(estimate, psi_model, _largest_tensor(model, spec))
 
 
@@ -304,17 +338,19 @@ def _run_forward(spec: ModelSpec, layout: Layout, shape: dict[str, Any], device:
 
 
 def rank_activations(
-    spec: ModelSpec, layout: Layout, fwd: Forward, ends: bool = True
+    spec: ModelSpec, layout: Layout, fwd: Forward, ends: bool = True, routing: Routing = PLAIT_ROUTING
 ) -> tuple[list[float], list[tuple[int, int]]]:
     """Per pipeline rank, the most saved-activation bytes it holds at once (every micro-batch its schedule keeps
-    in flight, plait accounting; ``ends``: with the embeddings and the head), and the [start, end) blocks of every
-    stage."""
+    in flight, plait accounting; ``ends``: with the embeddings and the head; MoE blocks by ``routing``), and the
+    [start, end) blocks of every stage."""
     stages = layout.pp * layout.virtual_stages
     ranges = _block_ranges(spec.layers, stages, layout.pipeline_cuts)
     recomputed_any = layout.recompute in (Recompute.FULL, Recompute.OP) or isinstance(layout.recompute, tuple)
     stage_bytes = []
     for s, (start, end) in enumerate(ranges):
-        blocks = sum(block_bytes(spec, fwd, _recompute_of(layout, i)) for i in range(start, end))
+        blocks = sum(
+            layer_bytes(spec, fwd, i, _recompute_of(layout, i), "plait", layout.ep, routing) for i in range(start, end)
+        )
         outside = ends_bytes(spec, fwd, s == 0, s == stages - 1, "plait", recomputed_any) if ends else 0.0
         if ends and s > 0 and any(_recompute_of(layout, i) in ("full", "op") for i in range(start, end)):
             outside += positions_bytes(fwd)  # a later stage's own positions, its checkpointed blocks' input
@@ -328,24 +364,33 @@ def rank_activations(
 
 
 def _estimate_step(
-    spec: ModelSpec, psi_model: int, layout: Layout, kind: str, shape: dict[str, Any], device: str
+    spec: ModelSpec,
+    psi_model: int,
+    layout: Layout,
+    kind: str,
+    shape: dict[str, Any],
+    device: str,
+    routed_model: int = 0,
+    routing: Routing = PLAIT_ROUTING,
 ) -> MemoryEstimate:
     fwd = _run_forward(spec, layout, shape, device)
     stages = layout.pp * layout.virtual_stages
     whole = "layers" not in shape or "vocab" in shape  # sizes without a vocabulary: the blocks only
-    in_flight, ranges = rank_activations(spec, layout, fwd, ends=whole)
+    in_flight, ranges = rank_activations(spec, layout, fwd, ends=whole, routing=routing)
     best: MemoryEstimate | None = None
     for rank, saved in enumerate(in_flight):
         owned = range(rank, stages, layout.pp)
         blocks = [i for s in owned for i in range(*ranges[s])]
         has_first, has_last = 0 in owned, stages - 1 in owned
-        psi: float = psi_model
+        psi: float = psi_model - routed_model
+        routed: float = routed_model
         if layout.pp > 1 and psi_model == spec.parameters:  # the stages' own parameters
-            psi = len(blocks) * spec.block_parameters
-            psi += (spec.embedding_parameters if has_first else 0) + (spec.head_parameters if has_last else 0)
+            psi, routed = stage_parameters(spec, blocks, has_first, has_last)
         elif layout.pp > 1:  # a module the spec does not count exactly: an even share
-            psi = psi_model / layout.pp
-        estimate = _rank_peak(spec, psi / layout.tp, layout, kind, fwd, saved, blocks, has_last and whole, device)
+            psi, routed = psi / layout.pp, routed / layout.pp
+        estimate = _rank_peak(
+            spec, psi / layout.tp, layout, kind, fwd, saved, blocks, has_last and whole, device, routed / layout.ep
+        )
         if best is None or estimate.peak > best.peak:
             best = estimate
     assert best is not None
@@ -362,12 +407,14 @@ def _rank_peak(
     blocks: list[int],
     last: bool,
     device: str,
+    routed: float = 0.0,
 ) -> MemoryEstimate:
-    """The phases of one rank's step (module docstring) and their maximum."""
-    estimate = _states(psi, layout, kind)
+    """The phases of one rank's step (module docstring) and their maximum; ``routed``: this rank's routed expert
+    parameters besides ``psi``."""
+    estimate = _with_experts(psi, routed, layout, kind)
     n = layout.dp * layout.cp
     if _accumulates(layout) and layout.zero >= 2:  # no_sync: the full local gradient beside the shard
-        estimate.gradients = 4 * psi + 4 * psi / n
+        estimate.gradients = 4 * psi + 4 * psi / n + (4 * routed + 4 * routed * layout.ep / n if routed else 0.0)
     estimate.activations = saved
     base = estimate.parameters + estimate.optimizer_states + estimate.master_weights - estimate.host
     accumulated = estimate.gradients if _accumulates(layout) else 0.0
@@ -390,12 +437,16 @@ def _rank_peak(
     breakdowns = {"loss": parts}
     recomputed = [i for i in blocks if _recompute_of(layout, i) == "full"]
     if recomputed or layout.recompute in (Recompute.SELECTIVE, Recompute.OP):
-        one = block_bytes(spec, fwd, "none")
-        again = one - block_bytes(spec, fwd, "full" if recomputed else str(layout.recompute))
+        mode = "full" if recomputed else str(layout.recompute)
+        again = max(  # the largest block's (an MoE block's where the rank has one)
+            layer_bytes(spec, fwd, i, "none", "plait", layout.ep) - layer_bytes(spec, fwd, i, mode, "plait", layout.ep)
+            for i in (recomputed or blocks or [0])
+        )
         head = 4 * spec.hidden * spec.vocab / layout.tp if last else 0.0  # the head's gradient, by then
         phases["recompute"] = base + max(accumulated, head) + saved + again + gathered
         breakdowns["recompute"] = {**parts, "gradients": max(accumulated, head), "loss_buffers": 0.0, "again": again}
-    copy = 4 * psi if layout.zero == 1 else (4 * spec.block_parameters / layout.tp if layout.zero == 3 else 0.0)
+    unit = 4 * spec.block_parameters / layout.tp
+    copy = 4 * (psi + routed) if layout.zero == 1 else (unit if layout.zero == 3 else 0.0)
     phases["backward end"] = base + estimate.gradients + copy
     breakdowns["backward end"] = {**parts, "gradients": estimate.gradients, "activations": 0.0, "loss_buffers": 0.0}
     breakdowns["backward end"]["gathered"] = copy

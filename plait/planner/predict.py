@@ -39,11 +39,17 @@ from plait.planner.costs import (
     Implementation,
     act_bytes,
     axis_span,
-    block_time,
     collective_time,
     head_time,
     recompute_mode,
-    recomputed_blocks,
+)
+from plait.planner.experts import (
+    block_times,
+    check_experts,
+    expert_split,
+    gradient_groups,
+    routed_parameters,
+    stage_parameters,
 )
 from plait.planner.hardware import Hardware, get_hardware
 from plait.planner.inter_op import rank_balanced_stages
@@ -55,6 +61,7 @@ TIME_PARTS = (
     "compute",
     "tp_comm",
     "cp_comm",
+    "ep_comm",
     "zero3_comm",
     "pp_bubble",
     "dp_comm",
@@ -132,7 +139,7 @@ class Prediction:
         }
 
 
-def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
+def check_layout(spec: ModelSpec, layout: Layout, global_batch: int, impl: Implementation | None = None) -> int:
     """Raise LayoutError (problem + fix) for a layout this model cannot use; return the micro-batch size."""
     if spec.heads % layout.tp or (spec.kv % layout.tp and layout.tp % spec.kv):
         raise LayoutError(
@@ -166,6 +173,9 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int) -> int:
             f"recompute={list(layout.recompute)} names block {max(layout.recompute)}, but {spec.name} has "
             f"{spec.layers} blocks. Fix: block indices below {spec.layers}."
         )
+    problem = check_experts(spec, layout, impl)
+    if problem:
+        raise LayoutError(problem)
     return layout.check_batch(global_batch)
 
 
@@ -212,11 +222,13 @@ def _balanced(costs: tuple[float, ...], p: int, v: int) -> tuple[tuple[int, int]
     return tuple(rank_balanced_stages(costs, p, v))
 
 
-def stage_chunks(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float) -> list[tuple[int, int]]:
+def stage_chunks(
+    spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float, moe: BlockTime | None = None
+) -> list[tuple[int, int]]:
     """Blocks [start, end) of each of the pp x v chunks: the layout's ``pipeline_cuts`` when it has them, else the
     inter-op pass (``inter_op.rank_balanced_stages``: each rank's total of forward, backward, recomputation and
     tensor/context parallel communication, the embedding on the first chunk and the output layer on the last,
-    balanced across ranks)."""
+    balanced across ranks; ``moe``: an MoE block's times, for the model's MoE blocks)."""
     chunks = layout.pp * layout.virtual_stages
     if chunks == 1:
         return [(0, spec.layers)]
@@ -224,7 +236,7 @@ def stage_chunks(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, 
         bounds = [0, *layout.pipeline_cuts, spec.layers]
         return list(zip(bounds, bounds[1:]))
     unit = blk.forward + blk.backward + blk.forward_comm + blk.backward_comm or 1.0
-    costs = _layer_costs(spec, layout, blk, embed, head)
+    costs = _layer_costs(spec, layout, blk, embed, head, moe)
     rounded = {c: round(c / unit, 2) for c in set(costs)}  # few distinct values: the blocks are equal but the ends
     return list(_balanced(tuple(rounded[c] for c in costs), layout.pp, layout.virtual_stages))
 
@@ -285,42 +297,60 @@ def predict(
     layout = layout.resolve(world_size) if world_size is not None else layout
     if global_batch is None:
         global_batch = layout.dp * layout.microbatches
-    b = check_layout(spec, layout, global_batch)
+    b = check_layout(spec, layout, global_batch, impl)
     s, t, p, v, m = spec.seq, layout.tp, layout.pp, layout.virtual_stages, layout.microbatches
     e = act_bytes(layout.precision)
     n_shard = layout.dp * layout.cp
     collective = partial(collective_time, hw, comm_efficiency=impl.comm_efficiency, rails=impl.rail_collectives)
 
-    blk = block_time(spec, hw, impl, layout, b, s)
+    blk, moe = block_times(spec, hw, impl, layout, b, s)
     head_f, head_b, head_flops, embed_f = head_time(spec, hw, impl, layout, b, s)
-    chunks = stage_chunks(spec, layout, blk, embed_f, head_f + head_b)
+    chunks = stage_chunks(spec, layout, blk, embed_f, head_f + head_b, moe)
 
     fwd, bwd, compute, recomputed = [], [], [], []
     for start, end in chunks:
-        n, n_rec = end - start, recomputed_blocks(layout, start, end)
-        f = n * (blk.forward + blk.forward_comm) + (embed_f if start == 0 else 0.0)
-        bw = n * (blk.backward + blk.backward_comm) + n_rec * (blk.recompute + blk.recompute_comm)
+        nd, nm, rd, rm = _block_counts(spec, layout, start, end)
+        f = (
+            nd * (blk.forward + blk.forward_comm)
+            + nm * (moe.forward + moe.forward_comm)
+            + (embed_f if start == 0 else 0.0)
+        )
+        bw = nd * (blk.backward + blk.backward_comm) + nm * (moe.backward + moe.backward_comm)
+        bw += rd * (blk.recompute + blk.recompute_comm) + rm * (moe.recompute + moe.recompute_comm)
         if end == spec.layers:
             f, bw = f + head_f, bw + head_b
         fwd.append(f)
         bwd.append(bw)
-        recomputed.append(n_rec)
+        recomputed.append((rd, rm))
         compute.append(
-            n * (blk.forward + blk.backward) + n_rec * blk.recompute + (head_f + head_b if end == spec.layers else 0)
+            nd * (blk.forward + blk.backward)
+            + nm * (moe.forward + moe.backward)
+            + rd * blk.recompute
+            + rm * moe.recompute
+            + (head_f + head_b if end == spec.layers else 0)
         )
+    # per rank: (blocks, dense parameters, routed expert parameters), before tp / ep split them
     stage_params = []
+    expert_ways = expert_split(layout, impl)
     for r in range(p):
-        blocks = sum(chunks[c][1] - chunks[c][0] for c in range(r, p * v, p))
-        extra = spec.embedding_parameters if r == 0 else 0
-        extra += spec.head_parameters if r == (p * v - 1) % p else 0
-        stage_params.append((blocks, blocks * spec.block_parameters + extra))
+        indices = [i for c in range(r, p * v, p) for i in range(*chunks[c])]
+        dense, routed = stage_parameters(spec, indices, r == 0, r == (p * v - 1) % p)
+        stage_params.append((len(indices), dense, routed))
+    fullest = max(stage_params, key=lambda item: item[1] / t + item[2] / expert_ways)
+    psi_dense, psi_routed = fullest[1] / t, fullest[2] / expert_ways
+    psi_max = psi_dense + psi_routed
+    (n_dense, dense_span), (n_routed, routed_span) = gradient_groups(layout)
+
+    def over_data(op: str, bytes_per_parameter: float) -> float:
+        """``op`` on the dense parameters over dp x cp and on the routed experts over edp."""
+        return collective(op, psi_dense * bytes_per_parameter, n_dense, dense_span) + collective(
+            op, psi_routed * bytes_per_parameter, n_routed, routed_span
+        )
 
     # ZeRO-3: each micro-batch gathers this rank's parameters forward and backward and reduce-scatters gradients
     zero3 = 0.0
-    dp_span = axis_span(layout, "dp_cp")
-    psi_max = max(params for _, params in stage_params) / t
     if layout.zero == 3:
-        gather = collective("all_gather", psi_max * e, n_shard, dp_span)
+        gather = over_data("all_gather", e)
         # a block recomputed under ZeRO-3 is gathered for the recomputation; one too big to be kept until its backward
         # (``Implementation.zero3_reuse_limit``) is gathered once more
         regather = (
@@ -328,7 +358,7 @@ def predict(
         )
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
-        scatter = collective("reduce_scatter", psi_max * impl.grad_bytes, n_shard, dp_span) if p == 1 else 0.0
+        scatter = over_data("reduce_scatter", impl.grad_bytes) if p == 1 else 0.0
         rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
         rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
@@ -365,26 +395,30 @@ def predict(
         rank_bwd = sum(bwd[c] for c in range(slow, p * v, p))
         makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, rank_fwd, rank_bwd * split, p2p)
     slow_chunks = range(slow, p * v, p)
-    rank_blocks = sum(chunks[c][1] - chunks[c][0] for c in slow_chunks)
-    full_recomputed = sum(recomputed[c] for c in slow_chunks) if recompute_mode(layout) in ("full", "blocks") else 0
-    tp_one = collective("all_reduce", b * (s // layout.cp) * spec.hidden * e, t, axis_span(layout, "tp"))
-    tp_time = m * (4 * rank_blocks + 2 * full_recomputed) * tp_one
+    counts = [_block_counts(spec, layout, *chunks[c]) for c in slow_chunks]
+    rank_dense, rank_moe = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    full = recompute_mode(layout) in ("full", "blocks")
+    full_dense = sum(c[2] for c in counts) if full else 0
+    full_moe = sum(c[3] for c in counts) if full else 0
+    tp_time = m * (2 * (rank_dense * blk.tp + rank_moe * moe.tp) + full_dense * blk.tp + full_moe * moe.tp)
+    ep_time = m * sum(c[1] * moe.ep + c[3] * moe.ep_recompute for c in counts)
 
-    # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather)
+    # data parallel gradient reduction (ZeRO 0: all-reduce; 1-2: reduce-scatter + parameter all-gather), the dense
+    # parameters' over dp x cp, the routed experts' over edp
     grads = psi_max * impl.grad_bytes
     dp_time = 0.0
     if n_shard > 1 and layout.zero == 3 and p > 1:
-        dp_time = collective("reduce_scatter", grads, n_shard, dp_span)
+        dp_time = over_data("reduce_scatter", impl.grad_bytes)
     if n_shard > 1 and layout.zero < 3:
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        reduce = collective(op, grads, n_shard, dp_span)
+        reduce = over_data(op, impl.grad_bytes)
         if impl.overlap_dp:
             window = sum(bwd[c] for c in slow_chunks)
             tail = reduce * min(1.0, layout.bucket_mb * 2**20 / max(grads, 1.0))
             reduce = max(reduce - window, tail)
-        gather = collective("all_gather", psi_max * e, n_shard, dp_span) if layout.zero else 0.0
+        gather = over_data("all_gather", e) if layout.zero else 0.0
         dp_time = reduce + gather
-    owned = psi_max / n_shard if layout.zero >= 1 else psi_max
+    owned = (psi_dense / n_dense + psi_routed / n_routed) if layout.zero >= 1 else psi_max
     optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0
     if layout.offload != Offload.NONE and layout.zero >= 1:
         optimizer = owned * ADAM_BYTES_PER_PARAM / hw.host_memory_bandwidth
@@ -393,13 +427,17 @@ def predict(
             offload += owned * 2 * 16 / hw.nvme_bandwidth  # read and write the fp32 states
     step = makespan + dp_time + optimizer + offload
     rank_comm = m * sum(
-        (chunks[c][1] - chunks[c][0]) * (blk.forward_comm + blk.backward_comm) + recomputed[c] * blk.recompute_comm
-        for c in slow_chunks
+        nd * (blk.forward_comm + blk.backward_comm)
+        + nm * (moe.forward_comm + moe.backward_comm)
+        + rd * blk.recompute_comm
+        + rm * moe.recompute_comm
+        for nd, nm, rd, rm in counts
     )
     time = {
         "compute": 0.0,
         "tp_comm": tp_time if t > 1 else 0.0,
-        "cp_comm": max(0.0, rank_comm - (tp_time if t > 1 else 0.0)),
+        "cp_comm": max(0.0, rank_comm - (tp_time if t > 1 else 0.0) - ep_time),
+        "ep_comm": ep_time,
         "zero3_comm": m * zero3,
         "pp_bubble": max(0.0, makespan - busy),
         "dp_comm": dp_time,
@@ -407,12 +445,13 @@ def predict(
         "offload": offload,
         "shared_processors": 0.0,
     }
-    time["compute"] = max(0.0, makespan - time["pp_bubble"] - time["tp_comm"] - time["cp_comm"] - time["zero3_comm"])
+    exposed = time["tp_comm"] + time["cp_comm"] + time["ep_comm"] + time["zero3_comm"]
+    time["compute"] = max(0.0, makespan - time["pp_bubble"] - exposed)
     # ranks sharing ``compute_units`` processors (CPU ranks from ``plait calibrate``): a rank's idle time (bubble)
     # frees a processor for another, so a step lasts at least all ranks' compute spread over the processors, plus
     # the collectives (their calibrated times already include the sharing: measured with that many ranks)
     if hw.compute_units and layout.world_size > hw.compute_units:
-        comm = time["tp_comm"] + time["cp_comm"] + time["zero3_comm"] + dp_time
+        comm = time["tp_comm"] + time["cp_comm"] + time["ep_comm"] + time["zero3_comm"] + dp_time
         shared_bound = layout.world_size / hw.compute_units * (time["compute"] + optimizer) + comm
         time["shared_processors"] = max(0.0, shared_bound - step)
         step += time["shared_processors"]
@@ -426,13 +465,22 @@ def predict(
     last = (p * v - 1) % p
     # every rank holds ``held`` micro-batches at the peak here, so the fullest is one of: the most blocks, the most
     # parameters, or the last (fp32 logits)
-    fullest = {last, max(range(p), key=lambda r: stage_params[r]), max(range(p), key=lambda r: stage_params[r][1])}
-    for r in sorted(fullest):
-        blocks, params = stage_params[r]
+    candidates = {
+        last,
+        max(range(p), key=lambda r: (stage_params[r][0], stage_params[r][1] / t + stage_params[r][2] / expert_ways)),
+        max(range(p), key=lambda r: stage_params[r][1] / t + stage_params[r][2] / expert_ways),
+    }
+    gathered = max(spec.block_parameters, spec.moe_block_parameters - routed_parameters(spec) * (1 - 1 / expert_ways))
+    for r in sorted(candidates):
+        blocks, dense, routed = stage_params[r]
         held = in_flight if p > 1 else 1
         if p > 1 and layout.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.NAIVE):
             held = m * v if layout.schedule == PipelineSchedule.GPIPE else 1
-        mem = stage_memory(spec, layout, impl, b, s, params, blocks, held, r == last, spec.block_parameters)
+        moe_blocks = sum(spec.is_moe_block(i) for c in range(r, p * v, p) for i in range(*chunks[c]))
+        mem = stage_memory(
+            spec, layout, impl, b, s, dense, blocks, held, r == last, gathered,
+            routed_params=routed, moe_blocks=moe_blocks,
+        )  # fmt: skip
         if worst is None or mem.device > worst.device:
             worst = mem
     assert worst is not None
@@ -451,19 +499,39 @@ def predict(
         worst,
         hw.memory_bytes,
         chunks,
-        tuple(_layer_costs(spec, layout, blk, embed_f, head_f + head_b)),
+        tuple(_layer_costs(spec, layout, blk, embed_f, head_f + head_b, moe)),
     )
 
 
-def _layer_costs(spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float) -> list[float]:
-    """``Prediction.layer_costs`` (see there)."""
-    base = blk.forward + blk.backward + blk.forward_comm + blk.backward_comm
-    extra = blk.recompute + blk.recompute_comm
+def _block_counts(spec: ModelSpec, layout: Layout, start: int, end: int) -> tuple[int, int, int, int]:
+    """(dense blocks, MoE blocks, recomputed dense blocks, recomputed MoE blocks) among blocks [start, end)."""
+    moe = sum(1 for i in range(start, end) if spec.is_moe_block(i)) if spec.experts else 0
     if isinstance(layout.recompute, tuple):
-        listed = set(layout.recompute)
-        costs = [base + (extra if i in listed else 0.0) for i in range(spec.layers)]
-    else:
-        costs = [base + (extra if layout.recompute != Recompute.NONE else 0.0)] * spec.layers
+        listed = [i for i in set(layout.recompute) if start <= i < end]
+        rec_moe = sum(1 for i in listed if spec.is_moe_block(i))
+        return end - start - moe, moe, len(listed) - rec_moe, rec_moe
+    if recompute_mode(layout) == "none":
+        return end - start - moe, moe, 0, 0
+    return end - start - moe, moe, end - start - moe, moe
+
+
+def _layer_costs(
+    spec: ModelSpec, layout: Layout, blk: BlockTime, embed: float, head: float, moe: BlockTime | None = None
+) -> list[float]:
+    """``Prediction.layer_costs`` (see there)."""
+
+    def cost(kind: BlockTime, recomputed: bool) -> float:
+        base = kind.forward + kind.backward + kind.forward_comm + kind.backward_comm
+        return base + (kind.recompute + kind.recompute_comm if recomputed else 0.0)
+
+    listed = set(layout.recompute) if isinstance(layout.recompute, tuple) else None
+    everywhere = listed is None and layout.recompute != Recompute.NONE
+    costs = [
+        cost(
+            moe if moe is not None and spec.is_moe_block(i) else blk, everywhere or (listed is not None and i in listed)
+        )
+        for i in range(spec.layers)
+    ]
     costs[0] += embed
     costs[-1] += head
     return costs

@@ -140,6 +140,23 @@ SOURCES: dict[str, Source] = {
         "test",
         "MosaicML llm-foundry",
     ),
+    # Mixture-of-Experts runs (plait/planner/published_moe.py): never fitted on, reported apart
+    "megatron-core-moe": Source(
+        "NVIDIA, Megatron-Core MoE (megatron/core/transformer/moe/README.md)",
+        "'468 TFLOPS for Mixtral 8X7B bf16 training' (MCore v0.9) and the 'Reference Best Parallel Mapping' table",
+        "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md (commit 022bcb5)",
+        "hopper",
+        "test",
+        "Megatron-Core MoE",
+    ),
+    "megatron-moe-modelzoo": Source(
+        "NVIDIA, Megatron MoE Model Zoo, Qwen3 best practice",
+        "'Performance Results' (Qwen3-235B-A22B, 256 H100, BF16: step time and TFLOP/s per GPU)",
+        "yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (commit c1ad0b5)",
+        "hopper",
+        "test",
+        "Megatron-Core MoE",
+    ),
 }
 
 
@@ -159,6 +176,8 @@ class PublishedRun:
     metric: str
     value: float
     note: str = ""
+    why_pending: str = ""
+    """Why this row cannot be predicted (a layout the planner does not describe); "" when it can."""
 
     @property
     def generation(self) -> str:
@@ -174,7 +193,7 @@ class PublishedRun:
         recompute = dict(self.layout_fields).get("recompute", "none")
         if isinstance(recompute, str) and recompute not in RECOMPUTE_MODES:
             return f"needs Layout(recompute={recompute!r}), which this plait does not have yet"
-        return ""
+        return self.why_pending
 
     @property
     def layout(self) -> Layout:

@@ -27,6 +27,7 @@ def layout_text(p: Prediction) -> str:
         f"tp{lay.tp}",
         f"pp{lay.pp}",
         f"cp{lay.cp}",
+        *([f"ep{lay.ep}"] if lay.ep > 1 else []),
         f"zero{lay.zero}",
         f"mbs{p.micro_batch}",
         f"m{lay.microbatches}",
@@ -62,8 +63,10 @@ def time_text(p: Prediction) -> str:
 
 
 def plan_table(result: PlanResult) -> Table:
+    spec = result.model
+    size = f"{spec.parameters / 1e9:.1f}B" + (f", {spec.active_parameters / 1e9:.1f}B active" if spec.experts else "")
     table = Table(
-        title=f"{result.model.name} ({result.model.parameters / 1e9:.1f}B) on {result.world_size} x "
+        title=f"{spec.name} ({size}) on {result.world_size} x "
         f"{result.hardware.name}, global batch {result.global_batch} x {result.model.seq} tokens"
     )
     for column in ("#", "layout", "step", "tokens/s", "TFLOP/s/GPU", "MFU", "memory per GPU", "time breakdown"):

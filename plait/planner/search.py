@@ -5,7 +5,9 @@ Enumerated: tp and cp in powers of two (tp within a node and dividing the heads;
 pp over the divisors of what is left (at most the layer count), dp the rest (dividing the global batch);
 micro-batch size in powers of two; the schedule when pp > 1: 1F1B, ZB-H1 (the zero-bubble schedule plait's
 runtime runs) and interleaved 1F1B with v = 2, 3, 4, 6 or 8 chunks per rank; ZeRO stage; recomputation
-(selective where the runtime has it, full); CPU offload.
+(selective where the runtime has it, full); CPU offload; for a Mixture-of-Experts model, expert parallelism ep: 1 and
+every power of two dividing both the experts and the data ranks dp x cp (``experts.ep_options``; ep folds into the
+data ranks, so it multiplies the layouts timed, not the shapes).
 
 Alpa's passes:
 - intra-op (``intra_op.solve_intra_op``, an ILP solved by HiGHS): for each tensor-parallel degree and micro-batch
@@ -39,7 +41,8 @@ from plait.errors import ConfigError, LayoutError
 from plait.layout import RECOMPUTE_MODES, Layout, PipelineSchedule
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
-from plait.planner.hardware import Hardware, get_hardware
+from plait.planner.experts import ep_options, expert_split, routed_layout, routed_parameters
+from plait.planner.hardware import EFFICIENCY_FITTED_ON, Hardware, get_hardware
 from plait.planner.inter_op import inter_op_plan
 from plait.planner.intra_op import IntraOpPlan, block_operators, solve_intra_op
 from plait.planner.models import ModelSpec, resolve_model
@@ -196,9 +199,10 @@ def plan(
         raise _no_shape_error(spec, hw, world_size, batch, max_cp)
     recomputes = [mode for mode in ("selective", "op", "full") if mode in RECOMPUTE_MODES]  # cheapest first
     intra: dict[tuple[int, int], IntraOpChoice] = {}  # (tp, tokens) -> the intra-op pass's choice
+    routed = spec.moe_blocks * routed_parameters(spec)  # what ep splits
     for tp, cp, pp, dp in shapes:
         per_dp = batch // dp
-        stage_psi = (spec.parameters / pp + spec.embedding_parameters) / tp
+        stage_psi = ((spec.parameters - routed) / pp + spec.embedding_parameters) / tp
         for mbs in [b for b in _powers_of_two(min(max_micro_batch, per_dp)) if per_dp % b == 0]:
             m = per_dp // mbs
             sequence_parallel = (
@@ -208,7 +212,7 @@ def plan(
                 # with pp > 1 plait accumulates unsharded gradients under ZeRO-2 (one reduce-scatter per step), so
                 # ZeRO-2 holds and sends what ZeRO-1 does: timing it again would only duplicate ZeRO-1
                 zeros = (0, 1, 2, 3) if pp == 1 else (0, 1, 3)
-                for zero in zeros if dp * cp > 1 else (0,):
+                for zero, ep in [(z, ep) for z in (zeros if dp * cp > 1 else (0,)) for ep in ep_options(spec, dp * cp)]:
                     base = Layout(
                         dp=dp,
                         tp=tp,
@@ -220,8 +224,13 @@ def plan(
                         virtual_stages=v,
                         precision=precision,
                         sequence_parallel=sequence_parallel,
+                        ep=ep,
                     )
                     params, grads, states, host = model_state_bytes(stage_psi, base, impl)
+                    if routed:  # the routed experts: split over ep (and tp), their states sharded over edp
+                        psi = routed / pp / expert_split(base, impl)
+                        more = model_state_bytes(psi, routed_layout(base), impl)
+                        params, grads, states = params + more[0], grads + more[1], states + more[2]
                     floor = params + grads + states - (states if zero else 0.0)  # with offload
                     least_states = min(least_states, floor + impl.reserved_bytes)
                     if floor + impl.reserved_bytes > hw.memory_bytes:
@@ -255,7 +264,7 @@ def plan(
     best_of: dict[tuple[Any, ...], Prediction] = {}
     for candidate in found:  # one entry per structure: its fastest (then smallest) ZeRO / recompute / offload
         lay = candidate.layout
-        key = (lay.tp, lay.cp, lay.pp, lay.dp, lay.microbatches, lay.schedule, lay.virtual_stages)
+        key = (lay.tp, lay.cp, lay.pp, lay.dp, lay.microbatches, lay.schedule, lay.virtual_stages, lay.ep)
         rank = (round(candidate.step_time, 12), candidate.memory.device)
         if key not in best_of or rank < (round(best_of[key].step_time, 12), best_of[key].memory.device):
             best_of[key] = candidate
@@ -265,6 +274,14 @@ def plan(
     exact.sort(key=lambda p: (round(p.step_time, 12), p.memory.device))
     result = PlanResult(spec, hw, world_size, batch, exact[:top], evaluated, pruned, time.perf_counter() - started)
     result.notes.extend(_pass_notes(intra, spec, hw, result.best, precision))
+    owner = EFFICIENCY_FITTED_ON.get(hw.generation)
+    if owner and owner != impl.family:
+        result.notes.append(
+            f"compute efficiency {hw.compute_efficiency:.3f}: the {hw.generation} generation's, fitted on {owner}'s "
+            f"published runs, not {impl.family}'s (an efficiency belongs to an implementation on a hardware); "
+            f"plait's own is what plait calibrate measures on the machine it runs on (--gpu this-machine; CPU ranks "
+            f"today)"
+        )
     logger.info(
         "planned %s on %d x %s: %d layouts timed, %d pruned, %.2f s",
         spec.name,

@@ -1,7 +1,9 @@
 """The planner's memory per pipeline stage (``stage_memory``: model states, activations in flight, buffers and the
 allocator's reserve of one device), from the same formulas as ``plait.planner.memory.estimate_memory``: model
 states by ``model_state_bytes`` (the ZeRO paper's accounting, or plait's own for ``plait``), activations per block by
-``plait.planner.activations`` under the implementation's accounting.
+``plait.planner.activations`` under the implementation's accounting. Mixture-of-Experts stages add their routed
+experts' states, split over ep and sharded over edp (``plait.planner.experts``), and their MoE blocks keep what
+``plait.planner.expert_activations`` counts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from plait.layout import Layout, Offload, PipelineSchedule
 from plait.models.spec import ModelSpec
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
+from plait.planner.expert_activations import layer_bytes
+from plait.planner.experts import expert_split, routed_layout
 from plait.planner.memory import CUDA_CACHING_OVERHEAD, _states
 from plait.planner.model_states import zero_paper_bytes
 
@@ -47,6 +51,15 @@ class MemoryBreakdown:
             "host": self.host,
             "device": self.device,
         }
+
+
+def _states_of(psi: float, layout: Layout, impl: Implementation) -> tuple[float, float, float, float]:
+    """``model_state_bytes``, with the gradients of a pipeline under ZeRO-2/3 held whole: micro-batches accumulate
+    unsharded gradients (no_sync) before the one reduce-scatter of the step."""
+    params, grads, states, host = model_state_bytes(psi, layout, impl)
+    if layout.pp > 1 and layout.zero >= 2:
+        grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]
+    return params, grads, states, host
 
 
 def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple[float, float, float, float]:
@@ -116,9 +129,15 @@ def _activation_terms(
     return per_block, first, last, loss
 
 
+@functools.lru_cache(maxsize=65536)
+def _moe_terms(spec: ModelSpec, fwd: Forward, kind: str, ep: int) -> tuple[tuple[str, float], ...]:
+    """One MoE block's bytes under each recompute mode, for one micro-batch (cached as ``_activation_terms``)."""
+    return tuple((m, layer_bytes(spec, fwd, spec.moe_start, m, kind, ep)) for m in ("none", "selective", "op", "full"))
+
+
 def _largest_matrix(spec: ModelSpec) -> float:
     """Parameters of a block's largest weight matrix (the MLP's, or q/k/v's when they are wider)."""
-    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.hidden + 2 * spec.kv * spec.head_dim)))
+    return float(max(spec.hidden * spec.ffn, spec.hidden * (spec.q_width + 2 * spec.kv * spec.head_dim)))
 
 
 def stage_memory(
@@ -135,23 +154,32 @@ def stage_memory(
     *,
     first_block: int | None = None,
     first_stage: bool = False,
+    routed_params: float = 0.0,
+    moe_blocks: int = 0,
 ) -> MemoryBreakdown:
     """Per-device bytes of one pipeline stage holding ``stage_params`` parameters (before tp) and
     ``stage_blocks`` blocks, with ``in_flight`` stage-micro-batches of activations alive at the peak (counted in
     units of the stage's blocks / virtual stages). ``recompute`` as a tuple of blocks: the listed blocks among
     ``first_block`` .. (when given), else that share of the model's blocks. ``reserved``: the implementation's
-    fixed reserve plus, on GPUs, the caching allocator's ``CUDA_CACHING_OVERHEAD`` of the rest."""
+    fixed reserve plus, on GPUs, the caching allocator's ``CUDA_CACHING_OVERHEAD`` of the rest. A
+    Mixture-of-Experts stage: ``routed_params`` routed expert parameters besides ``stage_params`` (before ep splits
+    them), ``moe_blocks`` of its blocks MoE blocks."""
     psi = stage_params / layout.tp
-    params, grads, states, host = model_state_bytes(psi, layout, impl)
-    if layout.pp > 1 and layout.zero >= 2:  # micro-batches accumulate unsharded gradients (no_sync) before the
-        grads = model_state_bytes(psi, dataclasses.replace(layout, zero=1), impl)[1]  # one reduce-scatter per step
+    params, grads, states, host = _states_of(psi, layout, impl)
+    if routed_params:  # the routed experts: split over ep (and tp), their states sharded over edp
+        more = _states_of(routed_params / expert_split(layout, impl), routed_layout(layout), impl)
+        params, grads, states, host = (a + b for a, b in zip((params, grads, states, host), more))
     mode, kind = layout.recompute, accounting(impl)
-    pairs, first, last, loss = _activation_terms(
-        spec, _layout_forward(spec, layout, impl, micro_batch, seq), kind, mode != "none"
-    )
+    fwd = _layout_forward(spec, layout, impl, micro_batch, seq)
+    pairs, first, last, loss = _activation_terms(spec, fwd, kind, mode != "none")
     per_block = dict(pairs)
-    none, full = per_block["none"], per_block["full"]
+    moe_block = dict(_moe_terms(spec, fwd, kind, layout.ep)) if moe_blocks else per_block
+    kinds = [per_block, moe_block] if moe_blocks else [per_block]
     blocks_per_chunk = stage_blocks / layout.virtual_stages
+    moe_per_chunk = moe_blocks / layout.virtual_stages
+    none, full = per_block["none"], per_block["full"]
+    if moe_blocks:  # the stage's average block
+        none = ((blocks_per_chunk - moe_per_chunk) * none + moe_per_chunk * moe_block["none"]) / blocks_per_chunk
     if isinstance(mode, tuple):
         if first_block is None:
             recomputed = blocks_per_chunk * len(set(mode)) / spec.layers
@@ -161,12 +189,13 @@ def stage_memory(
             )
         chunk = recomputed * full + (blocks_per_chunk - recomputed) * none
     else:
-        chunk = blocks_per_chunk * per_block[str(mode)]
+        key = str(mode)
+        chunk = (blocks_per_chunk - moe_per_chunk) * per_block[key] + moe_per_chunk * moe_block[key]
     activations = in_flight * chunk
     if mode == "full" or (isinstance(mode, tuple) and chunk < blocks_per_chunk * none):
-        activations += none - full  # a recomputed block's activations, for a moment
+        activations += max(k["none"] - k["full"] for k in kinds)  # a recomputed block's activations, for a moment
     elif mode in ("selective", "op"):  # what the block recomputes, while its backward runs
-        activations += none - per_block[str(mode)]
+        activations += max(k["none"] - k[str(mode)] for k in kinds)
     ends_held = (
         in_flight if layout.schedule == PipelineSchedule.GPIPE else 1
     )  # 1F1B-like: the last stage's F is followed by its B

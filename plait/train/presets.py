@@ -5,6 +5,11 @@ on top, in that order).
 prepared on first use with a byte-level BPE of 4,096 tokens and cached, docs/data.md). Its held-out perplexity
 falls visibly within a few minutes on 2 CPU cores; the measured curve is in docs/data.md. It checkpoints at steps
 300 and 600, so ``plait generate <out>`` prints what the trained model writes.
+
+``stdlib-moe``: the same run with the ``small-moe`` model (plait/models/presets.py): every block's feed-forward
+becomes 8 experts of width 256, top-2, the dense model's active parameters (4 x its feed-forward parameters in all).
+Its held-out curve against ``stdlib-lm``'s over the same steps is in docs/expert_parallel.md; ``--set layout.ep=2``
+splits the experts over 2 of the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
 }
+PRESETS["stdlib-moe"] = {**copy.deepcopy(PRESETS["stdlib-lm"]), "model": {"preset": "small-moe"}}
 """Each preset is the sections of a RunConfig (what a ``--config`` TOML file would hold)."""
 
 
