@@ -77,7 +77,8 @@ def one_process_steps_per_s(size: str, steps: int, cpu: list[float] | None = Non
 
 
 def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """Run one job in this process's plait; pushes/s and server updates/s between the first push and the end, and
+    """Run one job in this process's plait; pushes/s and server updates/s between the first push and the end (from
+    the last poll before it, when every push landed between two polls), and
     the one-process ceiling measured just before and just after it (the mean of both: a paired ceiling, so load
     that changes during a long run moves the job and its ceiling together)."""
     from plait.param_server import Consistency, JobConfig, LocalCluster, OptimizerSpec
@@ -125,8 +126,12 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
             cluster.start_worker(index)
         cluster.wait_workers(on_reports=record, poll_s=0.05)
         cluster.stop()
-    started = next(sample for sample in samples if sample[1] > 0)
     ended = samples[-1]
+    started = next(sample for sample in samples if sample[1] > 0)
+    if started[1] == ended[1]:  # every push landed between two polls: time them from the poll before the first
+        started = next((sample for sample in reversed(samples) if sample[1] < ended[1]), (0.0, 0, 0))
+        if started[0] == 0.0:
+            raise RuntimeError(f"no report came before the job's {ended[1]} pushes; poll more often or run more steps")
     seconds = max(1e-9, ended[0] - started[0])
     single_after = one_process_steps_per_s(size, ceiling_steps, step_cpu)
     job_cpu = sum(cpu_last[pid] - start for pid, start in cpu_start.items())
