@@ -12,6 +12,12 @@ any step, and over one epoch serves every window once across all dp ranks. The v
 way with seed 0 whatever the run's seed: its first n samples are a uniform sample of n held-out windows from all
 over the split (not just its first documents), and every run evaluates on the same windows.
 
+**Packed documents** (``attention="document"``, docs/data.md): each sample's inputs are ``(tokens, positions)``
+(``plait.models.inputs``): positions count each token's place in its document, from the folder's document offsets
+(``.idx``), restarting at 0 at every document and at the window's first token, so attention stays inside each
+document. ``eod_mask_loss`` ignores the target at each end-of-document token (the next document's first token,
+which the finished document cannot predict), as Megatron-LM's ``--eod-mask-loss``.
+
 The files are opened with ``np.memmap``: nothing is read until a batch touches it, and every rank of a node shares
 the page cache. Opening checks the files against ``meta.json``: sizes always, sha256 when asked (``verify``) or
 when cheap (all files together under ``CHEAP_VERIFY_BYTES``). ``meta.json`` itself is checked for consistency (a
@@ -37,6 +43,8 @@ from plait.data.sources import sha256_of
 from plait.data.tokenizer import TextCodec, load_saved
 from plait.errors import DataError
 
+ATTENTION_KINDS = ("causal", "document")
+"""``data.attention``: "causal" (documents run into each other across the eos, GPT-2 style) or "document"."""
 CHEAP_VERIFY_BYTES = 64 << 20
 """Folders whose files add up to at most this (64 MiB) are checked by sha256 on every open, not only by size."""
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -154,6 +162,22 @@ class TokenFolder:
         """The split's document offsets: n_documents + 1 int64 token positions."""
         return np.memmap(self._file(self.splits[split]["idx"]), dtype="<i8", mode="r")
 
+    def document_starts(self, split: str) -> np.ndarray:
+        """The split's document offsets, checked once (0 first, never decreasing, the token count last): a lying
+        ``.idx`` would give negative positions, which no attention can use."""
+        offsets = np.asarray(self.offsets(split))
+        if (
+            len(offsets) < 2
+            or offsets[0] != 0
+            or offsets[-1] != len(self.tokens(split))
+            or (np.diff(offsets) < 0).any()
+        ):
+            raise DataError(
+                f"the {split} split's document offsets ({self.splits[split]['idx']}) of {self.path} do not start at 0, "
+                f"rise to the token count, or fall somewhere: the folder is corrupt. {_redo(self.path)}"
+            )
+        return offsets
+
     @property
     def codec(self) -> TextCodec:
         """The folder's tokenizer (``encode`` / ``decode``), loaded on first use."""
@@ -182,13 +206,18 @@ class TokenDataset:
         split: str = "train",
         verify: bool = False,
         folder: TokenFolder | None = None,
+        attention: str = "causal",
+        eod_mask_loss: bool = False,
     ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"data.seq_len={seq_len!r} must be a positive integer. Fix: e.g. data.seq_len=256.")
         if split not in SPLITS:
             raise DataError(f"split {split!r} is unknown. Fix: one of {list(SPLITS)}.")
+        check_attention(attention, eod_mask_loss)
         self.folder = folder or TokenFolder(path, verify=verify)
         self.split, self.seed, self._seq_len = split, seed, seq_len
+        self.attention, self.eod_mask_loss = attention, eod_mask_loss
+        self._starts = self.folder.document_starts(split) if attention == "document" or eod_mask_loss else None
         self.data = self.folder.tokens(split)
         self.num_windows = (len(self.data) - 1) // seq_len
         if self.num_windows < 1:
@@ -242,20 +271,40 @@ class TokenDataset:
             result[where] = self.permutation(int(epoch))[positions[where]]
         return result
 
-    def batch(self, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Inputs [N, T] and next-token targets [N, T] (int64) of the samples ``indices``."""
+    def batch(self, indices: Sequence[int]) -> tuple[Any, Tensor]:
+        """Inputs [N, T] and next-token targets [N, T] (int64) of the samples ``indices``; with document attention
+        the inputs are (tokens, positions) (module doc)."""
         starts = self.windows(indices) * self._seq_len
-        rows = self.data[starts[:, None] + np.arange(self._seq_len + 1)].astype(np.int64)
+        index = starts[:, None] + np.arange(self._seq_len + 1)
+        rows = self.data[index].astype(np.int64)
         self.folder.check_ids(rows, f"the {self.split} split")
         windows = torch.from_numpy(rows)
-        return windows[:, :-1].clone(), windows[:, 1:].clone()
+        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        if self._starts is None:
+            return inputs, targets
+        document = np.searchsorted(self._starts, index, side="right") - 1
+        begins = self._starts[document]  # the first token of each token's document
+        if self.eod_mask_loss:  # a target that begins a document follows an end-of-document token
+            targets[torch.from_numpy(begins[:, 1:] == index[:, 1:])] = IGNORE_INDEX
+        if self.attention == "causal":
+            return inputs, targets
+        positions = index[:, :-1] - np.maximum(begins[:, :-1], starts[:, None])
+        return (inputs, torch.from_numpy(positions)), targets
 
     def validation_split(self) -> TokenDataset | None:
         """The held-out documents as a dataset of windows of the same length, shuffled with seed 0 (the same
         evaluation windows for every run), or None when nothing is held out."""
         if self.split != "train" or int(self.folder.splits["val"]["tokens"]) == 0:
             return None
-        return TokenDataset(self.folder.path, self._seq_len, seed=0, split="val", folder=self.folder)
+        return TokenDataset(
+            self.folder.path,
+            self._seq_len,
+            seed=0,
+            split="val",
+            folder=self.folder,
+            attention=self.attention,
+            eod_mask_loss=self.eod_mask_loss,
+        )
 
     def accuracy_counts(self, logits: Tensor, targets: Tensor) -> tuple[int, int]:
         """(correctly predicted next tokens, scored tokens): per-token argmax accuracy."""
@@ -264,4 +313,15 @@ class TokenDataset:
         return int(correct.sum().item()), int(scored.sum().item())
 
 
-__all__ = ["CHEAP_VERIFY_BYTES", "TokenDataset", "TokenFolder"]
+def check_attention(attention: str, eod_mask_loss: bool) -> None:
+    """DataError unless ``attention`` is one of ``ATTENTION_KINDS`` and ``eod_mask_loss`` a bool."""
+    if attention not in ATTENTION_KINDS:
+        raise DataError(
+            f"data.attention={attention!r} is unknown. Fix: 'causal' (documents run into each other) or 'document' "
+            f"(attention stays inside each document)."
+        )
+    if not isinstance(eod_mask_loss, bool):
+        raise DataError(f"data.eod_mask_loss={eod_mask_loss!r} must be true or false. Fix: data.eod_mask_loss=true.")
+
+
+__all__ = ["ATTENTION_KINDS", "CHEAP_VERIFY_BYTES", "TokenDataset", "TokenFolder", "check_attention"]

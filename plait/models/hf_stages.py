@@ -12,7 +12,9 @@ so ``make_stage_forward`` gives the copy a forward that does what the model's do
   ``cos, sin = rotary_emb(h, positions)``; every kept decoder layer; ``norm`` and ``lm_head`` if kept.
 
 Positions (0..T-1, no cache) and the causal mask depend only on the sequence length, so every stage rebuilds
-them from its input instead of receiving them: only the hidden states cross a stage boundary. Padding masks
+them from its input instead of receiving them: only the hidden states cross a stage boundary. Packed documents'
+positions (``position_ids`` [B, T], restarting at each document: ``plait.models.inputs``) are given to every stage
+by the pipeline runtime; the stages use them instead, and transformers' mask then keeps documents apart. Padding masks
 are not supported (plait feeds ``input_ids`` only). Other transformers architectures are refused with a
 LayoutError. Tied embeddings (GPT-2's LM head sharing ``wte.weight``) are handled by the split and the
 pipeline runtime (a copy on the last stage whose gradient is added to the first stage's; docs/pipeline.md).
@@ -46,7 +48,10 @@ def check_pipeline_support(model: nn.Module) -> None:
         )
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
+def _positions(hidden: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed documents' ``given`` positions, else 0..T-1."""
+    if given is not None:
+        return given.to(hidden.device)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -68,15 +73,23 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
     )
 
 
-def _gpt2_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
+def _gpt2_stage(
+    self: Any,
+    x: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
     """GPT2LMHeadModel.forward (no cache, no padding mask) restricted to the parts this stage kept. ``self`` is a
-    transformers model, whose submodules are dynamic attributes (typed Any)."""
+    transformers model, whose submodules are dynamic attributes (typed Any); packed documents' positions come as
+    ``position_ids`` or plait's ``positions``."""
+    position_ids = position_ids if position_ids is not None else positions
     base = self.transformer
     if base.wte is not None:
-        hidden = base.drop(base.wte(x) + base.wpe(_positions(x)))
+        hidden = base.drop(base.wte(x) + base.wpe(_positions(x, position_ids)))
     else:
         hidden = x
-    positions = _positions(hidden)
+    positions = _positions(hidden, position_ids)
     mask = _causal_mask(base.config, hidden, positions)
     for block in base.h:
         hidden = block(hidden, None, mask, None, use_cache=False, position_ids=positions)
@@ -85,12 +98,19 @@ def _gpt2_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
     return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-def _llama_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
-    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self``: as
-    in ``_gpt2_stage``)."""
+def _llama_stage(
+    self: Any,
+    x: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self`` and
+    the positions: as in ``_gpt2_stage``)."""
+    position_ids = position_ids if position_ids is not None else positions
     base = self.model
     hidden = base.embed_tokens(x) if base.embed_tokens is not None else x
-    positions = _positions(hidden)
+    positions = _positions(hidden, position_ids)
     mask = _causal_mask(base.config, hidden, positions)
     rotary = base.rotary_emb(hidden, position_ids=positions)
     for layer in base.layers:

@@ -22,6 +22,7 @@ from typing import Any
 
 import tomli_w
 
+from plait.data.tokens import ATTENTION_KINDS
 from plait.errors import ConfigError, LayoutError
 from plait.layout import Layout, from_mapping
 
@@ -41,6 +42,10 @@ class DataConfig:
       ``plait data prepare`` (``verify``: check every file's sha256, not only sizes; cheap folders always are);
     * ``name = "stdlib"``: the Python standard library's source, tokenized with a byte-level BPE of ``vocab``
       tokens, prepared on first use and cached (``corpus_mb`` > 0: only the first files holding that many MB).
+
+    Token folders and the stdlib corpus hold documents: ``attention = "document"`` keeps attention inside each
+    document of a packed window (positions restart at each one; default "causal": GPT-2 style), and
+    ``eod_mask_loss`` ignores the target at each end-of-document token (``plait.data.tokens``).
     """
 
     name: str = "addition"
@@ -51,6 +56,8 @@ class DataConfig:
     vocab: int = 4096
     corpus_mb: float = 0.0
     verify: bool = False
+    attention: str = "causal"
+    eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
         """Every field checked whatever the dataset (``seq_len`` too, which the addition task takes from
@@ -65,6 +72,21 @@ class DataConfig:
             )
         if not isinstance(self.verify, bool):
             raise ConfigError(f"data.verify={self.verify!r} must be true or false. Fix: data.verify=true.")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(
+                f"data.attention={self.attention!r} is unknown. Fix: 'causal' (documents run into each other) or "
+                f"'document' (attention stays inside each document)."
+            )
+        if not isinstance(self.eod_mask_loss, bool):
+            raise ConfigError(
+                f"data.eod_mask_loss={self.eod_mask_loss!r} must be true or false. Fix: data.eod_mask_loss=true."
+            )
+        if (self.attention != "causal" or self.eod_mask_loss) and self.name in ("addition", "bytes"):
+            raise ConfigError(
+                f"data.attention={self.attention!r} / data.eod_mask_loss={self.eod_mask_loss} need documents, but "
+                f"data.name={self.name!r} has none. Fix: data.name='tokens' (plait data prepare) or 'stdlib', or "
+                f"leave them at 'causal' / false."
+            )
 
     def dataset_kwargs(self) -> dict[str, Any]:
         if self.name == "addition":
@@ -79,7 +101,13 @@ class DataConfig:
                     "data.name='tokens' needs a folder written by plait data prepare. Fix: plait data prepare "
                     "INPUT... --out DIR, then --set data.path=DIR"
                 )
-            return {"path": self.path, "seq_len": self.seq_len, "seed": self.seed, "verify": self.verify}
+            return {
+                "path": self.path,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "verify": self.verify,
+                **self._docs(),
+            }
         if self.name == "stdlib":
             return {
                 "seq_len": self.seq_len,
@@ -87,8 +115,12 @@ class DataConfig:
                 "vocab": self.vocab,
                 "corpus_mb": self.corpus_mb,
                 "verify": self.verify,
+                **self._docs(),
             }
         raise ConfigError(f"data.name={self.name!r} is unknown. Fix: use 'addition', 'bytes', 'tokens' or 'stdlib'.")
+
+    def _docs(self) -> dict[str, Any]:
+        return {"attention": self.attention, "eod_mask_loss": self.eod_mask_loss}
 
 
 @dataclass
