@@ -154,6 +154,9 @@ class TrainConfig:
     min_lr: float | None = None
     """The floor of the decay (default lr / 10)."""
     max_grad_norm: float = 1.0
+    loss_chunk: int = 0
+    """Chunked cross-entropy: the LM head and the loss over this many tokens at a time, so that the whole logits
+    never exist (``plait.models.loss.ChunkedCrossEntropy``; 0: whole logits)."""
     init_from: str = ""
     """Start from these weights with a fresh optimizer: a plait checkpoint (any layout), a .safetensors file or a
     Hugging Face folder (plait.train.weights); "" starts from fresh weights."""
@@ -193,6 +196,7 @@ class TrainConfig:
             "keep_every",
             "samples",
             "sample_tokens",
+            "loss_chunk",
         ):
             _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
         _integer("train.seed", self.seed, 0)

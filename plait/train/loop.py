@@ -30,6 +30,7 @@ from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
+from plait.models.loss import ChunkedCrossEntropy
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig, check_model_fits_data
@@ -116,7 +117,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
         model,
         layout,
         optimizer=optimizer_factory(train, world.device),
-        loss_fn=lm_loss,
+        loss_fn=ChunkedCrossEntropy(train.loss_chunk) if train.loss_chunk else lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),
         device=world.device,
