@@ -22,8 +22,9 @@ from typing import Any
 
 import tomli_w
 
+from plait.data.mixture import check_sources
 from plait.data.tokens import ATTENTION_KINDS
-from plait.errors import ConfigError, LayoutError
+from plait.errors import ConfigError, DataError, LayoutError
 from plait.layout import Layout, from_mapping
 
 if sys.version_info >= (3, 11):
@@ -46,6 +47,9 @@ class DataConfig:
     Token folders and the stdlib corpus hold documents: ``attention = "document"`` keeps attention inside each
     document of a packed window (positions restart at each one; default "causal": GPT-2 style), and
     ``eod_mask_loss`` ignores the target at each end-of-document token (``plait.data.tokens``).
+
+    ``name = "tokens"`` with ``sources = [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]``
+    (instead of ``path``) mixes several token folders by weight (``plait.data.mixture``; each may have a ``name``).
     """
 
     name: str = "addition"
@@ -58,6 +62,7 @@ class DataConfig:
     verify: bool = False
     attention: str = "causal"
     eod_mask_loss: bool = False
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Every field checked whatever the dataset (``seq_len`` too, which the addition task takes from
@@ -81,6 +86,8 @@ class DataConfig:
             raise ConfigError(
                 f"data.eod_mask_loss={self.eod_mask_loss!r} must be true or false. Fix: data.eod_mask_loss=true."
             )
+        if self.sources:
+            self._check_sources()
         if (self.attention != "causal" or self.eod_mask_loss) and self.name in ("addition", "bytes"):
             raise ConfigError(
                 f"data.attention={self.attention!r} / data.eod_mask_loss={self.eod_mask_loss} need documents, but "
@@ -88,7 +95,32 @@ class DataConfig:
                 f"leave them at 'causal' / false."
             )
 
+    def _check_sources(self) -> None:
+        """A mixture: ``name = "tokens"`` and no ``path``; every entry a folder with a positive weight."""
+        if self.name != "tokens" or self.path:
+            raise ConfigError(
+                f"data.sources mixes token folders, but data.name={self.name!r} and data.path={self.path!r}. Fix: "
+                f"data.name='tokens' and the folders in data.sources only (data.path='')."
+            )
+        try:
+            self.sources = check_sources(self.sources)
+        except DataError as error:
+            raise ConfigError(str(error)) from error
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset ``make_dataset`` builds: ``name``, or "mixture" for several token folders."""
+        return "mixture" if self.sources else self.name
+
     def dataset_kwargs(self) -> dict[str, Any]:
+        if self.sources:
+            return {
+                "sources": self.sources,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "verify": self.verify,
+                **self._docs(),
+            }
         if self.name == "addition":
             return {"digits": self.digits, "seed": self.seed}
         if self.name == "bytes":
