@@ -2,6 +2,7 @@
 
     plait data prepare notes/ books.jsonl --out data/mine --tokenizer bpe:8000 --workers 2
     plait data prepare corpus.parquet --field content --out data/hf --tokenizer path/to/hf-tokenizer-folder
+    plait data prepare chats.jsonl --instruct --out data/sft --tokenizer path/to/hf-tokenizer-folder
     plait data info data/mine --verify
     plait train --set data.name=tokens --set data.path=data/mine
 
@@ -56,6 +57,12 @@ def add_data_command(commands: Any) -> None:
         metavar="TOKEN",
         help="the token that ends documents (a tokenizer.json's default: <|endoftext|>, </s>, ... whichever it has)",
     )
+    prepare.add_argument(
+        "--instruct",
+        action="store_true",
+        help="the inputs are .jsonl instruction records ({prompt, response}, or {messages} rendered by the "
+        "tokenizer folder's chat template): only responses / assistant turns are scored by the loss",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     info = actions.add_parser("info", help="describe a prepared folder and check its files against meta.json")
     info.add_argument("folder", metavar="DIR")
@@ -75,6 +82,7 @@ def run_data(args: argparse.Namespace) -> int:
             field=args.field,
             eos=args.eos,
             overwrite=args.overwrite,
+            instruct=args.instruct,
         )
         _print_summary(args.out, meta)
         return 0
@@ -96,6 +104,11 @@ def _print_summary(folder: str | os.PathLike[str], meta: dict[str, Any]) -> None
         f"eos {tokenizer['eos_token']!r} = {meta['eos_id']}",
         f"  unigram entropy of train: {meta['unigram_entropy_nats']:.3f} nats/token "
         f"(a model beats unigram statistics below this loss)",
+        *(
+            ["  instruction data: a loss mask scores responses only (pack with data.attention='document')"]
+            if meta.get("loss_mask")
+            else []
+        ),
         f"  train with: plait train --set data.name=tokens --set data.path={json.dumps(str(folder))}",
     ]
     print("\n".join(lines), file=sys.stdout)  # noqa: T201 - CLI output

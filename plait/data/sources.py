@@ -6,7 +6,9 @@ A *document* is the unit the validation split and the end-of-document token work
 * a ``.parquet`` file: one document per row of the string column ``field`` (a null is an empty document);
 * any other file: its UTF-8 text (undecodable bytes replaced) is one document, or, above ``TEXT_DOCUMENT_BYTES``,
   pieces of about that size cut at line ends (so a single big file streams, tokenizes in parallel and still has
-  documents to hold out; a single line longer than that is cut too).
+  documents to hold out; a single line longer than that is cut too);
+* with ``--instruct`` (kind "instruct"), a ``.jsonl`` file of prompt / response or chat records, one document per
+  line, with the spans the loss scores (``plait.data.instruct``).
 
 Folders are searched recursively for ``SUFFIXES``, in sorted order; named files are taken whatever their suffix.
 Nothing reads a whole file into memory: every reader streams lines or parquet record batches. ``scan`` reads every
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.data.instruct import instruct_documents
 from plait.errors import DataError
 
 TEXT_DOCUMENT_BYTES = 1 << 20
@@ -35,11 +38,13 @@ _PARQUET_ROWS = 1024
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file and how it is read (``kind``: "text", "jsonl" or "parquet")."""
+    """One input file and how it is read (``kind``: "text", "jsonl", "parquet" or "instruct", whose records a chat
+    ``template`` may render)."""
 
     path: Path
     kind: str
     size: int
+    template: Any = None
 
 
 @dataclass
@@ -185,6 +190,8 @@ def iter_documents(source: InputFile, field: str = "text") -> Iterator[str]:
         return _jsonl_documents(source.path, field)
     if source.kind == "parquet":
         return _parquet_documents(source.path, field)
+    if source.kind == "instruct":
+        return instruct_documents(source.path, source.template)
     return _text_documents(source.path)
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from plait.data.loader import IGNORE_INDEX, index_hash
-from plait.data.prepare import FORMAT, FORMAT_VERSION, META_FILE, SPLITS
+from plait.data.prepare import FORMAT, META_FILE, READABLE_VERSIONS, SPLITS
 from plait.data.sources import sha256_of
 from plait.data.tokenizer import TextCodec, load_saved
 from plait.errors import DataError
@@ -71,10 +71,10 @@ class TokenFolder:
                 raise ValueError("not a JSON object")
         except (OSError, ValueError, RecursionError) as error:
             raise DataError(f"{meta_path} is not valid JSON ({error}). {_redo(self.path)}") from error
-        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
             raise DataError(
                 f"{meta_path} is format {meta.get('format')!r} version {meta.get('version')!r}; this plait reads "
-                f"{FORMAT!r} version {FORMAT_VERSION}. {_redo(self.path)}"
+                f"{FORMAT!r} versions {list(READABLE_VERSIONS)}. {_redo(self.path)}"
             )
         try:
             self.dtype = _DTYPES[meta["dtype"]]
@@ -128,6 +128,8 @@ class TokenFolder:
                 split["bin"]: int(split["tokens"]) * self.dtype.itemsize,
                 split["idx"]: 8 * (int(split["documents"]) + 1),
             }
+            if "mask" in split:  # instruction data: one byte per token
+                expected[split["mask"]] = int(split["tokens"])
             for file, size in expected.items():
                 if file not in files or int(files[file]["bytes"]) != size:
                     raise DataError(
@@ -157,6 +159,16 @@ class TokenFolder:
         if int(record["tokens"]) == 0:
             return np.zeros(0, dtype=self.dtype)
         return np.memmap(self._file(record["bin"]), dtype=self.dtype, mode="r")
+
+    def loss_mask(self, split: str) -> np.ndarray | None:
+        """Instruction data: the split's per-token loss mask (uint8, nonzero where the token is a scored target;
+        read-only memory map), else None."""
+        record = self.splits[split]
+        if "mask" not in record:
+            return None
+        if int(record["tokens"]) == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.memmap(self._file(record["mask"]), dtype=np.uint8, mode="r")
 
     def offsets(self, split: str) -> np.ndarray:
         """The split's document offsets: n_documents + 1 int64 token positions."""
@@ -218,6 +230,8 @@ class TokenDataset:
         self.split, self.seed, self._seq_len = split, seed, seq_len
         self.attention, self.eod_mask_loss = attention, eod_mask_loss
         self._starts = self.folder.document_starts(split) if attention == "document" or eod_mask_loss else None
+        self.loss_mask = self.folder.loss_mask(split)
+        """Instruction data: which tokens are scored targets (prompts are not), else None."""
         self.data = self.folder.tokens(split)
         self.num_windows = (len(self.data) - 1) // seq_len
         if self.num_windows < 1:
@@ -280,6 +294,8 @@ class TokenDataset:
         self.folder.check_ids(rows, f"the {self.split} split")
         windows = torch.from_numpy(rows)
         inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        if self.loss_mask is not None:  # instruction data: prompt tokens score nothing
+            targets[torch.from_numpy(self.loss_mask[index[:, 1:]] == 0)] = IGNORE_INDEX
         if self._starts is None:
             return inputs, targets
         document = np.searchsorted(self._starts, index, side="right") - 1
