@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from plait.data.discover import describe_skipped
 from plait.data.instruct import chat_template, encode_scored, encode_scored_documents
 from plait.data.loader import index_hash
 from plait.data.output import FORMAT, INPUTS_FILE, META_FILE, OutFolder, check_out
-from plait.data.sources import InputFile, InputStats, iter_all_documents, resolve_inputs, scan, sha256_of
+from plait.data.sources import InputFile, InputStats, find_inputs, iter_all_documents, scan, sha256_of
 from plait.data.tokenizer import (
     MIN_BPE_VOCAB,
     AnyTokenizer,
@@ -70,6 +71,8 @@ READABLE_VERSIONS = (FORMAT_VERSION, MASKED_VERSION)
 SPLITS = ("train", "val")
 SPLIT_STREAM = 0x5B17
 """The index-hash stream of the validation split (seed 0): fixed, so a folder's split never depends on a flag."""
+SKIPPED_LISTED = 100
+"""``meta.json`` lists at most this many skipped input files (with the total)."""
 BATCH_CHARACTERS = 1 << 20
 BATCH_DOCUMENTS = 4096
 
@@ -294,16 +297,21 @@ def prepare(
     console: Any = None,
     extra_meta: dict[str, Any] | None = None,
     instruct: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into the folder ``out`` (see the module doc); returns its ``meta.json`` as a dict.
     ``instruct``: the inputs are ``.jsonl`` instruction records, whose prompts the loss will not score
-    (``plait.data.instruct``).
+    (``plait.data.instruct``). ``include`` / ``exclude``: glob patterns choosing the files of input folders
+    (``plait.data.discover``); the files skipped, with why, are logged and listed in ``meta.json``.
 
     Raises ``DataError`` naming the file (and line) and the fix for bad input, before anything is written."""
     _check_arguments(val_fraction, workers)
     target = check_out(Path(out).expanduser(), inputs, overwrite)
     bpe_vocab = parse_bpe_vocab(tokenizer)
-    sources = resolve_inputs(inputs)
+    sources, skipped = find_inputs(inputs, include, exclude)
+    if skipped:
+        log.warning("%s", describe_skipped(skipped))
     if instruct:
         sources = _instruct_inputs(sources, tokenizer)
     chosen = None if bpe_vocab else load_tokenizer(tokenizer, eos)
@@ -324,6 +332,11 @@ def prepare(
             meta = _tokenize(sources, stats, chosen, record, staging, work, field, is_val, bars)
         meta.update(extra_meta or {})
         meta["val_fraction"] = val_fraction
+        if skipped:  # the first SKIPPED_LISTED, and how many in all
+            meta["skipped"] = {
+                "files": len(skipped),
+                "list": [{"path": entry.path, "reason": entry.reason} for entry in skipped[:SKIPPED_LISTED]],
+            }
         _write_records(staging, meta, stats, tokenizer_file)
         target.install(staging)
         staging = None
