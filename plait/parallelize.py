@@ -253,7 +253,7 @@ def parallelize(
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
-    check_head_chunks(requested_loss, layout.zero)  # chunked cross-entropy: not under ZeRO-3
+    check_head_chunks(requested_loss, layout.zero, str(layout.tp_mode), layout.tp)  # not ZeRO-3, not 2D-3D tp
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
     expert = plan_expert_parallel(model, layout, optimizer)  # MoE layers: ep divides their experts, capacity, ...
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)

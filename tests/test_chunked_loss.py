@@ -183,6 +183,9 @@ def test_bad_chunks_and_heads_are_refused() -> None:
         plait.parallelize(NoHead(), Layout(), optimizer=optimizer, loss_fn=ChunkedCrossEntropy(4))
     with pytest.raises(plait.LayoutError, match="ZeRO-3 has sharded it again. Fix: zero=1 or zero=2"):
         check_in_one_process(2, Layout(dp=2, zero=3), loss_fn=ChunkedCrossEntropy(4))
+    with pytest.raises(plait.LayoutError, match="tp_mode='2d' cuts the head's batch as well. Fix: tp_mode='1d'"):
+        check_in_one_process(4, Layout(tp=4, tp_mode="2d"), loss_fn=ChunkedCrossEntropy(4))
+    check_in_one_process(2, Layout(tp=2), loss_fn=ChunkedCrossEntropy(4))  # 1D tp: accepted
 
 
 # ----------------------------------------------------------------- layouts: tp (vocab-parallel), pp, cp, ZeRO

@@ -18,7 +18,7 @@ import plait
 from plait import Layout
 from plait.models import GPT, GPTConfig
 from plait.models.layers import document_mask
-from plait.parallel.context.documents import BlockCounts, DocumentRing
+from plait.parallel.context.documents import TILE, BlockCounts, DocumentRing
 from plait.parallel.context.ring import RingAttention
 from plait.parallel.context.sharding import SequenceSharding
 
@@ -215,9 +215,20 @@ def test_packed_documents_equal_documents_one_by_one_on_four_ranks() -> None:
     check(FOUR_RANKS, per_rank)
 
 
-def expected_skips(cp: int, rows: slice = slice(None)) -> int:
-    """Zigzag block pieces that no query of ``rows`` sees (brute force over the whole window's mask), summed over
-    the cp ranks."""
+def tiles_of(piece_rows: slice, local: int, tile: int) -> list[slice]:
+    """A piece's query rows cut into tiles of at most ``tile`` rows, never across the rank's two chunks."""
+    half, out = local // 2, []
+    for low, high in ((0, half), (half, local)):
+        start = max(low, piece_rows.start)
+        while start < min(high, piece_rows.stop):
+            out.append(slice(start, min(start + tile, high)))
+            start = out[-1].stop
+    return out
+
+
+def expected_skips(cp: int, rows: slice = slice(None), tile: int = TILE) -> int:
+    """Tiles of the zigzag pieces that no query of ``rows`` sees any key of (brute force over the whole window's
+    mask), summed over the cp ranks."""
     full = document_mask(positions_of(DOCUMENTS)[rows])[:, 0]  # [B, T, T]
     skipped = 0
     for rank in range(cp):
@@ -226,43 +237,52 @@ def expected_skips(cp: int, rows: slice = slice(None)) -> int:
         for source in range(cp):
             keys = sharding.local_positions(SEQ, source)
             for piece in sharding.pieces(source, SEQ // cp, causal=True):
-                block = full[:, queries[piece.q_rows]][:, :, keys[piece.kv_rows]]
-                skipped += not bool(block.any())
+                for part in tiles_of(piece.q_rows, SEQ // cp, tile):
+                    skipped += not bool(full[:, queries[part]][:, :, keys[piece.kv_rows]].any())
     return skipped
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_skips_exactly_the_fully_masked_pieces_and_masks_the_rest(cp: int) -> None:
-    """DocumentRing's decisions from one rank's own positions against the whole window's mask: a piece is skipped
-    iff no query sees a key of it, and computed without a mask iff its queries see what causality gives them."""
-    generator = torch.Generator().manual_seed(cp)
+def random_documents(generator: torch.Generator, rows: int = 2) -> list[list[int]]:
+    lengths = []
+    for _ in range(rows):
+        row, left = [], SEQ
+        while left:
+            row.append(int(torch.randint(1, min(left, 6) + 1, (1,), generator=generator)))
+            left -= row[-1]
+        lengths.append(row)
+    return lengths
+
+
+@pytest.mark.parametrize("cp, tile", [(2, 2), (2, 3), (2, TILE), (4, 1), (4, TILE)])
+def test_ring_computes_every_visible_key_skips_empty_tiles_and_masks_only_where_needed(cp: int, tile: int) -> None:
+    """DocumentRing's tiles from one rank's own positions against the whole window's mask: every key a query sees
+    is in a computed tile, a skipped tile hides every key of its piece from its queries, an unmasked tile's
+    queries see all of its keys, and a tile's mask is the window's mask there."""
+    generator = torch.Generator().manual_seed(cp * 10 + tile)
     for trial in range(20):
-        lengths = []
-        for _ in range(2):
-            row, left = [], SEQ
-            while left:
-                row.append(int(torch.randint(1, left + 1, (1,), generator=generator)))
-                left -= row[-1]
-            lengths.append(row)
+        lengths = random_documents(generator)
         positions = positions_of(lengths)
         full = document_mask(positions)[:, 0]
-        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
         for rank in range(cp):
             sharding = SequenceSharding("ring", cp, rank)
             queries = sharding.local_positions(SEQ)
-            ring = DocumentRing(sharding, positions[:, queries])
+            ring = DocumentRing(sharding, positions[:, queries], tile=tile)
             for source in range(cp):
                 keys = sharding.local_positions(SEQ, source)
-                kept = {str(p.piece): p for p in ring.pieces(source)}
-                for piece in sharding.pieces(source, SEQ // cp, causal=True):
-                    rows, cols = queries[piece.q_rows], keys[piece.kv_rows]
-                    block = full[:, rows][:, :, cols]
-                    decided = kept.get(str(piece))
-                    assert (decided is None) == (not bool(block.any())), (trial, rank, source, lengths)
-                    if decided is not None:
-                        plain = bool((block == causal[rows][:, cols]).all())
-                        assert decided.masked == (not plain), (trial, rank, source, lengths)
-                        assert torch.equal(ring.mask(source, piece)[:, 0], block)
+                counts = BlockCounts()
+                kept = ring.pieces(source, counts)
+                covered = torch.zeros(2, SEQ // cp, SEQ // cp, dtype=torch.bool)
+                for part in kept:
+                    rows, cols = part.piece.q_rows, part.piece.kv_rows
+                    block = full[:, queries[rows]][:, :, keys[cols]]
+                    assert part.masked == (not bool(block.all())), (trial, rank, source, lengths)
+                    assert torch.equal(ring.mask(source, part.piece)[:, 0], block)
+                    covered[:, rows, cols] = True
+                visible = full[:, queries][:, :, keys]
+                assert bool((covered | ~visible).all()), (trial, rank, source, lengths)  # nothing seen is left out
+                pieces = sharding.pieces(source, SEQ // cp, causal=True)
+                tiles = sum(len(tiles_of(piece.q_rows, SEQ // cp, tile)) for piece in pieces)
+                assert counts.computed + counts.skipped == tiles and counts.computed == len(kept)
 
 
 def row_skips(cp: int) -> int:
@@ -271,9 +291,9 @@ def row_skips(cp: int) -> int:
 
 
 def test_the_training_batch_skips_blocks() -> None:
-    """The batch of the two-rank test: rows whose documents hide pieces (what its skip count checks), and one
+    """The batch of the two-rank test: rows whose documents hide tiles (what its skip count checks), and one
     row of one document (a micro-batch holding it skips nothing)."""
-    assert row_skips(2) == 3 and row_skips(4) > row_skips(2)
+    assert row_skips(2) == 6 and row_skips(4) > row_skips(2)
     assert expected_skips(2) == 0
 
 
@@ -354,3 +374,13 @@ def test_hostile_document_offsets_are_refused(folder, tmp_path) -> None:  # noqa
         TokenDataset(copy, seq_len=8, attention="document")
     with pytest.raises(DataError, match="document offsets .* corrupt"):
         TokenDataset(copy, seq_len=8, eod_mask_loss=True)
+
+
+def test_a_layout_cutting_the_batch_inside_the_model_is_refused_in_one_line() -> None:
+    """2D/2.5D/3D tensor parallelism cuts the batch inside the model: the positions' rows no longer match."""
+    from plait.models.layers import ScaledDotProductAttention
+
+    q = torch.randn(2, 4, SEQ, 8)
+    positions = positions_of(DOCUMENTS)  # 4 rows
+    with pytest.raises(ValueError, match=r"hold 4 rows, but attention sees 2.*Fix: tp_mode='1d'"):
+        ScaledDotProductAttention()(q, q, q, positions=positions)

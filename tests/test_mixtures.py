@@ -192,3 +192,9 @@ def test_a_real_run_records_tokens_per_source_and_resumes(folders, tmp_path) -> 
     evals = [r for r in resumed if r["kind"] == "eval"]
     assert evals and all(sorted(r["sources"]) == ["code", "web"] for r in evals)
     assert all(np.isfinite(r["sources"]["web"]["loss"]) for r in evals)
+    from plait.cli.main import main  # the launcher builds the data too, before any worker starts
+
+    cli = ["train", "--nproc", "1", "--out", str(tmp_path / "c"), "--set", "data.name=tokens"]
+    cli += ["--set", f"data.sources={toml_mix}", "--set", "data.seq_len=16", "--set", "train.steps=1"]
+    cli += ["--set", "model.n_layer=1", "--set", "train.global_batch=8", "--set", "train.samples=0"]
+    assert main(cli) == 0

@@ -93,6 +93,12 @@ class ScaledDotProductAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if positions is None or is_one_document(positions):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if positions.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"packed documents' positions hold {positions.shape[0]} rows, but attention sees {q.shape[0]}: a "
+                f"layout that cuts the batch inside the model (2D/2.5D/3D tensor parallelism) cannot take them. Fix: "
+                f"tp_mode='1d', or data.attention='causal'."
+            )
         mask = document_mask(positions.to(q.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 

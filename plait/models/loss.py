@@ -227,14 +227,23 @@ class HeadChunks(MeanLoss):
         return f"HeadChunks(chunk={self.chunk}, inner={self.inner!r})"
 
 
-def check_head_chunks(requested: object, zero: int) -> None:
-    """LayoutError (pure, before any collective) for a chunked cross-entropy under ZeRO-3: its root unit (the head)
-    is sharded again when the model's forward returns, but the chunks project with the head's weight after it."""
-    if isinstance(requested, ChunkedCrossEntropy) and zero == 3:
+def check_head_chunks(requested: object, zero: int, tp_mode: str = "1d", tp: int = 1) -> None:
+    """LayoutError (pure, before any collective) for a chunked cross-entropy under ZeRO-3 (its root unit, the head,
+    is sharded again when the model's forward returns, but the chunks project with the head's weight after it) or
+    under 2D/2.5D/3D tensor parallelism (whose head cuts the batch as well as the vocabulary)."""
+    if not isinstance(requested, ChunkedCrossEntropy):
+        return
+    if zero == 3:
         raise LayoutError(
             "chunked cross-entropy (ChunkedCrossEntropy, train.loss_chunk) projects with the LM head's weight after "
             "the model's forward, when ZeRO-3 has sharded it again. Fix: zero=1 or zero=2 with chunks, or lm_loss "
             "(train.loss_chunk=0) with zero=3."
+        )
+    if tp > 1 and tp_mode != "1d":
+        raise LayoutError(
+            f"chunked cross-entropy (ChunkedCrossEntropy, train.loss_chunk) projects chunks of tokens with a Linear or "
+            f"1D vocab-parallel head, but tp_mode={tp_mode!r} cuts the head's batch as well. Fix: tp_mode='1d' with "
+            f"chunks, or lm_loss (train.loss_chunk=0)."
         )
 
 

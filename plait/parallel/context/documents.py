@@ -3,36 +3,46 @@
 A query of global index g with document position p (``plait.models.inputs``: its place in its own document) sees
 the keys of global indices [g - p, g] (``plait.models.layers.document_mask``). Under zigzag sharding a rank knows
 its queries' g and p, and the global indices of every other rank's keys (``SequenceSharding.local_positions``),
-so it decides alone — no position ever travels — for each piece of the causal zigzag split
-(``SequenceSharding.pieces``) whether
+so it decides alone — no position ever travels — what to compute of each visiting block.
 
-- no query of the piece sees any of its keys (every query's document began after the piece's last key): the piece
-  is **skipped**, neither computed forward nor backward (the block still travels the ring: the next rank may need
-  it);
-- every query sees every key the causal split gives it (every document began before the piece's first key): the
-  piece runs as without documents;
-- otherwise it runs with an explicit mask, built from the queries' positions when the piece is computed (forward,
-  and again in backward: only the [B, T/cp] positions are kept for backward, never a mask).
+Each piece of the causal zigzag split (``SequenceSharding.pieces``) is cut into *tiles* of at most ``tile`` query
+rows (within one of the rank's two chunks). A tile's queries see, at most, the keys from the earliest document
+start among them to the latest query among them; the piece's keys are in increasing global order, so that is one
+contiguous range of key columns, and the tile is computed against that range only (like FlashAttention's block
+sparsity over a block-diagonal mask):
 
-The decisions need four numbers per call (the extremes of g - p over the rank's two query chunks): one host read.
-``BlockCounts`` records what was skipped, so benchmarks and tests see the saving.
+- an empty range (every document of the tile began after the piece's last key): the tile is **skipped**, forward
+  and backward (the block still travels the ring: the next rank may need it);
+- a range every query of the tile sees whole (every document began before its first key, every query after its
+  last): computed without a mask;
+- otherwise with an explicit mask, built from the queries' positions when the tile is computed (forward, and again
+  in backward: only the [B, T/cp] positions are kept for backward, never a mask).
+
+With documents shorter than the sequence's chunks most of the off-diagonal blocks are skipped whole (from cp = 4
+on, the chunks of other ranks far from a rank's own), and within the others only a band along the diagonal is
+computed. The decisions need the extremes of g - p per tile over the batch: one host read per call.
+``BlockCounts`` records what was computed and skipped, so benchmarks and tests see the saving.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from plait.models.layers import document_mask
 from plait.parallel.context.sharding import BlockPiece, SequenceSharding
 
+TILE = 256
+"""Query rows per tile (the granularity of skipping and of trimming a block's key range)."""
+
 
 @dataclass
 class BlockCounts:
-    """Block pieces a ring attention computed, computed with a document mask, and skipped as fully masked
-    (forward passes only; backward visits the same pieces)."""
+    """Tiles a ring attention computed, computed with a document mask, and skipped as fully masked (forward
+    passes only; backward visits the same tiles). Without documents every piece is one computed tile."""
 
     computed: int = 0
     masked: int = 0
@@ -44,53 +54,64 @@ class BlockCounts:
 
 @dataclass(frozen=True)
 class DocumentPiece:
-    """A piece to compute, and whether it needs a document mask beyond the causal split's own shape."""
+    """A piece to compute, and whether it needs a document mask beyond its own shape."""
 
     piece: BlockPiece
     masked: bool
 
 
 class DocumentRing:
-    """This rank's queries' document positions [B, T/cp] under a zigzag ``sharding``: the pieces to compute of
-    each source rank's block (``pieces``) and their masks (``mask``)."""
+    """This rank's queries' document positions [B, T/cp] under a zigzag ``sharding``: the tiles to compute of each
+    source rank's block (``pieces``) and their masks (``mask``)."""
 
-    def __init__(self, sharding: SequenceSharding, positions: Tensor) -> None:
+    def __init__(self, sharding: SequenceSharding, positions: Tensor, tile: int = TILE) -> None:
         self.sharding, self.positions = sharding, positions
         local = positions.shape[-1]
         self.length = local * sharding.size
         self.query_index = sharding.local_positions(self.length, device=positions.device)
         earliest = self.query_index - positions  # the first key each query sees, [B, T/cp]
-        second = earliest[:, local // 2 :]
-        bounds = torch.stack((earliest.min(), earliest.max(), second.min(), second.max())).tolist()
-        self._all = (int(bounds[0]), int(bounds[1]))
-        self._second = (int(bounds[2]), int(bounds[3]))
-        self._half = local // 2
+        half = local // 2
+        starts = [*range(0, half, tile), *range(half, local, tile)]  # tiles never straddle the two chunks
+        ends = [min(start + tile, half if start < half else local) for start in starts]
+        low, high = earliest.min(dim=0).values, earliest.max(dim=0).values
+        bounds = torch.stack([torch.stack((low[a:b].min(), high[a:b].max())) for a, b in zip(starts, ends)])
+        queries = self.query_index.tolist()
+        self._tiles = [
+            (start, end, int(first), int(last), queries[start], queries[end - 1])
+            for (start, end), (first, last) in zip(zip(starts, ends), bounds.tolist())
+        ]  # (rows, earliest key seen by any, by all; first and last query)
 
     def key_index(self, source: int) -> Tensor:
         """Global indices of rank ``source``'s keys, in its local order."""
         return self.sharding.local_positions(self.length, source, device=self.positions.device)
 
     def pieces(self, source: int, counts: BlockCounts | None = None) -> list[DocumentPiece]:
-        """What to compute of rank ``source``'s block: the causal split's pieces, minus those fully masked."""
-        keys = self.key_index(source)
+        """The tiles to compute of rank ``source``'s block (module docstring)."""
+        keys = self.sharding.local_positions(self.length, source).numpy()
         kept = []
         for piece in self.sharding.pieces(source, len(self.query_index), causal=True):
-            first, last = int(keys[piece.kv_rows][0]), int(keys[piece.kv_rows][-1])
-            low, high = self._second if piece.q_rows.start == self._half else self._all
-            if not piece.causal and last < low:  # every query's document began after this piece's last key
+            columns = keys[piece.kv_rows]
+            for start, end, first_seen, all_see, first_query, last_query in self._tiles:
+                if start < piece.q_rows.start or end > piece.q_rows.stop:
+                    continue
+                begin = int(np.searchsorted(columns, first_seen, side="left"))
+                stop = int(np.searchsorted(columns, last_query, side="right"))
+                if begin >= stop:
+                    if counts is not None:
+                        counts.skipped += 1
+                    continue
+                whole = columns[begin] >= all_see and columns[stop - 1] <= first_query
+                cols = slice(piece.kv_rows.start + begin, piece.kv_rows.start + stop)
+                kept.append(DocumentPiece(BlockPiece(slice(start, end), cols, False), masked=not whole))
                 if counts is not None:
-                    counts.skipped += 1
-                continue
-            kept.append(DocumentPiece(piece, masked=first < high))  # some query's document began after `first`
-            if counts is not None:
-                counts.computed += 1
-                counts.masked += first < high
+                    counts.computed += 1
+                    counts.masked += not whole
         return kept
 
     def mask(self, source: int, piece: BlockPiece) -> Tensor:
-        """The document mask [B, 1, rows, cols] of a piece (causal within it as well)."""
+        """The document mask [B, 1, rows, cols] of a tile (causal within it as well)."""
         keys = self.key_index(source)[piece.kv_rows]
         return document_mask(self.positions[:, piece.q_rows], self.query_index[piece.q_rows], keys)
 
 
-__all__ = ["BlockCounts", "DocumentPiece", "DocumentRing"]
+__all__ = ["TILE", "BlockCounts", "DocumentPiece", "DocumentRing"]
