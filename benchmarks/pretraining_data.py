@@ -161,11 +161,7 @@ def chunked_step(chunk: int) -> dict[str, Any]:
 
     with SavedActivations(exclude=engine.model.parameters()) as saved, Largest():
         engine.train_step(batch)
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        engine.train_step(batch)
-        times.append(time.perf_counter() - start)
+    times = [_seconds(engine.train_step, batch) for _ in range(ROUNDS)]
     activations = {"batch": shape["batch"], "loss_chunk": chunk}
     estimate = estimate_memory(config, engine.layout, "sgd", activations=activations, device="cpu")
     return {
@@ -177,6 +173,12 @@ def chunked_step(chunk: int) -> dict[str, Any]:
         "rss_growth_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before,
         "times": times,
     }
+
+
+def _seconds(function: Any, *args: Any) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
 
 
 def chunked(chunks: tuple[int, ...] = (0, 1024, 256)) -> list[dict[str, Any]]:
@@ -248,35 +250,39 @@ def mixture(work: Path) -> dict[str, Any]:
     }
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table, and a blank line after it."""
+    return [f"| {' | '.join(header)} |", "|" + " --- |" * len(header)] + [f"| {' | '.join(r)} |" for r in rows] + [""]
+
+
+def _ranged(value: float, span: tuple[float, float], digits: int) -> str:
+    return f"{value:.{digits}f} ({span[0]:.{digits}f}..{span[1]:.{digits}f})"
+
+
 def _markdown(results: dict[str, Any]) -> str:
     lines = []
     if "documents" in results:
-        lines += [
-            "| cp | documents | ms per layer fwd+bwd, median (min..max) | wire bytes per rank | tiles computed | skipped |",
-            "| --- | --- | --- | --- | --- | --- |",
+        header = ["cp", "documents", "ms per layer fwd+bwd, median (min..max)", "wire bytes per rank"]
+        rows = [
+            [str(r["cp"]), r["documents"], _ranged(r["ms"], r["ms_range"], 1), f"{int(r['wire_bytes']):,}"]
+            + [str(r["computed"]), str(r["skipped"])]
+            for r in results["documents"]
         ]
-        for r in results["documents"]:
-            low, high = r["ms_range"]
-            lines.append(
-                f"| {r['cp']} | {r['documents']} | {r['ms']:.1f} ({low:.1f}..{high:.1f}) | {int(r['wire_bytes']):,} | "
-                f"{r['computed']} | {r['skipped']} |"
-            )
-        lines.append("")
+        lines += _table(header + ["tiles computed", "skipped"], rows)
     if "chunked" in results:
-        lines += [
-            "| loss | saved for backward (estimate) | largest V-wide tensor | peak RSS growth, MB (runs) | "
-            "estimate_memory peak | step s (min..max) |",
-            "| --- | --- | --- | --- | --- | --- |",
+        header = ["loss", "saved for backward (estimate)", "largest V-wide tensor", "peak RSS growth, MB (runs)"]
+        rows = [
+            [
+                f"chunked, {r['chunk']} tokens" if r["chunk"] else "whole (lm_loss)",
+                f"{r['saved']:,} ({r['estimate_saved']:,.0f})",
+                f"{r['largest_vocab_tensor']:,}",
+                ", ".join(f"{kb / 1024:,.0f}" for kb in r["rss_growth_kb"]),
+                f"{r['estimate_peak'] / 2**20:,.1f} MiB",
+                _ranged(r["step_s"], r["step_range"], 2),
+            ]
+            for r in results["chunked"]
         ]
-        for r in results["chunked"]:
-            name = f"chunked, {r['chunk']} tokens" if r["chunk"] else "whole (lm_loss)"
-            growth = ", ".join(f"{kb / 1024:,.0f}" for kb in r["rss_growth_kb"])
-            low, high = r["step_range"]
-            lines.append(
-                f"| {name} | {r['saved']:,} ({r['estimate_saved']:,.0f}) | {r['largest_vocab_tensor']:,} | "
-                f"{growth} | {r['estimate_peak'] / 2**20:,.1f} MiB | {r['step_s']:.2f} ({low:.2f}..{high:.2f}) |"
-            )
-        lines.append("")
+        lines += _table(header + ["estimate_memory peak", "step s (min..max)"], rows)
     if "mixture" in results:
         m = results["mixture"]
         low, high = m["loader_range"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.runs import straight_and_resumed
 
 from plait.data import MixtureDataset, ShardedBatches, make_dataset, prepare
 from plait.errors import ConfigError, DataError
@@ -156,33 +157,10 @@ def test_bad_sources_name_the_fix(folders) -> None:  # noqa: ANN001
 def test_a_real_run_records_tokens_per_source_and_resumes(folders, tmp_path) -> None:  # noqa: ANN001
     """One process: 6 steps straight vs 3 steps, a checkpoint, then 3 more; the losses bitwise, the per-source
     token counts those of the stream, the evaluations per source."""
-    from plait.train.loop import run
-
     mix = json.dumps([{"path": str(folders["web"]), "weight": 0.7}, {"path": str(folders["code"]), "weight": 0.3}])
     toml_mix = mix.replace('"path"', "path").replace('"weight"', "weight").replace(":", "=")
-
-    def train(out: Path, steps: int) -> list[dict]:
-        overrides = [
-            "data.name=tokens",
-            f"data.sources={toml_mix}",
-            "data.seq_len=16",
-            "data.attention='document'",
-            "model.n_layer=1",
-            "model.d_model=32",
-            "train.global_batch=8",
-            f"train.steps={steps}",
-            "train.save_every=3",
-            "train.eval_every=3",
-            "train.eval_batches=1",
-            "train.samples=0",
-            f"train.out={json.dumps(str(out))}",
-        ]
-        run(load_config(None, overrides))
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    straight = train(tmp_path / "a", 6)
-    train(tmp_path / "b", 3)
-    resumed = train(tmp_path / "b", 6)
+    data = ["data.name=tokens", f"data.sources={toml_mix}", "data.attention='document'", "train.eval_batches=1"]
+    straight, resumed = straight_and_resumed([*data, "train.samples=0"], tmp_path)
     steps = [r for r in straight if r["kind"] == "train"]
     assert [r["loss"] for r in resumed if r["kind"] == "train"] == [r["loss"] for r in steps]  # bitwise
     mixture = MixtureDataset(json.loads(mix), seq_len=16)

@@ -142,18 +142,11 @@ def ensure_stdlib_tokens(vocab: int = 4096, corpus_mb: float = 0.0, workers: int
 
 
 def stdlib_dataset(
-    seq_len: int,
-    seed: int = 0,
-    vocab: int = 4096,
-    corpus_mb: float = 0.0,
-    verify: bool = False,
-    attention: str = "causal",
-    eod_mask_loss: bool = False,
+    seq_len: int, seed: int = 0, vocab: int = 4096, corpus_mb: float = 0.0, verify: bool = False, **documents: Any
 ) -> TokenDataset:
     """``data.name = "stdlib"``: the token dataset of the stdlib corpus (prepared and cached on first use); one
-    document per file (``attention``, ``eod_mask_loss``: as ``TokenDataset``)."""
-    folder = ensure_stdlib_tokens(vocab, corpus_mb)
-    return TokenDataset(folder, seq_len, seed=seed, verify=verify, attention=attention, eod_mask_loss=eod_mask_loss)
+    document per file (``documents``: ``TokenDataset``'s ``attention`` and ``eod_mask_loss``)."""
+    return TokenDataset(ensure_stdlib_tokens(vocab, corpus_mb), seq_len, seed=seed, verify=verify, **documents)
 
 
 __all__ = ["EXCLUDED_DIRS", "cache_root", "ensure_stdlib_tokens", "stdlib_dataset", "stdlib_files"]

@@ -48,10 +48,11 @@ def check_pipeline_support(model: nn.Module) -> None:
         )
 
 
-def _positions(hidden: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed documents' ``given`` positions, else 0..T-1."""
-    if given is not None:
-        return given.to(hidden.device)
+def _positions(hidden: torch.Tensor, given: dict[str, Any]) -> torch.Tensor:
+    """Packed documents' positions (a stage's keyword ``position_ids``, or plait's ``positions``), else 0..T-1."""
+    documents = given.get("position_ids", given.get("positions"))
+    if documents is not None:
+        return documents.to(hidden.device)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -73,23 +74,16 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
     )
 
 
-def _gpt2_stage(
-    self: Any,
-    x: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    **_: Any,
-) -> torch.Tensor:
+def _gpt2_stage(self: Any, x: torch.Tensor, **given: Any) -> torch.Tensor:
     """GPT2LMHeadModel.forward (no cache, no padding mask) restricted to the parts this stage kept. ``self`` is a
-    transformers model, whose submodules are dynamic attributes (typed Any); packed documents' positions come as
-    ``position_ids`` or plait's ``positions``."""
-    position_ids = position_ids if position_ids is not None else positions
+    transformers model, whose submodules are dynamic attributes (typed Any); ``given``: the call's keywords (packed
+    documents' positions)."""
     base = self.transformer
     if base.wte is not None:
-        hidden = base.drop(base.wte(x) + base.wpe(_positions(x, position_ids)))
+        hidden = base.drop(base.wte(x) + base.wpe(_positions(x, given)))
     else:
         hidden = x
-    positions = _positions(hidden, position_ids)
+    positions = _positions(hidden, given)
     mask = _causal_mask(base.config, hidden, positions)
     for block in base.h:
         hidden = block(hidden, None, mask, None, use_cache=False, position_ids=positions)
@@ -98,19 +92,12 @@ def _gpt2_stage(
     return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-def _llama_stage(
-    self: Any,
-    x: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    **_: Any,
-) -> torch.Tensor:
+def _llama_stage(self: Any, x: torch.Tensor, **given: Any) -> torch.Tensor:
     """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self`` and
-    the positions: as in ``_gpt2_stage``)."""
-    position_ids = position_ids if position_ids is not None else positions
+    ``given``: as in ``_gpt2_stage``)."""
     base = self.model
     hidden = base.embed_tokens(x) if base.embed_tokens is not None else x
-    positions = _positions(hidden, position_ids)
+    positions = _positions(hidden, given)
     mask = _causal_mask(base.config, hidden, positions)
     rotary = base.rotary_emb(hidden, position_ids=positions)
     for layer in base.layers:
