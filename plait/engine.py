@@ -41,6 +41,7 @@ from plait.comm import Comm, CommStats
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.mesh import Mesh
+from plait.models import inputs as model_inputs
 from plait.models.loss import LossFn, MeanLoss, apply_loss, apply_total
 from plait.observe.trace import no_span
 from plait.parallel.loss_normalization import step_loss
@@ -198,21 +199,22 @@ class Engine:
         return self.runner if isinstance(self.runner, PipelineRunner) else None
 
     # ----------------------------------------------------------------- training
-    def _split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _split(self, batch: tuple[model_inputs.Inputs, torch.Tensor]) -> list[tuple[model_inputs.Inputs, torch.Tensor]]:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError("a batch is (inputs, targets): the share of the global batch for this data-parallel rank")
         inputs, targets = batch
+        rows = model_inputs.tokens_of(inputs).shape[0]  # inputs: token ids, or (token ids, document positions)
         m = self.layout.microbatches
-        if inputs.shape[0] % m or inputs.shape[0] == 0:
+        if rows % m or rows == 0:
             raise LayoutError(
-                f"this rank's batch of {inputs.shape[0]} samples does not split into microbatches={m}. "
+                f"this rank's batch of {rows} samples does not split into microbatches={m}. "
                 f"Fix: make the per-rank batch (global batch / dp={self.layout.dp}) a multiple of {m}."
             )
-        inputs = inputs.to(self.device, non_blocking=True)
+        inputs = model_inputs.to_device(inputs, self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        return list(zip(inputs.chunk(m), targets.chunk(m)))
+        return list(zip(model_inputs.chunk(inputs, m), targets.chunk(m)))
 
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
+    def train_step(self, batch: tuple[model_inputs.Inputs, torch.Tensor]) -> StepStats:
         """Forward and backward over the micro-batches, average gradients, clip, step the optimizer."""
         start = time.perf_counter()
         tracer = self.comm.tracer  # plait.observe.trace.Tracer while one records; None costs this one check
@@ -272,7 +274,9 @@ class Engine:
         return skipped, grad_norm
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], metric: Metric | None = None) -> EvalStats:
+    def evaluate(
+        self, batches: Iterable[tuple[model_inputs.Inputs, torch.Tensor]], metric: Metric | None = None
+    ) -> EvalStats:
         """Mean loss (and ``metric``'s correct/total counts) over ``batches``, summed over every dp rank: a token
         mean (``MeanLoss``) over every scored token of every batch, any other loss over samples."""
         was_training = self.model.training
@@ -280,7 +284,7 @@ class Engine:
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, items, correct, total
         mean = self.loss_fn if isinstance(self.loss_fn, MeanLoss) else None
         for inputs, targets in batches:
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            inputs, targets = model_inputs.to_device(inputs, self.device), targets.to(self.device)
             with self.precision.autocast():
                 output = self.runner.forward(inputs)
                 if output is None:  # pipeline: only the rank with the last stage has the output
@@ -290,8 +294,8 @@ class Engine:
                     totals[1] += mean.count(targets).to(totals.dtype)
                 else:  # any other loss: a mean per sample
                     loss = apply_loss(self.loss_fn, output, targets)
-                    totals[0] += loss.detach().to(totals.dtype) * inputs.shape[0]  # on the device: no sync
-                    totals[1] += inputs.shape[0]
+                    totals[0] += loss.detach().to(totals.dtype) * targets.shape[0]  # on the device: no sync
+                    totals[1] += targets.shape[0]
             if metric is not None:
                 correct, total = metric(output, targets)
                 totals[2] += correct

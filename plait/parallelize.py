@@ -24,7 +24,7 @@ from plait.layout import Layout, Offload, PipelineSchedule, Recompute, TpMode
 from plait.mesh import Mesh
 from plait.models.hf import is_hf_model, return_logits
 from plait.models.hf_moe import adapt_hf_moe
-from plait.models.loss import LossFn, as_mean_loss
+from plait.models.loss import LossFn, as_mean_loss, bind_head_chunks, check_head_chunks
 from plait.parallel.compile import apply_compile, check_precompiled, plan_compile
 from plait.parallel.context import apply_context_parallel, plan_context_parallel
 from plait.parallel.ddp import DistributedDataParallel, broadcast_parameters
@@ -242,7 +242,7 @@ def parallelize(
         )
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(output, target)")
-    loss_fn = as_mean_loss(loss_fn) or loss_fn  # torch's cross-entropy: a token mean like lm_loss
+    loss_fn = requested_loss = as_mean_loss(loss_fn) or loss_fn  # torch's cross-entropy: a token mean like lm_loss
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm} must be positive (or None to disable clipping)")
     if not any(p.requires_grad for p in model.parameters()):
@@ -255,6 +255,7 @@ def parallelize(
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
+    check_head_chunks(requested_loss, layout.zero, str(layout.tp_mode), layout.tp)  # not ZeRO-3, not 2D-3D tp
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
     expert = plan_expert_parallel(model, layout, optimizer)  # MoE layers: ep divides their experts, capacity, ...
     tensor = plan_tensor_parallel(model, layout, tp_plan)  # tp > 1: pure checks (plan, sizes, heads, SP)
@@ -283,6 +284,8 @@ def parallelize(
         if meta is None:
             broadcast_parameters(model, comm, axis="tp")  # every tp rank slices the same initial weights
         loss_fn = apply_tensor_parallel(tensor, [model] + [stage.module for stage in stages], comm, loss_fn)
+    # chunked cross-entropy: bound to the (possibly swapped) LM head, before cp wraps the loss
+    loss_fn = bind_head_chunks(requested_loss, [model] + [stage.module for stage in stages], loss_fn)
     # --- context parallel (after tensor parallel, before recompute/ZeRO/DDP): shard the sequence over cp ---
     if context is not None:  # with pp: hooks on this rank's stages (the first shards, the last gathers in eval)
         roles = [(stage.module, stage.is_first, stage.is_last) for stage in stages] or None

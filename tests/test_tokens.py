@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.runs import straight_and_resumed
 
 from plait.cli.main import main
 from plait.data import ShardedBatches, TokenDataset, make_dataset, prepare
@@ -122,28 +123,8 @@ def test_data_config_and_model_checks_name_the_fix(folder, capsys):
 
 def test_a_real_run_resumes_the_token_stream_through_its_checkpoint(folder, tmp_path):
     """One process, the reference GPT: 6 steps straight vs 3 steps, a checkpoint, then 3 more (a new run)."""
-    from plait.train.loop import run
-
-    def train(out: Path, steps: int) -> list[dict]:
-        overrides = [
-            "data.name=tokens",
-            f"data.path={json.dumps(str(folder))}",
-            "data.seq_len=16",
-            "model.n_layer=1",
-            "model.d_model=32",
-            "train.global_batch=8",
-            f"train.steps={steps}",
-            "train.save_every=3",
-            "train.eval_every=3",
-            "train.eval_batches=2",
-            f"train.out={json.dumps(str(out))}",
-        ]
-        run(load_config(None, overrides))
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    straight = train(tmp_path / "a", 6)
-    train(tmp_path / "b", 3)
-    resumed = train(tmp_path / "b", 6)
+    data = ["data.name=tokens", f"data.path={json.dumps(str(folder))}", "train.eval_batches=2"]
+    straight, resumed = straight_and_resumed(data, tmp_path)
     losses = {r["step"]: r["loss"] for r in straight if r["kind"] == "train"}
     assert [r["loss"] for r in resumed if r["kind"] == "train"] == [losses[s] for s in range(1, 7)]  # bitwise
     evals = [r for r in straight if r["kind"] == "eval"]

@@ -2,6 +2,7 @@
 
     plait data prepare notes/ books.jsonl --out data/mine --tokenizer bpe:8000 --workers 2
     plait data prepare corpus.parquet --field content --out data/hf --tokenizer path/to/hf-tokenizer-folder
+    plait data prepare chats.jsonl --instruct --out data/sft --tokenizer path/to/hf-tokenizer-folder
     plait data info data/mine --verify
     plait train --set data.name=tokens --set data.path=data/mine
 
@@ -32,6 +33,21 @@ def add_data_command(commands: Any) -> None:
         "them; tokenize in parallel; write train/val token files, document offsets, the tokenizer and meta.json.",
     )
     prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders (searched recursively)")
+    prepare.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="read only the files of input folders matching this glob (path relative to the folder, or name); "
+        "repeatable",
+    )
+    prepare.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out the files of input folders matching this glob; repeatable",
+    )
     prepare.add_argument("--out", required=True, metavar="DIR", help="the folder to write (created)")
     prepare.add_argument(
         "--tokenizer",
@@ -56,6 +72,12 @@ def add_data_command(commands: Any) -> None:
         metavar="TOKEN",
         help="the token that ends documents (a tokenizer.json's default: <|endoftext|>, </s>, ... whichever it has)",
     )
+    prepare.add_argument(
+        "--instruct",
+        action="store_true",
+        help="the inputs are .jsonl instruction records ({prompt, response}, or {messages} rendered by the "
+        "tokenizer folder's chat template): only responses / assistant turns are scored by the loss",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
     info = actions.add_parser("info", help="describe a prepared folder and check its files against meta.json")
     info.add_argument("folder", metavar="DIR")
@@ -75,6 +97,9 @@ def run_data(args: argparse.Namespace) -> int:
             field=args.field,
             eos=args.eos,
             overwrite=args.overwrite,
+            instruct=args.instruct,
+            include=args.include,
+            exclude=args.exclude,
         )
         _print_summary(args.out, meta)
         return 0
@@ -96,9 +121,28 @@ def _print_summary(folder: str | os.PathLike[str], meta: dict[str, Any]) -> None
         f"eos {tokenizer['eos_token']!r} = {meta['eos_id']}",
         f"  unigram entropy of train: {meta['unigram_entropy_nats']:.3f} nats/token "
         f"(a model beats unigram statistics below this loss)",
+        *(
+            ["  instruction data: a loss mask scores responses only (pack with data.attention='document')"]
+            if meta.get("loss_mask")
+            else []
+        ),
+        *_skipped_lines(meta.get("skipped")),
         f"  train with: plait train --set data.name=tokens --set data.path={json.dumps(str(folder))}",
     ]
     print("\n".join(lines), file=sys.stdout)  # noqa: T201 - CLI output
+
+
+def _skipped_lines(skipped: Any) -> list[str]:
+    """The input files prepare left out, and why (at most the 100 meta.json lists)."""
+    files = skipped.get("files") if isinstance(skipped, dict) else None
+    if isinstance(files, bool) or not isinstance(files, int) or files < 1:  # a meta.json of another writer
+        return []
+    listed = skipped.get("list") if isinstance(skipped.get("list"), list) else []
+    lines = [f"  skipped {files:,} input file(s):"]
+    lines += [f"    {entry.get('path')}: {entry.get('reason')}" for entry in listed if isinstance(entry, dict)]
+    if files > len(listed):
+        lines.append(f"    ... and {files - len(listed):,} more")
+    return lines
 
 
 __all__ = ["add_data_command", "run_data"]

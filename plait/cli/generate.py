@@ -51,7 +51,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     config = load_config(config_path)
     try:
-        dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
+        dataset = make_dataset(config.data.dataset_name, **config.data.dataset_kwargs())
     except ValueError as error:
         raise ConfigError(f"the run's [data] section: {error}") from error
     if not hasattr(dataset, "encode") or not hasattr(dataset, "decode"):

@@ -75,8 +75,13 @@ def _task(args: argparse.Namespace) -> Any:
     from plait.train.config import load_config
 
     run = load_config(args.config, args.set)
+    if run.data.attention != "causal":  # the workers call model(inputs): token ids only
+        raise ConfigError(
+            f"plait ps trains on token ids, not packed documents: data.attention={run.data.attention!r}. "
+            f"Fix: data.attention='causal' for plait ps (plait train takes documents)."
+        )
     try:
-        dataset = make_dataset(run.data.name, **run.data.dataset_kwargs())
+        dataset = make_dataset(run.data.dataset_name, **run.data.dataset_kwargs())
     except ValueError as error:
         raise ConfigError(f"[data] section: {error}") from error
     model_fn = SectionModel(dict(run.model), dataset.vocab_size, dataset.seq_len)

@@ -178,7 +178,9 @@ def _check_before_launch(args: argparse.Namespace) -> None:
             f"--set train.save_every=100 (checkpoints go to <run>/ckpt), or drop --max-restarts."
         )
     try:
-        dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())  # prepares the stdlib corpus once
+        dataset = make_dataset(
+            config.data.dataset_name, **config.data.dataset_kwargs()
+        )  # prepares the stdlib corpus once
     except PlaitError:
         raise
     except ValueError as error:

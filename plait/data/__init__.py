@@ -1,7 +1,8 @@
 """Datasets addressed by sample index (pure in seed and index) and deterministic data-parallel batching.
 
 ``make_dataset(name, ...)``: "addition" (synthetic), "bytes" (one text file), "tokens" (a folder written by
-``plait data prepare``: ``TokenDataset``), "stdlib" (the Python standard library's source, prepared on first use).
+``plait data prepare``: ``TokenDataset``), "mixture" (several token folders by weight: ``MixtureDataset``), "stdlib"
+(the Python standard library's source, prepared on first use).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.data.loader import IGNORE_INDEX, Dataset, ShardedBatches, index_hash, index_uniform
+from plait.data.mixture import MixtureDataset
 from plait.data.prepare import prepare
 from plait.data.stdlib_corpus import stdlib_dataset
 from plait.data.synthetic import AdditionTask
@@ -20,6 +22,7 @@ DATASETS: dict[str, Callable[..., Any]] = {
     "addition": AdditionTask,
     "bytes": ByteTextDataset,
     "tokens": TokenDataset,
+    "mixture": MixtureDataset,
     "stdlib": stdlib_dataset,
 }
 
@@ -29,6 +32,7 @@ __all__ = [
     "DATASETS",
     "Dataset",
     "IGNORE_INDEX",
+    "MixtureDataset",
     "ShardedBatches",
     "TokenDataset",
     "TokenFolder",

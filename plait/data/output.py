@@ -27,7 +27,8 @@ META_FILE = "meta.json"
 INPUTS_FILE = "inputs.jsonl"
 FORMAT = "plait-tokens"
 PLAIT_FILES = frozenset(
-    {"train.bin", "train.idx", "val.bin", "val.idx", "tokenizer.json", INPUTS_FILE, META_FILE},
+    {"train.bin", "train.idx", "val.bin", "val.idx", "train.mask.bin", "val.mask.bin", "tokenizer.json", INPUTS_FILE}
+    | {META_FILE},
 )
 """Every name plait writes into a token folder (the only names ``--overwrite`` ever replaces or removes)."""
 

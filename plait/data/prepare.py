@@ -6,6 +6,8 @@ The folder (docs/data.md explains the choices against nanoGPT's ``train.bin`` an
                           little-endian uint16 (vocabulary <= 65,536) or uint32: ``np.memmap`` reads it in place
     train.idx  val.idx    int64 little-endian token offsets of the documents: n_documents + 1 entries, 0 first,
                           the split's token count last (document d is tokens [idx[d], idx[d+1]), its eos last)
+    train.mask.bin ...    instruction data only (``--instruct``, format version 2): one byte per token, 1 where
+                          the token is a target the loss scores (responses, assistant turns: ``plait.data.instruct``)
     tokenizer.json        the tokenizer (not for ``bytes``), so that later programs decode what was trained on
     inputs.jsonl          one record per input file: path, kind, bytes, sha256, documents, characters
     meta.json             tokenizer, vocabulary, eos id, dtype, counts, the sha256 of the inputs (all of them in one:
@@ -39,9 +41,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from plait.data.discover import describe_skipped
+from plait.data.instruct import chat_template, encode_scored, encode_scored_documents
 from plait.data.loader import index_hash
 from plait.data.output import FORMAT, INPUTS_FILE, META_FILE, OutFolder, check_out
-from plait.data.sources import InputStats, iter_all_documents, resolve_inputs, scan, sha256_of
+from plait.data.sources import InputFile, InputStats, find_inputs, iter_all_documents, scan, sha256_of
 from plait.data.tokenizer import (
     MIN_BPE_VOCAB,
     AnyTokenizer,
@@ -61,9 +65,14 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 FORMAT_VERSION = 1
+MASKED_VERSION = 2
+"""A folder with loss masks (``<split>.mask.bin``): older readers, which would train on the prompts, refuse it."""
+READABLE_VERSIONS = (FORMAT_VERSION, MASKED_VERSION)
 SPLITS = ("train", "val")
 SPLIT_STREAM = 0x5B17
 """The index-hash stream of the validation split (seed 0): fixed, so a folder's split never depends on a flag."""
+SKIPPED_LISTED = 100
+"""``meta.json`` lists at most this many skipped input files (with the total)."""
 BATCH_CHARACTERS = 1 << 20
 BATCH_DOCUMENTS = 4096
 
@@ -98,13 +107,19 @@ class _SplitWriter:
     name: str
     dtype: np.dtype
     eos_id: int
+    masked: bool = False
+    """Instruction data: also ``<name>.mask.bin``, one byte per token (1: a scored target)."""
     documents: int = 0
     tokens: int = 0
     hashes: dict[str, Any] = field(default_factory=dict)
     streams: dict[str, BinaryIO] = field(default_factory=dict)
 
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return ("bin", "idx", "mask.bin") if self.masked else ("bin", "idx")
+
     def __post_init__(self) -> None:
-        for suffix in ("bin", "idx"):
+        for suffix in self.suffixes:
             self.streams[suffix] = open(self.folder / f"{self.name}.{suffix}.partial", "wb")
             self.hashes[suffix] = hashlib.sha256()
         self._write("idx", np.zeros(1, dtype="<i8").tobytes())
@@ -113,8 +128,9 @@ class _SplitWriter:
         self.streams[suffix].write(data)
         self.hashes[suffix].update(data)
 
-    def append(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Write documents given as concatenated ids and lengths; returns what was written (ids with eos)."""
+    def append(self, tokens: np.ndarray, lengths: np.ndarray, scored: np.ndarray | None = None) -> np.ndarray:
+        """Write documents given as concatenated ids and lengths (and, masked, whether each token is scored: a
+        document's eos is scored when its last token is); returns what was written (ids with eos)."""
         if len(lengths) == 0:
             return np.zeros(0, dtype=self.dtype)
         with_eos = np.empty(len(tokens) + len(lengths), dtype=self.dtype)
@@ -124,6 +140,12 @@ class _SplitWriter:
         keep[eos_at] = False
         with_eos[keep] = tokens
         with_eos[eos_at] = self.eos_id
+        if self.masked:
+            assert scored is not None
+            mask = np.zeros(len(with_eos), dtype=np.uint8)
+            mask[keep] = scored
+            mask[eos_at] = np.where(lengths > 0, mask[np.maximum(eos_at - 1, 0)], 0)
+            self._write("mask.bin", mask.tobytes())
         self._write("bin", with_eos.tobytes())
         self._write("idx", (self.tokens + ends).astype("<i8").tobytes())
         self.documents += len(lengths)
@@ -138,7 +160,7 @@ class _SplitWriter:
         """Rename the partial files into place; their records for ``meta.json``."""
         self.close()
         files = {}
-        for suffix in ("bin", "idx"):
+        for suffix in self.suffixes:
             final = self.folder / f"{self.name}.{suffix}"
             os.replace(self.folder / f"{self.name}.{suffix}.partial", final)
             files[final.name] = {"bytes": final.stat().st_size, "sha256": self.hashes[suffix].hexdigest()}
@@ -146,7 +168,7 @@ class _SplitWriter:
 
     def discard(self) -> None:
         self.close()
-        for suffix in ("bin", "idx"):
+        for suffix in self.suffixes:
             (self.folder / f"{self.name}.{suffix}.partial").unlink(missing_ok=True)
 
 
@@ -223,17 +245,25 @@ def worker_pool(workers: int) -> Any:
 
 
 def _encoded_batches(
-    batches: Iterator[list[str]], tokenizer: AnyTokenizer, pool: Any, workers: int, folder: Path, record: dict[str, Any]
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, lengths) of each batch, in order: in this process (no ``pool``), or in the pool's ``workers`` processes
-    with at most two batches per worker in flight (so the reader never runs ahead of the tokenizers by more)."""
+    batches: Iterator[list[str]],
+    tokenizer: AnyTokenizer,
+    pool: Any,
+    workers: int,
+    folder: Path,
+    record: dict[str, Any],
+    masked: bool,
+) -> Iterator[tuple[np.ndarray, ...]]:
+    """(ids, lengths) of each batch — (ids, lengths, scored) when ``masked`` — in order: in this process (no
+    ``pool``), or in the pool's ``workers`` processes with at most two batches per worker in flight (so the reader
+    never runs ahead of the tokenizers by more)."""
     if pool is None:
         for batch in batches:
-            yield concatenate(tokenizer.encode_batch(batch))
+            yield encode_scored(tokenizer, batch) if masked else concatenate(tokenizer.encode_batch(batch))
         return
-    pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
+    pending: deque[Future[tuple[np.ndarray, ...]]] = deque()
+    encode = encode_scored_documents if masked else encode_documents
     for batch in batches:
-        pending.append(pool.submit(encode_documents, str(folder), record, batch))
+        pending.append(pool.submit(encode, str(folder), record, batch))
         if len(pending) >= 2 * workers:
             yield pending.popleft().result()
     while pending:
@@ -266,14 +296,24 @@ def prepare(
     progress: bool = True,
     console: Any = None,
     extra_meta: dict[str, Any] | None = None,
+    instruct: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into the folder ``out`` (see the module doc); returns its ``meta.json`` as a dict.
+    ``instruct``: the inputs are ``.jsonl`` instruction records, whose prompts the loss will not score
+    (``plait.data.instruct``). ``include`` / ``exclude``: glob patterns choosing the files of input folders
+    (``plait.data.discover``); the files skipped, with why, are logged and listed in ``meta.json``.
 
     Raises ``DataError`` naming the file (and line) and the fix for bad input, before anything is written."""
     _check_arguments(val_fraction, workers)
     target = check_out(Path(out).expanduser(), inputs, overwrite)
     bpe_vocab = parse_bpe_vocab(tokenizer)
-    sources = resolve_inputs(inputs)
+    sources, skipped = find_inputs(inputs, include, exclude)
+    if skipped:
+        log.warning("%s", describe_skipped(skipped))
+    if instruct:
+        sources = _instruct_inputs(sources, tokenizer)
     chosen = None if bpe_vocab else load_tokenizer(tokenizer, eos)
     pool = worker_pool(workers) if workers > 1 else None
     staging: Path | None = None
@@ -288,9 +328,15 @@ def prepare(
             staging = target.stage()
             tokenizer_file = chosen.save(staging)
             record = describe(chosen, tokenizer, tokenizer_file)
-            meta = _tokenize(sources, stats, chosen, record, staging, (pool, workers), field, is_val, bars)
+            work = (pool, workers, instruct)
+            meta = _tokenize(sources, stats, chosen, record, staging, work, field, is_val, bars)
         meta.update(extra_meta or {})
         meta["val_fraction"] = val_fraction
+        if skipped:  # the first SKIPPED_LISTED, and how many in all
+            meta["skipped"] = {
+                "files": len(skipped),
+                "list": [{"path": entry.path, "reason": entry.reason} for entry in skipped[:SKIPPED_LISTED]],
+            }
         _write_records(staging, meta, stats, tokenizer_file)
         target.install(staging)
         staging = None
@@ -311,6 +357,19 @@ def prepare(
         meta["dtype"],
     )
     return meta
+
+
+def _instruct_inputs(sources: list[InputFile], tokenizer: str) -> list[InputFile]:
+    """``--instruct``: every input a ``.jsonl`` of instruction records, read with the tokenizer folder's chat
+    template (if it has one)."""
+    others = [str(source.path) for source in sources if source.kind != "jsonl"]
+    if others:
+        raise DataError(
+            f"--instruct reads .jsonl files of prompt/response or chat records, but {others[:3]} are not .jsonl. "
+            f"Fix: prepare plain text without --instruct (into another folder), or convert them to JSON Lines."
+        )
+    template = chat_template(tokenizer)
+    return [InputFile(source.path, "instruct", source.size, template) for source in sources]
 
 
 def _write_records(folder: Path, meta: dict[str, Any], stats: list[InputStats], tokenizer_file: str | None) -> None:
@@ -389,21 +448,23 @@ def _tokenize(
     chosen: AnyTokenizer,
     record: dict[str, Any],
     out: Path,
-    pool: tuple[Any, int],
+    work: tuple[Any, int, bool],
     field: str,
     is_val: Any,
     bars: _Progress,
 ) -> dict[str, Any]:
-    """Tokenize every document (in ``pool`` = (process pool or None, workers)) and write both splits."""
+    """Tokenize every document (``work`` = (process pool or None, workers, instruction data)) and write both
+    splits."""
+    pool, workers, masked = work
     documents = sum(s.documents for s in stats)
     dtype = token_dtype(chosen.vocab_size)
-    writers = {name: _SplitWriter(out, name, dtype, chosen.eos_id) for name in SPLITS}
+    writers = {name: _SplitWriter(out, name, dtype, chosen.eos_id, masked) for name in SPLITS}
     counts = np.zeros(chosen.vocab_size, dtype=np.int64)
     task = bars.add("tokenize", documents)
     first, done = 0, False
     try:
         batches = _batches(iter_all_documents(sources, field))
-        for tokens, lengths in _encoded_batches(batches, chosen, *pool, out, record):
+        for tokens, lengths, *scored in _encoded_batches(batches, chosen, pool, workers, out, record, masked):
             if len(tokens) and int(tokens.max()) >= chosen.vocab_size:
                 raise DataError(
                     f"the tokenizer produced id {int(tokens.max())} >= its vocabulary size {chosen.vocab_size}. "
@@ -411,8 +472,11 @@ def _tokenize(
                 )
             held = is_val(np.arange(first, first + len(lengths)))
             per_token = np.repeat(held, lengths)
-            writers["val"].append(tokens[per_token], lengths[held])
-            written = writers["train"].append(tokens[~per_token], lengths[~held])
+            mask = scored[0] if scored else None
+            writers["val"].append(tokens[per_token], lengths[held], None if mask is None else mask[per_token])
+            written = writers["train"].append(
+                tokens[~per_token], lengths[~held], None if mask is None else mask[~per_token]
+            )
             counts += np.bincount(written, minlength=chosen.vocab_size)[: chosen.vocab_size]
             first += len(lengths)
             total = writers["train"].tokens + writers["val"].tokens
@@ -427,11 +491,13 @@ def _tokenize(
                 writer.discard()
     splits = {
         name: {"documents": w.documents, "tokens": w.tokens, "bin": f"{name}.bin", "idx": f"{name}.idx"}
+        | ({"mask": f"{name}.mask.bin"} if masked else {})
         for name, w in writers.items()
     }
     return {
         "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "version": MASKED_VERSION if masked else FORMAT_VERSION,
+        **({"loss_mask": True} if masked else {}),
         "tokenizer": record,
         "vocab_size": chosen.vocab_size,
         "eos_id": chosen.eos_id,
@@ -452,4 +518,4 @@ def _tokenize(
     }
 
 
-__all__ = ["META_FILE", "prepare", "token_dtype", "validation_mask"]
+__all__ = ["META_FILE", "READABLE_VERSIONS", "prepare", "token_dtype", "validation_mask"]

@@ -6,9 +6,13 @@ A *document* is the unit the validation split and the end-of-document token work
 * a ``.parquet`` file: one document per row of the string column ``field`` (a null is an empty document);
 * any other file: its UTF-8 text (undecodable bytes replaced) is one document, or, above ``TEXT_DOCUMENT_BYTES``,
   pieces of about that size cut at line ends (so a single big file streams, tokenizes in parallel and still has
-  documents to hold out; a single line longer than that is cut too).
+  documents to hold out; a single line longer than that is cut too);
+* with ``--instruct`` (kind "instruct"), a ``.jsonl`` file of prompt / response or chat records, one document per
+  line, with the spans the loss scores (``plait.data.instruct``).
 
-Folders are searched recursively for ``SUFFIXES``, in sorted order; named files are taken whatever their suffix.
+Folders are searched recursively, in sorted order: files with a known suffix (``SUFFIXES``) and any other file
+whose content is UTF-8 text, chosen by ``--include`` / ``--exclude`` patterns; the rest are skipped with a reason
+(``plait.data.discover``). Named files are taken whatever their suffix.
 Nothing reads a whole file into memory: every reader streams lines or parquet record batches. ``scan`` reads every
 input once before any work (sha256, document counts, and every jsonl line and parquet column checked), so bad input
 fails before a token is written, naming the file and line.
@@ -24,22 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.data.discover import SUFFIXES, Skipped, check_patterns, describe_skipped, kind_of, walk
+from plait.data.instruct import instruct_documents
 from plait.errors import DataError
 
 TEXT_DOCUMENT_BYTES = 1 << 20
 """A plain text file longer than this (1 MiB) is cut into documents of about this size at line ends."""
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
-SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 _PARQUET_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file and how it is read (``kind``: "text", "jsonl" or "parquet")."""
+    """One input file and how it is read (``kind``: "text", "jsonl", "parquet" or "instruct", whose records a chat
+    ``template`` may render)."""
 
     path: Path
     kind: str
     size: int
+    template: Any = None
 
 
 @dataclass
@@ -57,34 +63,42 @@ class InputStats:
         return dict(self.__dict__)
 
 
-def _kind(path: Path) -> str:
-    suffix = path.suffix.lower()
-    return "jsonl" if suffix == ".jsonl" else "parquet" if suffix == ".parquet" else "text"
-
-
 def resolve_inputs(paths: Sequence[str | Path]) -> list[InputFile]:
-    """Expand folders, check every input exists and is not empty; raises ``DataError`` naming the fix."""
+    """``find_inputs`` without patterns: the files to read."""
+    return find_inputs(paths)[0]
+
+
+def find_inputs(
+    paths: Sequence[str | Path], include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[list[InputFile], list[Skipped]]:
+    """Expand folders (``plait.data.discover``: known suffixes, other files by content, the patterns), check every
+    input exists and is not empty; the files to read and the skipped ones. ``DataError`` naming the fix."""
     if not paths:
         raise DataError("no input given. Fix: plait data prepare FILE_OR_FOLDER... --out DIR")
+    check_patterns(include, exclude)
     files: list[InputFile] = []
+    skipped: list[Skipped] = []
     for given in paths:
         path = Path(given).expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+            found, left = walk(path, include, exclude)
+            skipped += left
             if not found:
+                why = f" ({describe_skipped(left, limit=3)})" if left else ""
                 raise DataError(
-                    f"folder {path} holds no input file ({', '.join(SUFFIXES)}). Fix: point at a folder with such "
-                    f"files, or name the files themselves."
+                    f"folder {path} holds no input file{why}: plait reads {', '.join(SUFFIXES)} and any other "
+                    f"UTF-8 text file. Fix: point at a folder with such files, change --include / --exclude, or "
+                    f"name the files themselves."
                 )
-            files.extend(InputFile(p, _kind(p), p.stat().st_size) for p in found)
+            files.extend(InputFile(p, kind_of(p), p.stat().st_size) for p in found)
         elif path.is_file():
-            files.append(InputFile(path, _kind(path), path.stat().st_size))
+            files.append(InputFile(path, kind_of(path), path.stat().st_size))
         else:
             raise DataError(f"input {path} does not exist. Fix: give existing files or folders.")
     empty = [str(f.path) for f in files if f.size == 0]
     if empty:
         raise DataError(f"input file(s) {empty[:5]} are empty. Fix: remove them from the inputs, or fill them.")
-    return files
+    return files, skipped
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
@@ -185,6 +199,8 @@ def iter_documents(source: InputFile, field: str = "text") -> Iterator[str]:
         return _jsonl_documents(source.path, field)
     if source.kind == "parquet":
         return _parquet_documents(source.path, field)
+    if source.kind == "instruct":
+        return instruct_documents(source.path, source.template)
     return _text_documents(source.path)
 
 
@@ -217,6 +233,7 @@ __all__ = [
     "InputFile",
     "InputStats",
     "SUFFIXES",
+    "find_inputs",
     "TEXT_DOCUMENT_BYTES",
     "iter_all_documents",
     "iter_documents",

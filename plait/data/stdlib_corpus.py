@@ -142,10 +142,11 @@ def ensure_stdlib_tokens(vocab: int = 4096, corpus_mb: float = 0.0, workers: int
 
 
 def stdlib_dataset(
-    seq_len: int, seed: int = 0, vocab: int = 4096, corpus_mb: float = 0.0, verify: bool = False
+    seq_len: int, seed: int = 0, vocab: int = 4096, corpus_mb: float = 0.0, verify: bool = False, **documents: Any
 ) -> TokenDataset:
-    """``data.name = "stdlib"``: the token dataset of the stdlib corpus (prepared and cached on first use)."""
-    return TokenDataset(ensure_stdlib_tokens(vocab, corpus_mb), seq_len, seed=seed, verify=verify)
+    """``data.name = "stdlib"``: the token dataset of the stdlib corpus (prepared and cached on first use); one
+    document per file (``documents``: ``TokenDataset``'s ``attention`` and ``eod_mask_loss``)."""
+    return TokenDataset(ensure_stdlib_tokens(vocab, corpus_mb), seq_len, seed=seed, verify=verify, **documents)
 
 
 __all__ = ["EXCLUDED_DIRS", "cache_root", "ensure_stdlib_tokens", "stdlib_dataset", "stdlib_files"]

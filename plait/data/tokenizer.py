@@ -299,17 +299,20 @@ def describe(tokenizer: AnyTokenizer, spec: str, file: str | None) -> dict[str, 
 _WORKER_TOKENIZER: tuple[str, AnyTokenizer] | None = None
 
 
-def encode_documents(folder: str, record: dict[str, Any], texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """In a worker process: (token ids of ``texts`` concatenated, uint32; per-document lengths, int64), no eos.
-
-    The worker loads the tokenizer ``record`` of ``folder`` on its first batch and keeps it (one per process,
-    single-threaded: the parallelism comes from the processes)."""
+def worker_tokenizer(folder: str, record: dict[str, Any]) -> AnyTokenizer:
+    """In a worker process: the tokenizer ``record`` of ``folder``, loaded on the first batch and kept (one per
+    process, single-threaded: the parallelism comes from the processes)."""
     global _WORKER_TOKENIZER
     key = f"{folder}\0{sorted(record.items())}"
     if _WORKER_TOKENIZER is None or _WORKER_TOKENIZER[0] != key:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         _WORKER_TOKENIZER = (key, load_saved(Path(folder), record))
-    return concatenate(_WORKER_TOKENIZER[1].encode_batch(texts))
+    return _WORKER_TOKENIZER[1]
+
+
+def encode_documents(folder: str, record: dict[str, Any], texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """In a worker process: (token ids of ``texts`` concatenated, uint32; per-document lengths, int64), no eos."""
+    return concatenate(worker_tokenizer(folder, record).encode_batch(texts))
 
 
 def concatenate(pieces: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,12 @@ any step, and over one epoch serves every window once across all dp ranks. The v
 way with seed 0 whatever the run's seed: its first n samples are a uniform sample of n held-out windows from all
 over the split (not just its first documents), and every run evaluates on the same windows.
 
+**Packed documents** (``attention="document"``, docs/data.md): each sample's inputs are ``(tokens, positions)``
+(``plait.models.inputs``): positions count each token's place in its document, from the folder's document offsets
+(``.idx``), restarting at 0 at every document and at the window's first token, so attention stays inside each
+document. ``eod_mask_loss`` ignores the target at each end-of-document token (the next document's first token,
+which the finished document cannot predict), as Megatron-LM's ``--eod-mask-loss``.
+
 The files are opened with ``np.memmap``: nothing is read until a batch touches it, and every rank of a node shares
 the page cache. Opening checks the files against ``meta.json``: sizes always, sha256 when asked (``verify``) or
 when cheap (all files together under ``CHEAP_VERIFY_BYTES``). ``meta.json`` itself is checked for consistency (a
@@ -32,11 +38,13 @@ import torch
 from torch import Tensor
 
 from plait.data.loader import IGNORE_INDEX, index_hash
-from plait.data.prepare import FORMAT, FORMAT_VERSION, META_FILE, SPLITS
+from plait.data.prepare import FORMAT, META_FILE, READABLE_VERSIONS, SPLITS
 from plait.data.sources import sha256_of
 from plait.data.tokenizer import TextCodec, load_saved
 from plait.errors import DataError
 
+ATTENTION_KINDS = ("causal", "document")
+"""``data.attention``: "causal" (documents run into each other across the eos, GPT-2 style) or "document"."""
 CHEAP_VERIFY_BYTES = 64 << 20
 """Folders whose files add up to at most this (64 MiB) are checked by sha256 on every open, not only by size."""
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -63,10 +71,10 @@ class TokenFolder:
                 raise ValueError("not a JSON object")
         except (OSError, ValueError, RecursionError) as error:
             raise DataError(f"{meta_path} is not valid JSON ({error}). {_redo(self.path)}") from error
-        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
             raise DataError(
                 f"{meta_path} is format {meta.get('format')!r} version {meta.get('version')!r}; this plait reads "
-                f"{FORMAT!r} version {FORMAT_VERSION}. {_redo(self.path)}"
+                f"{FORMAT!r} versions {list(READABLE_VERSIONS)}. {_redo(self.path)}"
             )
         try:
             self.dtype = _DTYPES[meta["dtype"]]
@@ -120,6 +128,8 @@ class TokenFolder:
                 split["bin"]: int(split["tokens"]) * self.dtype.itemsize,
                 split["idx"]: 8 * (int(split["documents"]) + 1),
             }
+            if "mask" in split:  # instruction data: one byte per token
+                expected[split["mask"]] = int(split["tokens"])
             for file, size in expected.items():
                 if file not in files or int(files[file]["bytes"]) != size:
                     raise DataError(
@@ -150,9 +160,35 @@ class TokenFolder:
             return np.zeros(0, dtype=self.dtype)
         return np.memmap(self._file(record["bin"]), dtype=self.dtype, mode="r")
 
+    def loss_mask(self, split: str) -> np.ndarray | None:
+        """Instruction data: the split's per-token loss mask (uint8, nonzero where the token is a scored target;
+        read-only memory map), else None."""
+        record = self.splits[split]
+        if "mask" not in record:
+            return None
+        if int(record["tokens"]) == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.memmap(self._file(record["mask"]), dtype=np.uint8, mode="r")
+
     def offsets(self, split: str) -> np.ndarray:
         """The split's document offsets: n_documents + 1 int64 token positions."""
         return np.memmap(self._file(self.splits[split]["idx"]), dtype="<i8", mode="r")
+
+    def document_starts(self, split: str) -> np.ndarray:
+        """The split's document offsets, checked once (0 first, never decreasing, the token count last): a lying
+        ``.idx`` would give negative positions, which no attention can use."""
+        offsets = np.asarray(self.offsets(split))
+        if (
+            len(offsets) < 2
+            or offsets[0] != 0
+            or offsets[-1] != len(self.tokens(split))
+            or (np.diff(offsets) < 0).any()
+        ):
+            raise DataError(
+                f"the {split} split's document offsets ({self.splits[split]['idx']}) of {self.path} do not start at 0, "
+                f"rise to the token count, or fall somewhere: the folder is corrupt. {_redo(self.path)}"
+            )
+        return offsets
 
     @property
     def codec(self) -> TextCodec:
@@ -182,13 +218,20 @@ class TokenDataset:
         split: str = "train",
         verify: bool = False,
         folder: TokenFolder | None = None,
+        attention: str = "causal",
+        eod_mask_loss: bool = False,
     ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"data.seq_len={seq_len!r} must be a positive integer. Fix: e.g. data.seq_len=256.")
         if split not in SPLITS:
             raise DataError(f"split {split!r} is unknown. Fix: one of {list(SPLITS)}.")
+        check_attention(attention, eod_mask_loss)
         self.folder = folder or TokenFolder(path, verify=verify)
         self.split, self.seed, self._seq_len = split, seed, seq_len
+        self.attention, self.eod_mask_loss = attention, eod_mask_loss
+        self._starts = self.folder.document_starts(split) if attention == "document" or eod_mask_loss else None
+        self.loss_mask = self.folder.loss_mask(split)
+        """Instruction data: which tokens are scored targets (prompts are not), else None."""
         self.data = self.folder.tokens(split)
         self.num_windows = (len(self.data) - 1) // seq_len
         if self.num_windows < 1:
@@ -242,20 +285,42 @@ class TokenDataset:
             result[where] = self.permutation(int(epoch))[positions[where]]
         return result
 
-    def batch(self, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Inputs [N, T] and next-token targets [N, T] (int64) of the samples ``indices``."""
+    def batch(self, indices: Sequence[int]) -> tuple[Any, Tensor]:
+        """Inputs [N, T] and next-token targets [N, T] (int64) of the samples ``indices``; with document attention
+        the inputs are (tokens, positions) (module doc)."""
         starts = self.windows(indices) * self._seq_len
-        rows = self.data[starts[:, None] + np.arange(self._seq_len + 1)].astype(np.int64)
+        index = starts[:, None] + np.arange(self._seq_len + 1)
+        rows = self.data[index].astype(np.int64)
         self.folder.check_ids(rows, f"the {self.split} split")
         windows = torch.from_numpy(rows)
-        return windows[:, :-1].clone(), windows[:, 1:].clone()
+        inputs, targets = windows[:, :-1].clone(), windows[:, 1:].clone()
+        if self.loss_mask is not None:  # instruction data: prompt tokens score nothing
+            targets[torch.from_numpy(self.loss_mask[index[:, 1:]] == 0)] = IGNORE_INDEX
+        if self._starts is None:
+            return inputs, targets
+        document = np.searchsorted(self._starts, index, side="right") - 1
+        begins = self._starts[document]  # the first token of each token's document
+        if self.eod_mask_loss:  # a target that begins a document follows an end-of-document token
+            targets[torch.from_numpy(begins[:, 1:] == index[:, 1:])] = IGNORE_INDEX
+        if self.attention == "causal":
+            return inputs, targets
+        positions = index[:, :-1] - np.maximum(begins[:, :-1], starts[:, None])
+        return (inputs, torch.from_numpy(positions)), targets
 
     def validation_split(self) -> TokenDataset | None:
         """The held-out documents as a dataset of windows of the same length, shuffled with seed 0 (the same
         evaluation windows for every run), or None when nothing is held out."""
         if self.split != "train" or int(self.folder.splits["val"]["tokens"]) == 0:
             return None
-        return TokenDataset(self.folder.path, self._seq_len, seed=0, split="val", folder=self.folder)
+        return TokenDataset(
+            self.folder.path,
+            self._seq_len,
+            seed=0,
+            split="val",
+            folder=self.folder,
+            attention=self.attention,
+            eod_mask_loss=self.eod_mask_loss,
+        )
 
     def accuracy_counts(self, logits: Tensor, targets: Tensor) -> tuple[int, int]:
         """(correctly predicted next tokens, scored tokens): per-token argmax accuracy."""
@@ -264,4 +329,15 @@ class TokenDataset:
         return int(correct.sum().item()), int(scored.sum().item())
 
 
-__all__ = ["CHEAP_VERIFY_BYTES", "TokenDataset", "TokenFolder"]
+def check_attention(attention: str, eod_mask_loss: bool) -> None:
+    """DataError unless ``attention`` is one of ``ATTENTION_KINDS`` and ``eod_mask_loss`` a bool."""
+    if attention not in ATTENTION_KINDS:
+        raise DataError(
+            f"data.attention={attention!r} is unknown. Fix: 'causal' (documents run into each other) or 'document' "
+            f"(attention stays inside each document)."
+        )
+    if not isinstance(eod_mask_loss, bool):
+        raise DataError(f"data.eod_mask_loss={eod_mask_loss!r} must be true or false. Fix: data.eod_mask_loss=true.")
+
+
+__all__ = ["ATTENTION_KINDS", "CHEAP_VERIFY_BYTES", "TokenDataset", "TokenFolder", "check_attention"]

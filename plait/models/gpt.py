@@ -62,8 +62,10 @@ class GPT(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """Token ids [B, T] (or hidden states [B, T, d_model] when `tok_embed` is None) -> logits [B, T, vocab]
-        (or hidden states when `lm_head` is None). `positions` ([T] or [B, T], default arange(T)) are the tokens'
-        absolute positions, used by learned position embeddings and by RoPE."""
+        (or hidden states when `lm_head` is None). `positions` [T] (default arange(T)) are the tokens' absolute
+        positions, used by learned position embeddings and by RoPE; per-row positions [B, T] are those of packed
+        documents (restarting at 0 at each document, ``plait.models.inputs``): embeddings and RoPE restart with
+        them and attention never crosses a document boundary (``layers.document_mask``)."""
         length = x.shape[1]
         if positions is None:
             positions = torch.arange(length, device=x.device)

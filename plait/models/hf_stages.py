@@ -14,7 +14,9 @@ so ``make_stage_forward`` gives the copy a forward that does what the model's do
   are inside the decoder layers), without sliding-window attention (refused: the stages build the full causal mask).
 
 Positions (0..T-1, no cache) and the causal mask depend only on the sequence length, so every stage rebuilds
-them from its input instead of receiving them: only the hidden states cross a stage boundary. Padding masks
+them from its input instead of receiving them: only the hidden states cross a stage boundary. Packed documents'
+positions (``position_ids`` [B, T], restarting at each document: ``plait.models.inputs``) are given to every stage
+by the pipeline runtime; the stages use them instead, and transformers' mask then keeps documents apart. Padding masks
 are not supported (plait feeds ``input_ids`` only). Other transformers architectures are refused with a
 LayoutError. Tied embeddings (GPT-2's LM head sharing ``wte.weight``) are handled by the split and the
 pipeline runtime (a copy on the last stage whose gradient is added to the first stage's; docs/pipeline.md).
@@ -55,7 +57,11 @@ def check_pipeline_support(model: nn.Module) -> None:
         )
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
+def _positions(hidden: torch.Tensor, given: dict[str, Any]) -> torch.Tensor:
+    """Packed documents' positions (a stage's keyword ``position_ids``, or plait's ``positions``), else 0..T-1."""
+    documents = given.get("position_ids", given.get("positions"))
+    if documents is not None:
+        return documents.to(hidden.device)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
@@ -77,15 +83,16 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
     )
 
 
-def _gpt2_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
+def _gpt2_stage(self: Any, x: torch.Tensor, **given: Any) -> torch.Tensor:
     """GPT2LMHeadModel.forward (no cache, no padding mask) restricted to the parts this stage kept. ``self`` is a
-    transformers model, whose submodules are dynamic attributes (typed Any)."""
+    transformers model, whose submodules are dynamic attributes (typed Any); ``given``: the call's keywords (packed
+    documents' positions)."""
     base = self.transformer
     if base.wte is not None:
-        hidden = base.drop(base.wte(x) + base.wpe(_positions(x)))
+        hidden = base.drop(base.wte(x) + base.wpe(_positions(x, given)))
     else:
         hidden = x
-    positions = _positions(hidden)
+    positions = _positions(hidden, given)
     mask = _causal_mask(base.config, hidden, positions)
     for block in base.h:
         hidden = block(hidden, None, mask, None, use_cache=False, position_ids=positions)
@@ -94,12 +101,12 @@ def _gpt2_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
     return self.lm_head(hidden) if self.lm_head is not None else hidden
 
 
-def _llama_stage(self: Any, x: torch.Tensor, **_: Any) -> torch.Tensor:
-    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self``: as
-    in ``_gpt2_stage``)."""
+def _llama_stage(self: Any, x: torch.Tensor, **given: Any) -> torch.Tensor:
+    """LlamaForCausalLM.forward (no cache, no padding mask) restricted to the parts this stage kept (``self`` and
+    ``given``: as in ``_gpt2_stage``)."""
     base = self.model
     hidden = base.embed_tokens(x) if base.embed_tokens is not None else x
-    positions = _positions(hidden)
+    positions = _positions(hidden, given)
     mask = _causal_mask(base.config, hidden, positions)
     rotary = base.rotary_emb(hidden, position_ids=positions)
     for layer in base.layers:

@@ -60,16 +60,55 @@ def apply_rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return (x.float() * angles.cos() + rotated_half * angles.sin()).type_as(x)
 
 
+def document_mask(positions: Tensor, query_index: Tensor | None = None, key_index: Tensor | None = None) -> Tensor:
+    """Which keys each query may see in packed documents: boolean [B, 1, Tq, Tk], True where query i attends key j.
+
+    ``positions`` [B, Tq] are the queries' places in their own documents (0 at each document's first token:
+    ``plait.models.inputs``); ``query_index`` [Tq] and ``key_index`` [Tk] are the tokens' indices in the window
+    (default: ``arange(Tq)`` for both, the whole window). Query i sees key j iff 0 <= g_i - g_j <= positions_i:
+    causal, and not before its document's first token. Positions that never restart give the causal mask, so the
+    rule needs no document ids, and a context-parallel rank evaluates it from its own queries' positions and the
+    global indices its sharding fixes, without the keys' positions."""
+    if query_index is None:
+        query_index = torch.arange(positions.shape[-1], device=positions.device)
+    if key_index is None:
+        key_index = query_index
+    distance = query_index.unsqueeze(-1) - key_index.unsqueeze(0)  # [Tq, Tk]
+    return ((distance >= 0) & (distance <= positions.unsqueeze(-1))).unsqueeze(1)
+
+
 class ScaledDotProductAttention(nn.Module):
-    """Causal softmax(q k^T / sqrt(D)) v on [B, H, T, D] tensors; the swap point for distributed attention kernels."""
+    """Causal softmax(q k^T / sqrt(D)) v on [B, H, T, D] tensors; the swap point for distributed attention kernels.
+
+    With ``positions`` [B, T] (packed documents) the causal mask is ``document_mask(positions)``: no query attends
+    across a document boundary (an explicit boolean mask: PyTorch's fused kernels that take one run it). Positions
+    that never restart (0, 1, ..., T-1 in every row, or from k > 0: one document fills the window) take the causal
+    kernel, as without positions; telling costs one read of a flag on the host."""
 
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
         dropout_p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if positions is None or is_one_document(positions):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if positions.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"packed documents' positions hold {positions.shape[0]} rows, but attention sees {q.shape[0]}: a "
+                f"layout that cuts the batch inside the model (2D/2.5D/3D tensor parallelism) cannot take them. Fix: "
+                f"tp_mode='1d', or data.attention='causal'."
+            )
+        mask = document_mask(positions.to(q.device))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def is_one_document(positions: Tensor, index: Tensor | None = None) -> bool:
+    """Whether no query's document began inside the window: every row's ``positions`` [B, T] are at least the
+    tokens' window indices ``index`` (default arange(T)), so the document mask is the causal one (a host read)."""
+    if index is None:
+        index = torch.arange(positions.shape[-1], device=positions.device)
+    return bool((positions >= index).all())
 
 
 class Attention(nn.Module):
@@ -115,22 +154,29 @@ class Attention(nn.Module):
             k = apply_rotary(k, positions, self.rope_theta)
         return q, k, v
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The attention core: kv heads repeated to the query heads, then `core` -> [B, H, T, D]."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Tensor:
+        """The attention core: kv heads repeated to the query heads, then `core` -> [B, H, T, D]; ``documents``
+        (the queries' document positions [B, T], or None for plain causal attention) goes to the core as
+        ``positions``."""
         q_heads, kv_heads = q.shape[1], k.shape[1]
         if q_heads != kv_heads:
             if q_heads % kv_heads != 0:
                 raise ValueError(f"{q_heads} query heads cannot share {kv_heads} key/value heads evenly.")
             k = k.repeat_interleave(q_heads // kv_heads, dim=1)
             v = v.repeat_interleave(q_heads // kv_heads, dim=1)
-        return self.core(q, k, v)
+        if documents is None:
+            return self.core(q, k, v)
+        return self.core(q, k, v, positions=documents)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """``positions``: [T] (or None: arange) are absolute positions of one causal sequence; [B, T] are
+        per-row document positions (``plait.models.inputs``), from which the core derives a document mask."""
         q, k, v = self.project_qkv(x, positions)
+        documents = positions if positions is not None and positions.dim() == 2 else None
         if self.recompute_core and torch.is_grad_enabled():
-            attended = checkpoint(self.attend, q, k, v, use_reentrant=False)
+            attended = checkpoint(self.attend, q, k, v, documents, use_reentrant=False)
         else:
-            attended = self.attend(q, k, v)  # [B, H, T, D]
+            attended = self.attend(q, k, v, documents)  # [B, H, T, D]
         batch, _, length, _ = attended.shape
         return self.o(attended.transpose(1, 2).reshape(batch, length, q.shape[1] * self.head_dim))
 

@@ -18,6 +18,13 @@ end-of-document masking): the error of the 2024 gradient-accumulation bug of Hug
 counts of the whole global batch once per step and differentiates each piece's total divided by that global N
 (``plait.parallel.loss_normalization``, docs/training.md "Loss normalisation").
 
+**Chunked cross-entropy** (``ChunkedCrossEntropy``): with a large vocabulary the [tokens x V] logits (and, in
+backward, their gradient) dominate a step's memory. Given as ``loss_fn``, ``plait.parallelize`` binds it to the
+model's LM head (``bind_head_chunks``, after tensor parallelism has swapped the head): in training the head hands
+on its input instead of logits, and the loss runs head and cross-entropy over ``chunk`` tokens at a time, each chunk
+checkpointed, so only one chunk's logits ever exist, forward and backward (``HeadChunks``). Evaluation gets
+whole logits as before.
+
 A user's loss says "I am a mean over these items" by subclassing ``MeanLoss`` (``total`` and ``count``) or with
 ``mean_loss(total, count)``. Any other ``loss_fn`` is treated as before: each micro-batch's loss is a mean of
 equal weight, averaged over micro-batches and data-parallel ranks, which is exact only when every piece holds
@@ -27,11 +34,16 @@ no class weights, no label smoothing) are recognised as token means (``as_mean_l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from plait.errors import LayoutError
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 IGNORE_INDEX = -100
@@ -137,9 +149,134 @@ def apply_total(loss: MeanLoss, output: torch.Tensor, target: torch.Tensor) -> t
     return loss.total(output, target)
 
 
+class ChunkedCrossEntropy(CrossEntropyMean):
+    """``lm_loss`` whose LM head and cross-entropy run over ``chunk`` tokens at a time (module docstring): pass it
+    as ``loss_fn`` to ``plait.parallelize``. On logits (nothing bound) it is plain ``lm_loss``."""
+
+    def __init__(self, chunk: int = 4096, ignore_index: int = IGNORE_INDEX, upcast: bool = True) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r} tokens must be a positive integer (e.g. 4096).")
+        super().__init__(ignore_index, upcast)
+        self.chunk = chunk
+
+    def __repr__(self) -> str:
+        return f"ChunkedCrossEntropy(chunk={self.chunk}, ignore_index={self.ignore_index}, upcast={self.upcast})"
+
+
+def _enter(head: nn.Module, x: Tensor) -> Tensor:
+    """What the head does to its input once (a tensor-parallel head: enter the tp region), else ``x``."""
+    enter = getattr(head, "enter", None)
+    return enter(x) if callable(enter) else x
+
+
+def _project(head: nn.Module, x: Tensor) -> Tensor:
+    """The head's logits of (entered) hidden states ``x``: its own ``project`` (a tensor-parallel head: this
+    rank's vocabulary slice), or a Linear's x W^T + b."""
+    project = getattr(head, "project", None)
+    if callable(project):
+        return project(x)
+    assert isinstance(head, nn.Linear)  # bind_head_chunks admits nothing else
+    return F.linear(x, head.weight, head.bias)
+
+
+def _deferred_forward(self: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """The forward of a head bound to ``HeadChunks``: in training its entered input (the loss projects it chunk
+    by chunk), in evaluation its logits."""
+    if self.training:
+        return _enter(self, x)
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+class HeadChunks(MeanLoss):
+    """A token-mean loss ``inner`` on the logits of ``head``, computed ``chunk`` tokens at a time (module docstring).
+
+    ``total(hidden, target)``: in training the head returns its (entered) input [..., d]; each chunk of tokens is
+    projected by the head and scored by ``inner.total`` inside a checkpoint, which keeps for backward only the
+    chunk's inputs (views of the hidden states and the targets) and recomputes its logits in backward, so at most
+    one chunk's logits (and their gradient) exist at a time. In evaluation the head returns whole logits and
+    ``inner`` scores them as usual. ``count`` is ``inner``'s."""
+
+    def __init__(self, head: nn.Module | None, inner: MeanLoss, chunk: int) -> None:
+        self.head, self.inner, self.chunk = head, inner, chunk
+
+    def _piece(self, hidden: Tensor, target: Tensor) -> Tensor:
+        assert self.head is not None
+        return self.inner.total(_project(self.head, hidden), target)
+
+    def total(self, output: Tensor, target: Tensor) -> Tensor:
+        if self.head is None or not self.head.training:  # evaluation: whole logits
+            return self.inner.total(output, target)
+        hidden, flat = output.reshape(-1, output.shape[-1]), target.reshape(-1)
+        if hidden.shape[0] != flat.shape[0]:
+            raise ValueError(
+                f"chunked cross-entropy: {hidden.shape[0]} hidden states for {flat.shape[0]} targets. Fix: the model "
+                f"must hand its LM head's input on unchanged (the head is bound by plait.parallelize)."
+            )
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, flat.shape[0], self.chunk):
+            piece = slice(start, start + self.chunk)
+            total = total + checkpoint(
+                self._piece, hidden[piece], flat[piece], use_reentrant=False, preserve_rng_state=False
+            )
+        return total
+
+    def count(self, target: Tensor) -> Tensor:
+        return self.inner.count(target)
+
+    def __repr__(self) -> str:
+        return f"HeadChunks(chunk={self.chunk}, inner={self.inner!r})"
+
+
+def check_head_chunks(requested: object, zero: int, tp_mode: str = "1d", tp: int = 1) -> None:
+    """LayoutError (pure, before any collective) for a chunked cross-entropy under ZeRO-3 (its root unit, the head,
+    is sharded again when the model's forward returns, but the chunks project with the head's weight after it) or
+    under 2D/2.5D/3D tensor parallelism (whose head cuts the batch as well as the vocabulary)."""
+    if not isinstance(requested, ChunkedCrossEntropy):
+        return
+    if zero == 3:
+        raise LayoutError(
+            "chunked cross-entropy (ChunkedCrossEntropy, train.loss_chunk) projects with the LM head's weight after "
+            "the model's forward, when ZeRO-3 has sharded it again. Fix: zero=1 or zero=2 with chunks, or lm_loss "
+            "(train.loss_chunk=0) with zero=3."
+        )
+    if tp > 1 and tp_mode != "1d":
+        raise LayoutError(
+            f"chunked cross-entropy (ChunkedCrossEntropy, train.loss_chunk) projects chunks of tokens with a Linear or "
+            f"1D vocab-parallel head, but tp_mode={tp_mode!r} cuts the head's batch as well. Fix: tp_mode='1d' with "
+            f"chunks, or lm_loss (train.loss_chunk=0)."
+        )
+
+
+def bind_head_chunks(requested: object, roots: Iterable[nn.Module], loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` (the loss chosen so far: ``requested`` itself, or a tensor-parallel loss) as ``HeadChunks``
+    over this rank's LM head when ``requested`` is a ``ChunkedCrossEntropy``, else ``loss_fn``. The head is the
+    module named ``lm_head`` under ``roots`` (plait's GPT and Hugging Face causal LMs; under pipeline parallelism
+    only the last stage's rank has it); it is made to hand its input on in training (parameter names unchanged)."""
+    if not isinstance(requested, ChunkedCrossEntropy):
+        return loss_fn
+    if not isinstance(loss_fn, MeanLoss):
+        raise TypeError(f"chunked cross-entropy needs a token-mean loss to score its chunks, got {loss_fn!r}")
+    heads = {id(m): m for root in roots for path, m in root.named_modules() if path.rsplit(".", 1)[-1] == "lm_head"}
+    if len(heads) > 1:
+        raise ValueError("chunked cross-entropy found several modules named lm_head; the model must have one LM head")
+    head = next(iter(heads.values()), None)
+    if head is not None:
+        if not callable(getattr(head, "project", None)) and not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"chunked cross-entropy projects with the LM head chunk by chunk, but lm_head is a "
+                f"{type(head).__name__}. Fix: an nn.Linear head (or a 1D tensor-parallel one), or lm_loss."
+            )
+        head.forward = types.MethodType(_deferred_forward, head)  # an instance attribute: names stay
+    return HeadChunks(head, loss_fn, requested.chunk)
+
+
 __all__ = [
     "IGNORE_INDEX",
+    "ChunkedCrossEntropy",
     "CrossEntropyMean",
+    "HeadChunks",
+    "bind_head_chunks",
+    "check_head_chunks",
     "LossFn",
     "MeanLoss",
     "apply_loss",

@@ -29,11 +29,13 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
+from plait.models import inputs as model_inputs
 from plait.observe.trace import no_span
 from plait.parallel.loss_normalization import StepLoss
 from plait.parallel.precision import MixedPrecision
 
-Micro = tuple[torch.Tensor, torch.Tensor]
+Micro = tuple[model_inputs.Inputs, torch.Tensor]
+"""A micro-batch: (inputs, targets); inputs are token ids, or (token ids, document positions): ``models.inputs``."""
 UpdateFn = Callable[[], object]
 NoSync = Callable[[], contextlib.AbstractContextManager[None]]
 
@@ -53,7 +55,7 @@ class StepRunner(Protocol):
         """How many micro-batches each optimizer update follows: all of the step's, or fewer (PipeDream)."""
         ...
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, inputs: model_inputs.Inputs) -> torch.Tensor | None:
         """No-grad forward of a whole batch in eval mode: the model's output, or None on a rank without it."""
         ...
 
@@ -76,12 +78,12 @@ class PlainRunner:
     def run(self, micro: Sequence[Micro], update: UpdateFn, loss: StepLoss) -> torch.Tensor:
         tracer = self.comm.tracer
         span = tracer.span if tracer is not None else no_span
-        loss_sum = torch.zeros((), device=micro[0][0].device)
+        loss_sum = torch.zeros((), device=micro[0][1].device)
         for index, (inputs, targets) in enumerate(micro):
             last = index == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 with span(f"forward {index}", "forward", microbatch=index), self.precision.autocast():
-                    value = loss.value(self.model(inputs), targets)
+                    value = loss.value(model_inputs.call(self.model, inputs), targets)
                 with span(f"backward {index}", "backward", microbatch=index):
                     self.precision.scale(loss.to_backward(index, value)).backward()
             loss_sum += value.detach().float()
@@ -90,8 +92,8 @@ class PlainRunner:
     def update_window(self, microbatches: int) -> int:
         return microbatches
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        return self.model(inputs)
+    def forward(self, inputs: model_inputs.Inputs) -> torch.Tensor | None:
+        return model_inputs.call(self.model, inputs)
 
     def staleness(self) -> dict[int, dict[str, float]] | None:
         return None

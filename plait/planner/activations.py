@@ -48,6 +48,11 @@ the last stage its final norm and the head's input (as a block's norm and matmul
 under autocast (e h V / t), the loss's fp32 log-softmax (4 s b V / t, ``lm_loss`` upcasts the logits), the
 targets (8 s b) and a scalar. When the backward of a micro-batch begins, the loss's gradient and the
 log-softmax's input gradient (4 s b V / t each, fp32) exist besides everything saved: ``loss_buffer_bytes``.
+With chunked cross-entropy (``loss_chunk`` = c tokens, ``plait.models.loss.HeadChunks``) each chunk is
+checkpointed: the last stage keeps its final norm, the head's input as the chunks' input (the fp32 hidden
+states, r s b h: the checkpoint keeps no autocast copy and no weight copy), the targets, and no logits; in
+backward one chunk's logits are recomputed at a time, so the loss buffers are those of c' = min(c, s b) tokens:
+its fp32 log-softmax, its gradient and its input's gradient, 12 c' V / t.
 
 **"korthikanti"**: Korthikanti et al. 2022, eqs. 2-6, for a Megatron-style implementation (2-byte activations,
 1-byte dropout masks; scaled by e / 2), written term by term so that the block's shape counts (grouped-query
@@ -87,10 +92,14 @@ class Forward:
     dropout: float = 0.0
     mask_bytes: int | None = None
     per_sample_positions: bool = False
+    loss_chunk: int = 0
+    """Chunked cross-entropy: tokens per chunk of the LM head and loss (0: whole logits)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention={self.attention!r} is unknown; use one of {ATTENTION_KERNELS}")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk={self.loss_chunk!r} must be an integer >= 0 (0: whole logits)")
 
     @property
     def e(self) -> int:
@@ -201,8 +210,11 @@ def plait_embedding_bytes(spec: ModelSpec, fwd: Forward, blocks_recomputed: bool
 
 def plait_head_bytes(spec: ModelSpec, fwd: Forward) -> float:
     """What the last stage keeps outside its blocks: the final norm, the head's input (and weight copy under
-    autocast), the loss's fp32 log-softmax, the targets and the loss's total weight."""
+    autocast), the loss's fp32 log-softmax, the targets and the loss's total weight; with chunked cross-entropy
+    the final norm, the fp32 head input the chunks keep and the targets (module docstring)."""
     b, s, t = fwd.batch, fwd.seq, fwd.tp
+    if fwd.loss_chunk:
+        return _norm_site(spec, fwd) + RESIDUAL_BYTES * b * s * spec.hidden + 8 * b * s
     weights = fwd.e * spec.hidden * spec.vocab / t if fwd.autocast else 0.0
     return _norm_site(spec, fwd) + _matmul_inputs(spec, fwd, 1) + weights + 4 * b * s * spec.vocab / t + 8 * b * s + 4
 
@@ -262,7 +274,10 @@ def ends_bytes(
 
 def loss_buffer_bytes(spec: ModelSpec, fwd: Forward) -> float:
     """Transient bytes when a micro-batch's backward begins on the last stage: the gradient of the fp32
-    log-softmax and the gradient of its input (4 s b V / t each), besides the saved log-softmax."""
+    log-softmax and the gradient of its input (4 s b V / t each), besides the saved log-softmax; with chunked
+    cross-entropy those of one chunk's tokens and its recomputed log-softmax (12 c' V / t, module docstring)."""
+    if fwd.loss_chunk:
+        return 12 * min(fwd.loss_chunk, fwd.seq * fwd.batch) * spec.vocab / fwd.tp
     return 8 * fwd.seq * fwd.batch * spec.vocab / fwd.tp
 
 

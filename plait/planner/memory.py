@@ -257,8 +257,9 @@ def estimate_memory(
     ``activations``: ``{"batch": samples per micro-batch on a rank, "seq": tokens per sample}`` and optionally
     ``attention`` ("flash", the default, or "math"), ``dropout`` (default: a plait GPT's or GPTConfig's, else 0) and,
     for a parameter count, the sizes ``hidden``, ``heads``, ``layers`` (``vocab``, ``ffn``, ``kv_heads``, ``gated``,
-    ``learned_positions``). ``device``: "cuda" (dropout masks of 1 byte, foreach optimizer temporaries, the caching
-    allocator's overhead) or "cpu"."""
+    ``learned_positions``), and ``loss_chunk``: tokens per chunk of a chunked cross-entropy
+    (``plait.models.loss.ChunkedCrossEntropy``; 0, the default: whole logits). ``device``: "cuda" (dropout masks of
+    1 byte, foreach optimizer temporaries, the caching allocator's overhead) or "cpu"."""
     if not layout.is_resolved:
         layout = layout.resolve(world_size or 1)
     kind = optimizer_kind(optimizer)
@@ -334,6 +335,7 @@ def _run_forward(spec: ModelSpec, layout: Layout, shape: dict[str, Any], device:
         dropout=float(shape.get("dropout", 0.0)),
         mask_bytes=1 if device == "cuda" else None,
         per_sample_positions=layout.cp > 1,
+        loss_chunk=int(shape.get("loss_chunk", 0)),
     )
 
 

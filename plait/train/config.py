@@ -22,7 +22,9 @@ from typing import Any
 
 import tomli_w
 
-from plait.errors import ConfigError, LayoutError
+from plait.data.mixture import check_sources
+from plait.data.tokens import ATTENTION_KINDS
+from plait.errors import ConfigError, DataError, LayoutError
 from plait.layout import Layout, from_mapping
 
 if sys.version_info >= (3, 11):
@@ -41,6 +43,13 @@ class DataConfig:
       ``plait data prepare`` (``verify``: check every file's sha256, not only sizes; cheap folders always are);
     * ``name = "stdlib"``: the Python standard library's source, tokenized with a byte-level BPE of ``vocab``
       tokens, prepared on first use and cached (``corpus_mb`` > 0: only the first files holding that many MB).
+
+    Token folders and the stdlib corpus hold documents: ``attention = "document"`` keeps attention inside each
+    document of a packed window (positions restart at each one; default "causal": GPT-2 style), and
+    ``eod_mask_loss`` ignores the target at each end-of-document token (``plait.data.tokens``).
+
+    ``name = "tokens"`` with ``sources = [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]``
+    (instead of ``path``) mixes several token folders by weight (``plait.data.mixture``; each may have a ``name``).
     """
 
     name: str = "addition"
@@ -51,6 +60,9 @@ class DataConfig:
     vocab: int = 4096
     corpus_mb: float = 0.0
     verify: bool = False
+    attention: str = "causal"
+    eod_mask_loss: bool = False
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Every field checked whatever the dataset (``seq_len`` too, which the addition task takes from
@@ -65,8 +77,50 @@ class DataConfig:
             )
         if not isinstance(self.verify, bool):
             raise ConfigError(f"data.verify={self.verify!r} must be true or false. Fix: data.verify=true.")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(
+                f"data.attention={self.attention!r} is unknown. Fix: 'causal' (documents run into each other) or "
+                f"'document' (attention stays inside each document)."
+            )
+        if not isinstance(self.eod_mask_loss, bool):
+            raise ConfigError(
+                f"data.eod_mask_loss={self.eod_mask_loss!r} must be true or false. Fix: data.eod_mask_loss=true."
+            )
+        if self.sources:
+            self._check_sources()
+        if (self.attention != "causal" or self.eod_mask_loss) and self.name in ("addition", "bytes"):
+            raise ConfigError(
+                f"data.attention={self.attention!r} / data.eod_mask_loss={self.eod_mask_loss} need documents, but "
+                f"data.name={self.name!r} has none. Fix: data.name='tokens' (plait data prepare) or 'stdlib', or "
+                f"leave them at 'causal' / false."
+            )
+
+    def _check_sources(self) -> None:
+        """A mixture: ``name = "tokens"`` and no ``path``; every entry a folder with a positive weight."""
+        if self.name != "tokens" or self.path:
+            raise ConfigError(
+                f"data.sources mixes token folders, but data.name={self.name!r} and data.path={self.path!r}. Fix: "
+                f"data.name='tokens' and the folders in data.sources only (data.path='')."
+            )
+        try:
+            self.sources = check_sources(self.sources)
+        except DataError as error:
+            raise ConfigError(str(error)) from error
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset ``make_dataset`` builds: ``name``, or "mixture" for several token folders."""
+        return "mixture" if self.sources else self.name
 
     def dataset_kwargs(self) -> dict[str, Any]:
+        if self.sources:
+            return {
+                "sources": self.sources,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "verify": self.verify,
+                **self._docs(),
+            }
         if self.name == "addition":
             return {"digits": self.digits, "seed": self.seed}
         if self.name == "bytes":
@@ -79,7 +133,13 @@ class DataConfig:
                     "data.name='tokens' needs a folder written by plait data prepare. Fix: plait data prepare "
                     "INPUT... --out DIR, then --set data.path=DIR"
                 )
-            return {"path": self.path, "seq_len": self.seq_len, "seed": self.seed, "verify": self.verify}
+            return {
+                "path": self.path,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "verify": self.verify,
+                **self._docs(),
+            }
         if self.name == "stdlib":
             return {
                 "seq_len": self.seq_len,
@@ -87,8 +147,12 @@ class DataConfig:
                 "vocab": self.vocab,
                 "corpus_mb": self.corpus_mb,
                 "verify": self.verify,
+                **self._docs(),
             }
         raise ConfigError(f"data.name={self.name!r} is unknown. Fix: use 'addition', 'bytes', 'tokens' or 'stdlib'.")
+
+    def _docs(self) -> dict[str, Any]:
+        return {"attention": self.attention, "eod_mask_loss": self.eod_mask_loss}
 
 
 @dataclass
@@ -122,6 +186,9 @@ class TrainConfig:
     min_lr: float | None = None
     """The floor of the decay (default lr / 10)."""
     max_grad_norm: float = 1.0
+    loss_chunk: int = 0
+    """Chunked cross-entropy: the LM head and the loss over this many tokens at a time, so that the whole logits
+    never exist (``plait.models.loss.ChunkedCrossEntropy``; 0: whole logits)."""
     init_from: str = ""
     """Start from these weights with a fresh optimizer: a plait checkpoint (any layout), a .safetensors file or a
     Hugging Face folder (plait.train.weights); "" starts from fresh weights."""
@@ -161,6 +228,7 @@ class TrainConfig:
             "keep_every",
             "samples",
             "sample_tokens",
+            "loss_chunk",
         ):
             _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
         _integer("train.seed", self.seed, 0)

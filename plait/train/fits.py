@@ -115,7 +115,7 @@ def check_memory(
     if spec is None or memory is None:
         return
     micro = layout.check_batch(config.train.global_batch)
-    shape = {"batch": micro, "seq": seq_len}
+    shape = {"batch": micro, "seq": seq_len, "loss_chunk": config.train.loss_chunk}
     estimate = estimate_memory(spec, layout, _optimizer_kind(config.train), activations=shape, device=device.type)
     need = estimate.reserved + (estimate.host if device.type == "cpu" else 0.0)
     if need * sharing <= memory:
@@ -125,7 +125,8 @@ def check_memory(
         f"this run needs about {need / GIB:,.1f} GiB per rank{ranks} ({spec.parameters / 1e6:,.1f} M parameters, "
         f"micro-batch {micro} x {seq_len} tokens: plait.planner's estimate of the {estimate.peak_phase} phase), but "
         f"{what} is {memory / GIB:,.1f} GiB. Fix: a smaller model or train.global_batch, more layout.microbatches, "
-        f"recomputation (layout.recompute) or ZeRO / more ranks (plait plan suggests a layout)."
+        f"recomputation (layout.recompute), chunked cross-entropy (train.loss_chunk) or ZeRO / more ranks (plait plan "
+        f"suggests a layout)."
     )
 
 

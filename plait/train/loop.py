@@ -30,10 +30,18 @@ from plait.errors import ConfigError
 from plait.logging import get_logger
 from plait.models import lm_loss
 from plait.models.build import build_model
+from plait.models.loss import ChunkedCrossEntropy
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
 from plait.train.config import RunConfig, check_model_fits_data
-from plait.train.evaluation import EVAL_OFFSET, eval_text, evaluation_batches, evaluation_record
+from plait.train.evaluation import (
+    EVAL_OFFSET,
+    eval_text,
+    evaluate_sources,
+    evaluation_batches,
+    evaluation_record,
+    source_batches,
+)
 from plait.train.fault import RankGuard, resume_metrics
 from plait.train.fits import check_run_fits, local_world_size
 from plait.train.metrics import MetricsWriter, StepMeter, check_step, dumps, plot_metrics, step_record
@@ -104,7 +112,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
             f"train.pipeline_trace={config.train.pipeline_trace!r} needs pipeline parallelism, but "
             f"the layout has pp=1. Fix: set layout.pp > 1 (e.g. --set layout.pp=2), or drop it."
         )
-    dataset = make_dataset(config.data.name, **config.data.dataset_kwargs())
+    dataset = make_dataset(config.data.dataset_name, **config.data.dataset_kwargs())
     check_model_fits_data(config.model, dataset.vocab_size, dataset.seq_len, config.data.path or config.data.name)
     check_run_fits(config, layout, dataset, world.device, local_world_size())  # before any weight is allocated
     torch.manual_seed(config.train.seed)
@@ -116,7 +124,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
         model,
         layout,
         optimizer=optimizer_factory(train, world.device),
-        loss_fn=lm_loss,
+        loss_fn=ChunkedCrossEntropy(train.loss_chunk) if train.loss_chunk else lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),
         device=world.device,
@@ -302,6 +310,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
     loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
     eval_batches, held_out = evaluation_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)
+    per_source = source_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)  # a mixture's
+    tokens_seen = getattr(dataset, "tokens_seen", None)  # a mixture: tokens of each source so far, for the records
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
     meter = StepMeter(engine, model_config, dataset.seq_len)
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
@@ -322,6 +332,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats)  # a collective: every rank
+            if tokens_seen is not None:  # pure in the step: a resumed run records what the uninterrupted one would
+                observed["tokens_by_source"] = tokens_seen(stats.step * train.global_batch)
             records.add(stats, lr, observed)
             evaluate = train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps
             save = train.save_every and stats.step % train.save_every == 0
@@ -330,9 +342,10 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             if evaluate:
                 guard.beat(f"step {stats.step}: evaluate")
                 result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+                sources = evaluate_sources(engine, per_source)
                 last_eval = f"  {eval_text(result, held_out)} (step {stats.step})"
                 if writer:
-                    writer.write(evaluation_record(stats.step, result, held_out))
+                    writer.write(evaluation_record(stats.step, result, held_out, sources))
                 _samples(engine, dataset, train, stats.step, run_dir if lead else None)
             if save:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
@@ -364,6 +377,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             )
     guard.beat("final evaluation")
     result = engine.evaluate(eval_batches, metric=dataset.accuracy_counts)
+    sources = evaluate_sources(engine, per_source)
     _samples(engine, dataset, train, engine.step, run_dir if lead else None)
     guard.beat("writing the run folder", timed=False)
     summary = Summary(
@@ -378,7 +392,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
         layout=engine.layout.short(),
     )
     if writer:
-        writer.write(evaluation_record(engine.step, result, held_out))
+        writer.write(evaluation_record(engine.step, result, held_out, sources))
         writer.close()
         (run_dir / "summary.json").write_text(dumps(summary.__dict__, indent=2))  # NaN as null: strict JSON
         plot_metrics(

@@ -21,6 +21,7 @@ import torch
 
 from plait.engine import Engine
 from plait.models.generate import next_token
+from plait.models.inputs import tokens_of
 
 
 @torch.no_grad()
@@ -78,7 +79,7 @@ def prompts_of(dataset: Any, count: int, offset: int) -> torch.Tensor:
     """The first tokens of ``count`` evaluation samples (from index ``offset``): [count, prompt length]."""
     inputs, _ = dataset.batch(list(range(offset, offset + count)))
     length = int(getattr(dataset, "prompt_len", 0)) or max(1, dataset.seq_len // 4)
-    return inputs[:, :length]
+    return tokens_of(inputs)[:, :length]  # packed documents' inputs are (tokens, positions)
 
 
 def decode(dataset: Any, tokens: torch.Tensor) -> str | list[int]:

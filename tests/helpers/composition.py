@@ -291,11 +291,11 @@ class ChecksPassed(Exception):
     """Raised in place of building the mesh: ``plait.parallelize`` accepted the layout."""
 
 
-def check_in_one_process(world: int, layout: Layout, optimizer=optimizer, model=None) -> None:  # noqa: ANN001
+def check_in_one_process(world: int, layout: Layout, optimizer=optimizer, model=None, **kwargs) -> None:  # noqa: ANN001, ANN003
     """Run ``plait.parallelize``'s checks in this one process as if it were a rank of ``world``: returns when the
     layout is accepted (parallelize reached ``Mesh.build``, where the first process groups would be created),
     raises its LayoutError when refused. A refusal thus provably comes before any collective. ``model``: the
-    matrix's GPT unless given."""
+    matrix's GPT unless given; ``kwargs`` go to ``parallelize`` (e.g. ``loss_fn``)."""
     model = model if model is not None else make_model()[0]
     with (
         mock.patch("plait.parallelize.dist.is_initialized", return_value=True),
@@ -303,7 +303,7 @@ def check_in_one_process(world: int, layout: Layout, optimizer=optimizer, model=
         mock.patch("plait.parallelize.Mesh.build", side_effect=ChecksPassed),
     ):
         try:
-            plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=CLIP)
+            plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=CLIP, **kwargs)
         except ChecksPassed:
             return
     raise AssertionError(f"plait.parallelize({layout.short()}) neither refused the layout nor built a mesh")

@@ -18,21 +18,30 @@ import torch
 from torch import Tensor
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """q k^T * scale in float32, [..., Tq, Tk]; with ``causal`` (Tq == Tk, aligned) the upper triangle is -inf."""
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Tensor | None = None) -> Tensor:
+    """q k^T * scale in float32, [..., Tq, Tk]; with ``causal`` (Tq == Tk, aligned) the upper triangle is -inf;
+    ``mask`` (boolean, broadcast to the scores: True where a query sees a key) sets the rest of what it hides to
+    -inf (packed documents: ``plait.parallel.context.documents``)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        return scores.masked_fill(~mask, float("-inf"))
     if causal:
         rows, cols = scores.shape[-2:]
-        mask = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        hidden = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """(o, l) of queries ``q`` [B, H, Tq, D] over keys/values [B, H, Tk, D]: float32 [B, H, Tq, D] and [B, H, Tq]."""
-    scores = _scores(q, k, scale, causal)
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(o, l) of queries ``q`` [B, H, Tq, D] over keys/values [B, H, Tk, D]: float32 [B, H, Tq, D] and [B, H, Tq].
+    With a ``mask`` (which already holds causality) a query may see none of the block's keys: its l is -inf and
+    its o zero, which the merge then ignores."""
+    scores = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    shift = lse if mask is None else lse.masked_fill(lse == float("-inf"), 0.0)
+    out = torch.matmul(torch.exp(scores - shift.unsqueeze(-1)), v.float())
     return out, lse
 
 
@@ -44,11 +53,19 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
 
 
 def block_backward(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    scale: float,
+    causal: bool,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) in float32 of one block, recomputing its probabilities from the final ``lse``;
-    ``delta`` = rowsum(dO * o) of the final output."""
-    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    ``delta`` = rowsum(dO * o) of the final output; ``mask`` as in ``block_forward``."""
+    probs = torch.exp(_scores(q, k, scale, causal, mask) - lse.unsqueeze(-1))
     grad_out = grad_out.float()
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
     grad_scores = probs * (torch.matmul(grad_out, v.float().transpose(-1, -2)) - delta.unsqueeze(-1))

@@ -14,6 +14,10 @@ this rank's T/cp positions (zigzag for ring, contiguous for Ulysses) and passes 
 ``position_ids`` [1, T/cp], which Llama turns into its RoPE angles and GPT-2 into its learned position
 embeddings. transformers builds no mask for an attention implementation without a registered mask function,
 so the kernels apply the causal mask themselves; padding masks are refused (pack sequences instead).
+
+Packed documents (``position_ids`` [B, T] given by the caller: ``plait.models.inputs``): the pre-hook slices them
+to this rank's tokens as it slices ``input_ids`` and keeps them on the model's handle for this forward
+(``documents``); the attention function hands them to the kernel, which then never attends across a document.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ ATTENTION_NAME = "plait_context_parallel"
 """The key plait registers in transformers' AttentionInterface (and sets as ``config._attn_implementation``)."""
 CORE_ATTRIBUTE = "plait_context_core"
 """The attribute of each HF attention module that holds its ring/Ulysses kernel."""
+HANDLE_ATTRIBUTE = "plait_context_handle"
+"""The attribute of each HF attention module that holds the model's hooks (this forward's document positions)."""
 
 
 def context_parallel_attention(
@@ -59,7 +65,9 @@ def context_parallel_attention(
         raise RuntimeError(f"attention dropout={dropout} reached the context-parallel kernel (refused at planning)")
     if attention_mask is not None:
         raise RuntimeError("a prepared attention mask reached the context-parallel kernel; it applies causality itself")
-    return core.attend(query, key, value, scale=scaling).transpose(1, 2), None
+    handle = getattr(module, HANDLE_ATTRIBUTE, None)
+    documents = handle.documents if handle is not None else None
+    return core.attend(query, key, value, scale=scaling, positions=documents).transpose(1, 2), None
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -107,7 +115,10 @@ def plan_hf_context_parallel(model: nn.Module, layout: Layout) -> ContextPlan:
 
 
 class HuggingFaceContextParallelModel(ContextParallelModel):
-    """The sequence-sharding hooks of a transformers model: positions go in as ``position_ids``."""
+    """The sequence-sharding hooks of a transformers model: positions go in as ``position_ids``; ``documents``
+    holds this forward's packed-document positions of this rank's tokens (None without documents)."""
+
+    documents: Tensor | None = None
 
     def local_call(
         self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
@@ -125,6 +136,7 @@ class HuggingFaceContextParallelModel(ContextParallelModel):
             )
         given = kwargs.get("position_ids")
         positions = index.unsqueeze(0) if given is None else given.index_select(-1, index)
+        self.documents = None if given is None else positions.expand(local_tokens.shape[0], -1)
         return (local_tokens,), {**kwargs, "position_ids": positions}
 
 
@@ -142,11 +154,13 @@ def apply_hf_context_parallel(
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)  # idempotent; the function is stateless
     core_class = RingAttention if plan.mode == "ring" else UlyssesAttention
     kv_groups = dict(zip(plan.attention_paths, plan.kv_groups))
+    handle = HuggingFaceContextParallelModel(model, sharding, comm)
     for path, module in _attention_modules(model):
         core = core_class(comm, sharding, kv_group=kv_groups[path], causal=bool(module.is_causal), axis=AXIS)
         setattr(module, CORE_ATTRIBUTE, core)
+        setattr(module, HANDLE_ATTRIBUTE, handle)  # a plain attribute (the hooks, not a submodule)
     model.set_attn_implementation(ATTENTION_NAME)
-    return HuggingFaceContextParallelModel(model, sharding, comm)
+    return handle
 
 
 __all__ = [

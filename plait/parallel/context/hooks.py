@@ -9,6 +9,9 @@
   tokens as above; a later stage receives hidden states [B, T/(cp s), d] that are already this rank's shard
   (s: Megatron-SP's split, else 1), so its pre-hook only recomputes their global positions from the cp index
   and T = local length x cp x s (nothing travels with the activations); only the last stage gathers in eval;
+- packed documents (``plait.models.inputs``): the model is called with ``positions`` [B, T] (every stage, by the
+  pipeline runtime), and every hook slices them to this rank's tokens exactly as it slices the tokens, so each
+  rank's attention kernel gets its own queries' document positions [B, T/cp];
 - ``ContextParallelMeanLoss`` slices the targets to match for a token-mean loss (``MeanLoss``): its ``total``
   is the inner loss's sum over this rank's positions and its ``count`` the inner count of the full targets, so
   the Engine's normalisation by the global batch's token count (``plait.parallel.loss_normalization``) covers cp
@@ -103,9 +106,9 @@ class ContextParallelModel:
         length = self.length = hidden.shape[1] * self.sharding.size * self.sequence_parallel
         index = self.local_positions(length, hidden.device)
         given = args[1] if len(args) > 1 else kwargs.get("positions")
-        if given is not None:  # positions passed along by the stage itself are already this rank's
+        if given is not None and given.shape[-1] != length:  # positions passed along that are this rank's already
             return args, kwargs
-        return self.local_call(hidden, index, args[1:], kwargs)
+        return self.local_call(hidden, index, args[1:], kwargs)  # the micro-batch's documents are sliced there
 
     def local_call(
         self, local_tokens: Tensor, index: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]

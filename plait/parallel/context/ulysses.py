@@ -11,6 +11,10 @@ each rank attends H / (tp cp) heads: H must be divisible by tp * cp.
 
 Bytes sent per rank and layer (ring all-to-all model, e = element size, Tl = T/cp):
 forward (cp-1)/cp * B Tl D e * (2 H + 2 kv_heads) (q and o with H heads, k and v with kv_heads), backward the same.
+
+Packed documents (``positions`` [B, T/cp], ``plait.models.inputs``): the positions move with the sequence. After
+the all-to-all each rank attends the whole sequence, so it all-gathers the positions over cp ((cp-1)/cp x 8 B T
+bytes per layer, int64) and applies ``document_mask`` to the full-length attention.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.comm import Comm, all_to_all
+from plait.models.layers import document_mask, is_one_document
 from plait.parallel.context.blockwise import repeat_kv
 from plait.parallel.context.sharding import SequenceSharding
 
@@ -52,14 +57,27 @@ class UlyssesAttention(nn.Module):
         gathered = all_to_all(tokens_first, self.comm, self.axis, scatter_dim=1, gather_dim=2)  # [B, T/cp, h, D]
         return gathered.transpose(1, 2)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q [B, H, T/cp, D]; k, v repeated to the H query heads (as plait's Attention hands them over)."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None = None) -> Tensor:
+        """q [B, H, T/cp, D]; k, v repeated to the H query heads (as plait's Attention hands them over);
+        ``positions``: this rank's tokens' document positions [B, T/cp] (packed documents), or None."""
         group = self.kv_group
-        return self.attend(q, k[:, ::group], v[:, ::group])
+        return self.attend(q, k[:, ::group], v[:, ::group], positions=positions)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    def _mask(self, positions: Tensor | None) -> Tensor | None:
+        """The document mask of the whole sequence from every rank's positions (None: causal)."""
+        if positions is None:
+            return None
+        if not self.causal:
+            raise ValueError("packed documents need causal attention; this Ulysses attention is not causal")
+        whole = self.comm.all_gather(positions.contiguous(), self.axis, dim=1)  # contiguous shards: sequence order
+        return None if is_one_document(whole) else document_mask(whole)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         """q [B, H, T/cp, D] over the distinct key/value heads k, v [B, KV, T/cp, D], scores scaled by ``scale``
-        (default 1/sqrt(D)); returns [B, H, T/cp, D], laid out [B, T/cp, H, D] in memory."""
+        (default 1/sqrt(D)); returns [B, H, T/cp, D], laid out [B, T/cp, H, D] in memory. ``positions`` [B, T/cp]:
+        the tokens' places in their packed documents (module docstring)."""
         cp, heads, kv_heads = self.sharding.size, q.shape[HEAD_DIM], k.shape[HEAD_DIM]
         if heads % cp or kv_heads % cp:
             raise ValueError(
@@ -69,7 +87,9 @@ class UlyssesAttention(nn.Module):
         q_heads = self._to_heads(q)
         k_heads = repeat_kv(self._to_heads(k), group)
         v_heads = repeat_kv(self._to_heads(v), group)
-        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=self.causal, scale=scale)
+        mask = self._mask(None if positions is None else positions.to(q.device))
+        causal = self.causal and mask is None
+        out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, attn_mask=mask, is_causal=causal, scale=scale)
         return self._to_sequence(out)
 
     def extra_repr(self) -> str:

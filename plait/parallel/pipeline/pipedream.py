@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -178,10 +179,10 @@ class VersionedModule(nn.Module):
         self.inner = inner
         self.weights: Weights | None = None
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.weights is None:
-            return self.inner(inputs)
-        return functional_call(self.inner, self.weights, (inputs,))
+            return self.inner(inputs, **kwargs)
+        return functional_call(self.inner, self.weights, (inputs,), kwargs)
 
 
 class WeightVersions:

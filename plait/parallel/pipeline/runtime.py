@@ -12,6 +12,10 @@ on zeros of the incoming shape and pass the output's (shape, dtype) to the next 
 message. Results are cached per input (shape, dtype), so later steps exchange no metadata. Evaluation runs the
 stages one after another on the whole batch, sending each tensor's metadata just before it.
 
+Packed documents (``plait.models.inputs``): every rank of a pipeline holds the step's micro-batches, so each stage
+gets its micro-batch's positions from there (``stage(x, positions=...)``), never through a stage hand-off: only the
+activations cross a stage boundary, as without documents.
+
 Loss: the last stage computes each micro-batch's loss under autocast as the step's ``StepLoss`` says (a token
 total, or a mean) and differentiates ``precision.scale(loss.to_backward(j, value))`` (divided by the global
 batch's token count, or by m: ``plait.parallel.loss_normalization``), so the accumulated gradients are those of
@@ -32,6 +36,7 @@ from plait.comm import Comm
 from plait.comm.collectives import Pending
 from plait.errors import ScheduleError
 from plait.logging import get_logger
+from plait.models.inputs import Inputs, split, tokens_of
 from plait.parallel.loss_normalization import StepLoss
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
@@ -198,16 +203,17 @@ class PipelineRunner:
         self.comm.send_recv(recvs=[(message, peer)], axis=AXIS)
         return TensorMeta.decode(message)
 
-    def _chain(self, inputs: torch.Tensor, with_data: bool) -> tuple[torch.Tensor | None, dict[int, TensorMeta]]:
+    def _chain(self, inputs: Inputs, with_data: bool) -> tuple[torch.Tensor | None, dict[int, TensorMeta]]:
         """The stages one after another (no grad): each receives its input's metadata (and, ``with_data``, the
         tensor; else it runs on zeros), runs, and passes its output on. Returns the last stage's output (on its
         rank) and the metadata of every local stage's input (key s - 1) and output (key s)."""
         metas: dict[int, TensorMeta] = {}
         output: torch.Tensor | None = None
+        tokens, positions = split(inputs)
         with torch.no_grad():
             for s in sorted(self.stages):
                 if s == 0:
-                    x = inputs
+                    x = tokens
                 else:
                     metas[s - 1] = self._recv_meta(self._peer(s - 1))
                     x = metas[s - 1].empty(self.device)
@@ -216,7 +222,7 @@ class PipelineRunner:
                     else:
                         x.zero_()
                 with self.precision.autocast(), self.param_scope(s, Kind.FORWARD):
-                    out = self.stages[s].module(x)
+                    out = self.stages[s].run(x, positions)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(
                         f"pipeline stage {s} returned {type(out).__name__}; stages must pass one tensor. "
@@ -229,8 +235,9 @@ class PipelineRunner:
                     output = out
         return output, metas
 
-    def _shapes(self, inputs: torch.Tensor) -> dict[int, TensorMeta]:
-        key = (tuple(inputs.shape), inputs.dtype)
+    def _shapes(self, inputs: Inputs) -> dict[int, TensorMeta]:
+        tokens = tokens_of(inputs)
+        key = (tuple(tokens.shape), tokens.dtype)
         if key not in self._metas:
             devices = [self.device] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), self._mode(False):
@@ -311,7 +318,7 @@ class PipelineRunner:
         if m != self.schedule.m:
             raise ScheduleError(f"the schedule runs m={self.schedule.m} micro-batches, but {m} were given.")
         for check in self.input_checks:
-            check(micro[0][0])
+            check(tokens_of(micro[0][0]))
         self._sync_tied_weights()
         metas = self._shapes(micro[0][0])
         loss_sum = torch.zeros((), device=self.device)
@@ -443,10 +450,11 @@ class PipelineRunner:
         s, j, kind = action.stage, action.microbatch, action.kind
         stage = self.stages[s]
         if kind == Kind.FORWARD:
-            x = micro[j][0] if s == 0 else self._take(inbox, (Kind.FORWARD, s, j))
+            tokens, positions = split(micro[j][0])
+            x = tokens if s == 0 else self._take(inbox, (Kind.FORWARD, s, j))
             loss = self._step_loss()
             with self.precision.autocast():
-                out = stage.forward(j, x)
+                out = stage.forward(j, x, positions)
                 if stage.is_last:
                     value = loss.value(out, micro[j][1])
             if stage.is_last:
@@ -465,11 +473,11 @@ class PipelineRunner:
             stage.backward_weight(j)
 
     # ----------------------------------------------------------------- evaluation
-    def forward(self, inputs: torch.Tensor, training: bool = False) -> torch.Tensor | None:
+    def forward(self, inputs: Inputs, training: bool = False) -> torch.Tensor | None:
         """Forward-only pass of the whole batch through the stages (no grad; eval mode unless ``training``);
         returns the last stage's output on the rank holding it, None elsewhere."""
         for check in self.input_checks:
-            check(inputs)
+            check(tokens_of(inputs))
         self._sync_tied_weights()
         with self._mode(training):
             output, _ = self._chain(inputs, with_data=True)

@@ -95,8 +95,13 @@ class PipelineStage:
         self.peak_bytes = self.held_bytes
 
     # ----------------------------------------------------------------- forward
-    def forward(self, microbatch: int, inputs: torch.Tensor) -> torch.Tensor:
-        """Run the chunk on ``inputs``; keep input and output for backward; return the output."""
+    def run(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+        """The chunk on ``inputs`` (and the micro-batch's packed-document ``positions``, when it has them)."""
+        return self.module(inputs) if positions is None else self.module(inputs, positions=positions)
+
+    def forward(self, microbatch: int, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the chunk on ``inputs`` (``positions``: the micro-batch's document positions, given to every stage:
+        ``plait.models.inputs``); keep input and output for backward; return the output."""
         if microbatch in self._held:
             raise ScheduleError(f"stage {self.index}: {self.index}F{microbatch} ran twice without its backward.")
         if not self.is_first and inputs.is_floating_point():
@@ -105,10 +110,10 @@ class PipelineStage:
         if self.count_activations:
             with SavedActivations(exclude=self.params) as saved:  # the input, then what autograd keeps
                 saved.add(inputs)
-                output = self.module(inputs)
+                output = self.run(inputs, positions)
             held_bytes = saved.bytes
         else:
-            output = self.module(inputs)
+            output = self.run(inputs, positions)
         if not isinstance(output, torch.Tensor):
             raise TypeError(
                 f"pipeline stage {self.index} returned {type(output).__name__}; stages must pass one tensor to the next. "

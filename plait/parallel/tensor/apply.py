@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from plait.comm import Comm
 from plait.errors import LayoutError
 from plait.layout import Layout, TpMode
-from plait.models.loss import CrossEntropyMean, as_mean_loss
+from plait.models.loss import ChunkedCrossEntropy, CrossEntropyMean, as_mean_loss
 from plait.parallel.tensor.fields import int_field
 from plait.parallel.tensor.grid import HEAD_AXIS, GridLinear
 from plait.parallel.tensor.grid_plan import apply_grid_plan, default_grid_plan, resolve_grid_plan
@@ -73,7 +73,9 @@ def cross_entropy_ignore_index(loss_fn: object) -> int | None:
     """The ignore_index of a loss that is plain mean cross-entropy over logits (``lm_loss``, torch's
     cross-entropy, a plain ``nn.CrossEntropyLoss``), None for any other loss."""
     mean = as_mean_loss(loss_fn)
-    return mean.ignore_index if type(mean) is CrossEntropyMean else None
+    if type(mean) is CrossEntropyMean or type(mean) is ChunkedCrossEntropy:  # chunks are bound later
+        return mean.ignore_index
+    return None
 
 
 def apply_tensor_parallel(resolved: ResolvedPlan, roots: Iterable[nn.Module], comm: Comm, loss_fn: LossFn) -> LossFn:

@@ -198,16 +198,25 @@ class ColumnParallelLinear(nn.Module):
         bias = None if full_bias is None else _slice(full_bias, 0, comm, axis, f"{name}.bias", fused_parts, pad)
         return cls(weight, bias, comm, axis, gather_output, input_mode, transposed, full_weight.shape[dim])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def enter(self, x: Tensor) -> Tensor:
+        """X entering the tp region (``input_mode``); a chunked loss enters once and ``project``s chunks."""
         if self.input_mode == "copy":
-            x = copy_to(x, self.comm, self.axis)
-        elif self.input_mode == "sequence":
-            x = gather_sequence(x, self.comm, self.axis)
+            return copy_to(x, self.comm, self.axis)
+        if self.input_mode == "sequence":
+            return gather_sequence(x, self.comm, self.axis)
+        return x
+
+    def project(self, x: Tensor) -> Tensor:
+        """This rank's output columns of an entered X (padded columns -inf)."""
         y = _matmul(x, self.weight, self.bias, self.transposed)
         start = self.comm.mesh.index(self.axis) * y.shape[-1]
         if start + y.shape[-1] > self.out_features:  # padded columns on this rank: out of every softmax
             padded = torch.arange(start, start + y.shape[-1], device=y.device) >= self.out_features
             y = y.masked_fill(padded, float("-inf"))
+        return y
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.project(self.enter(x))
         gather = self.gather_output is True or (self.gather_output == "eval" and not self.training)
         return gather_from(y, self.comm, self.axis, dim=-1)[..., : self.out_features] if gather else y
 
