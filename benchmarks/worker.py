@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import resource
@@ -106,7 +107,10 @@ def run_rank(spec: RunSpec) -> RankResult:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # a rank that has not joined when the others time out prints where it stands (the launch is then retried)
+        faulthandler.dump_traceback_later(COMM_TIMEOUT_S - 5, exit=False)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
+        faulthandler.cancel_dump_traceback_later()
     try:
         start_rss = current_rss_kb()
         total = spec.warmup + spec.steps * spec.blocks
