@@ -110,6 +110,10 @@ class PipelineRunner:
     owns_updates = False
     """True for a runner that applies optimizer updates itself during the step (PipeDream); the Engine then
     leaves the step's gradients alone."""
+    SENDS_BEFORE_COMPUTE = frozenset({"1f1b"})
+    """Schedules whose ranks complete their posted sends before each compute action (``_finish_sends``): those
+    ``torch.distributed.pipelining`` runs that way (its ``Schedule1F1B`` waits each fused send+receive batch; its
+    GPipe and its runtime for interleaved and zero-bubble schedules wait sends only at the end of the step)."""
     tags_activations = False
     """True when every activation sent forward is followed, in the same batch, by a one-element int64 *tag*
     (PipeDream's vertical sync sends the first stage's weight version with each micro-batch): the sender puts
@@ -149,6 +153,7 @@ class PipelineRunner:
                 f"{expected} there (stage s on rank s % p)."
             )
         self.actions = self.lowered.actions[index]
+        self.sends_before_compute = schedule.name in self.SENDS_BEFORE_COMPUTE
         self.num_stages = schedule.num_stages
         self.last_rank_index = schedule.rank_of(self.num_stages - 1)
         self._metas: dict[tuple[tuple[int, ...], torch.dtype], dict[int, TensorMeta]] = {}
@@ -338,7 +343,8 @@ class PipelineRunner:
                     sends.append(self._post(self.actions[position:end], metas, inbox, outbox))
                     position = end
                     continue
-                self._finish_sends(sends)
+                if self.sends_before_compute:
+                    self._finish_sends(sends)
                 self._before_compute(action)
                 self._wait_for_input(action, inbox)  # outside the timed span: waiting is not busy time
                 started = time.perf_counter()
@@ -363,14 +369,16 @@ class PipelineRunner:
 
     @staticmethod
     def _finish_sends(sends: list[tuple[Pending, list[torch.Tensor]]]) -> None:
-        """Complete the send batches posted since the last compute (``sends`` is emptied), before the next compute.
+        """Complete the send batches posted since the last compute (``sends`` is emptied), before the next compute
+        (schedules in ``SENDS_BEFORE_COMPUTE``).
 
-        ``torch.distributed.pipelining``'s 1F1B does the same by waiting each fused send+receive batch. Where the
-        transport moves bytes on a host thread (gloo), a send left running competes with the next compute for the
-        core and reaches its peer later, on the schedule's critical path: measured on the ``pp`` suite (2 CPU
-        cores, gloo), plait 1F1B went from 0.94-0.97 x torch's step rate to 1.00-1.02 x at pp=2 (BENCHMARKS.md). On
-        NCCL a wait only orders streams. Safe: the lowering lets every rank finish even if each send blocked until
-        its receive was posted (``lower``)."""
+        Where the transport moves bytes on a host thread (gloo), a send left running competes with the next
+        compute for the core and reaches its peer later; 1F1B's steady state puts every hand-over on the critical
+        path. Measured on the ``pp`` suite (2 CPU cores, gloo, 8 rounds): 1F1B at pp=2 went from 0.94 x torch's
+        step rate to 0.99-1.02 x; the same wait cost GPipe at pp=4 about 4 % and interleaved about 1 point of
+        bubble (docs/pipeline.md), so the others leave their sends running, as torch does. On NCCL a wait only
+        orders streams. Safe: the lowering lets every rank finish even if each send blocked until its receive
+        was posted (``lower``)."""
         for pending, _tensors in sends:
             pending.wait()
         sends.clear()
