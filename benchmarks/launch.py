@@ -44,9 +44,10 @@ START_UP_ATTEMPTS = 5
 def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "fork") -> list[Any]:
     """Run ``fn(*args)`` on ``world`` local ranks; return their results in rank order.
 
-    A forked rank can, rarely (about one launch in a hundred; once three 4-rank launches in a row), stall before it joins the
-    process group: the parent's rendezvous threads were mid-call when it forked. Such a launch fails with a store
-    timeout before any step ran, so it is retried (up to ``START_UP_ATTEMPTS`` launches); any other failure is raised.
+    A forked rank can, rarely (about one launch in a hundred; once three 4-rank launches in a row), stall before it
+    joins the process group: the parent's rendezvous threads were mid-call when it forked. Such a launch fails with
+    a store timeout before any step ran, so it is retried (up to ``START_UP_ATTEMPTS`` launches); any other failure
+    is raised.
     """
     for attempt in range(1, START_UP_ATTEMPTS + 1):
         try:

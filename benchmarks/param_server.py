@@ -76,6 +76,23 @@ def one_process_steps_per_s(size: str, steps: int, cpu: list[float] | None = Non
     return steps / (time.perf_counter() - started)
 
 
+Sample = tuple[float, int, int]
+"""(time, pushes applied by server 0, server 0's version), one per poll of the servers' reports."""
+
+
+def push_window(samples: list[Sample]) -> tuple[Sample, Sample]:
+    """The samples that bound the timed pushes: the first poll that saw a push and the last poll; when every push
+    landed between two polls (a fast machine), the poll before the first push instead of the first."""
+    ended = samples[-1]
+    started = next(sample for sample in samples if sample[1] > 0)
+    if started[1] == ended[1]:
+        before = [sample for sample in samples if sample[1] < ended[1]]
+        if not before:
+            raise RuntimeError(f"no report came before the job's {ended[1]} pushes; poll more often or run more steps")
+        started = before[-1]
+    return started, ended
+
+
 def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any]) -> dict[str, Any]:
     """Run one job in this process's plait; pushes/s and server updates/s between the first push and the end (from
     the last poll before it, when every push landed between two polls), and
@@ -99,7 +116,7 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
     config = dataclasses.replace(config, **{k: v for k, v in extra.items() if k in names})
     if "worker_log_every_s" in names:
         config = dataclasses.replace(config, worker_log_every_s=0.0)
-    samples: list[tuple[float, int, int]] = []  # (time, pushes applied by server 0, server 0's version)
+    samples: list[Sample] = []
     cpu_start: dict[int, float] = {}  # every job process's CPU seconds when the first push was applied
     cpu_last: dict[int, float] = {}
 
@@ -126,12 +143,7 @@ def measure(size: str, mode: str, workers: int, steps: int, extra: dict[str, Any
             cluster.start_worker(index)
         cluster.wait_workers(on_reports=record, poll_s=0.05)
         cluster.stop()
-    ended = samples[-1]
-    started = next(sample for sample in samples if sample[1] > 0)
-    if started[1] == ended[1]:  # every push landed between two polls: time them from the poll before the first
-        started = next((sample for sample in reversed(samples) if sample[1] < ended[1]), (0.0, 0, 0))
-        if started[0] == 0.0:
-            raise RuntimeError(f"no report came before the job's {ended[1]} pushes; poll more often or run more steps")
+    started, ended = push_window(samples)
     seconds = max(1e-9, ended[0] - started[0])
     single_after = one_process_steps_per_s(size, ceiling_steps, step_cpu)
     job_cpu = sum(cpu_last[pid] - start for pid, start in cpu_start.items())

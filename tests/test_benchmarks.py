@@ -67,6 +67,17 @@ def test_suite_all_covers_every_pair_at_two_and_four_ranks():
     assert worlds_of(SUITES["zero3"], 4) == [4] and worlds_of(SUITES["overhead"], 4) == [1]
 
 
+def test_param_server_push_window_times_pushes_that_landed_between_two_polls():
+    from benchmarks.param_server import push_window
+
+    # the usual case: from the first poll that saw a push to the last poll
+    assert push_window([(0.0, 0, 0), (1.0, 3, 3), (2.0, 12, 12)]) == ((1.0, 3, 3), (2.0, 12, 12))
+    # a fast machine: every push between two polls -> from the poll before them (CI once timed 0 pushes/s)
+    assert push_window([(0.0, 0, 0), (0.5, 0, 0), (1.0, 12, 12), (1.5, 12, 12)]) == ((0.5, 0, 0), (1.5, 12, 12))
+    with pytest.raises(RuntimeError, match="no report came before"):
+        push_window([(1.0, 12, 12), (2.0, 12, 12)])
+
+
 @pytest.mark.timeout(120)
 def test_param_server_benchmark_measures_pushes_and_writes_its_block(tmp_path):
     from benchmarks.param_server import SERVERS, markdown, measure
