@@ -12,8 +12,7 @@ Theory in the issues and papers (e.g. DDP moves 2(N-1)/N x P bytes per step) is 
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 RING_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -55,7 +54,7 @@ class CommStats:
         entry.wire_bytes += wire_bytes(op, payload, group_size) if wire is None else wire
 
     def snapshot(self) -> CommStats:
-        return CommStats(copy.deepcopy(self.counts))
+        return CommStats({key: replace(count) for key, count in self.counts.items()})
 
     def since(self, earlier: CommStats) -> CommStats:
         """What was recorded after ``earlier`` (a snapshot of this object)."""
