@@ -8,6 +8,7 @@ is a pure function of the spec and the server count, so every process computes t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,10 +26,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 def model_spec(model: nn.Module) -> tuple[ParamSpec, ...]:

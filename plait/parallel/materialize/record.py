@@ -22,6 +22,7 @@ before the recording (a model already on meta) are *unknown*: a replay that need
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -63,10 +64,7 @@ class TRef:
 
     @property
     def numel(self) -> int:
-        total = 1
-        for dim in self.size:
-            total *= dim
-        return total
+        return math.prod(self.size)
 
 
 class _Device:
