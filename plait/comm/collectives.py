@@ -356,10 +356,22 @@ class Comm:
         (tests force it on CPU), else ``needs_host_staging`` for the axis group's backend."""
         if self.stage_p2p is not None:
             return self.stage_p2p
+        backend = self._backend(axis)
+        return any(needs_host_staging(backend, t.device.type) for t in tensors)
+
+    def p2p_progresses_independently(self, axis: str) -> bool:
+        """Whether each send and receive posted over ``axis`` completes on its own, whatever was posted before it:
+        gloo's I/O threads match and move every message as soon as both ends are posted, so receives may be
+        posted ahead of time (``plait.parallel.pipeline.program``). NCCL runs a communicator's operations in
+        order on one stream: a receive posted early holds up the sends queued after it."""
+        return self._backend(axis) == "gloo"
+
+    def _backend(self, axis: str) -> str | None:
+        """The backend of ``axis``'s process group (None without torch.distributed), looked up once."""
         if axis not in self._backends:
             group = self.mesh.group(axis)
             self._backends[axis] = dist.get_backend(group) if dist.is_initialized() else None
-        return any(needs_host_staging(self._backends[axis], t.device.type) for t in tensors)
+        return self._backends[axis]
 
     def all_gather_bytes(self, data: bytes, axis: str = "world") -> list[bytes]:
         """Every rank's ``data`` (any length), in axis order: the lengths, then the bytes padded to the longest,
