@@ -29,6 +29,7 @@ from plait.errors import ConfigError, ScheduleError
 from plait.models import GPT, GPTConfig
 from plait.parallel.pipeline import Schedule
 from plait.parallel.pipeline.apply import plan_pipeline
+from plait.parallel.pipeline.runtime import PipelineRunner
 from plait.parallel.pipeline.split import split_model
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.tensor.layers import gather_parameters, gather_slice, is_tp_sharded
@@ -147,6 +148,40 @@ def test_pipeline_matches_single_device(world):
             assert_trajectories_match(merge(parts), reference(optimizer, clip))
         except AssertionError as error:
             raise AssertionError(f"{layout} {optimizer} clip={clip}: {error}") from error
+
+
+# ----------------------------------------------------------------- posting receives ahead
+def _posting(layout: dict) -> dict[str, object]:
+    """The same steps with receives posted ahead (gloo's default) and where lowered (the order NCCL needs)."""
+    out: dict[str, object] = {}
+    for lookahead in ("default", None):
+        model, task = make_gpt()
+        engine = plait.parallelize(model, Layout(dp=1, **layout), optimizer=OPTIMIZERS["adamw"], max_grad_norm=0.05)
+        runner = engine.pipeline
+        out[f"chosen {lookahead}"] = (runner.recv_lookahead, engine.comm.p2p_progresses_independently("pp"))
+        if lookahead is None:
+            runner.recv_lookahead = None
+        loader = ShardedBatches(task, GLOBAL_BATCH)
+        out[f"losses {lookahead}"] = [engine.train_step(loader.global_batch_at(step)).loss for step in range(3)]
+        out[f"params {lookahead}"] = snapshot_params(engine.model)
+        out[f"batches {lookahead}"] = sum(isinstance(item, tuple) for item in runner.program)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [dict(pp=2, microbatches=4, schedule="1f1b"), dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)],
+)
+def test_receives_posted_ahead_train_bitwise_like_receives_posted_where_lowered(layout):
+    """Posting order moves no number: losses and parameters are bitwise equal with receives posted ahead (what
+    gloo gets) and where the lowering put them (what NCCL gets, run here on gloo)."""
+    for rank, out in enumerate(run_distributed(_posting, 2, layout)):
+        assert out["chosen default"] == (PipelineRunner.RECV_LOOKAHEAD, True), "gloo posts receives ahead"
+        assert out["losses default"] == out["losses None"], rank
+        for name, tensor in out["params default"].items():
+            assert torch.equal(tensor, out["params None"][name]), (rank, name)
+        assert out["batches default"] > out["batches None"], "receives ahead are batches of their own"
 
 
 # ----------------------------------------------------------------- mixed precision

@@ -27,12 +27,19 @@ Batch = tuple[Action, ...]
 RECV_KINDS = frozenset({Kind.RECV_FORWARD, Kind.RECV_BACKWARD})
 
 
+def ahead(slot: int, lookahead: int) -> int:
+    """Where receives lowered before compute action ``slot`` are posted: ``lookahead`` computes earlier, but not
+    before the step's first compute unless they were there (the first compute starts the pipeline: nothing
+    else goes in front of it)."""
+    return slot if slot == 0 else max(1, slot - lookahead)
+
+
 def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Action | Batch]:
     """``actions`` (one rank's lowered list) as compute actions and batches of transfers, in posting order.
 
     ``recv_lookahead=None``: each run of consecutive transfers is one batch where the lowering put it. An integer
     ``k >= 0``: sends stay where they are, and each run's receives become their own batch, posted ``k`` compute
-    actions earlier (at the start of the step at the latest), in their original order."""
+    actions earlier (``ahead``), in their original order, after the sends posted at the same point."""
     if recv_lookahead is not None and recv_lookahead < 0:
         raise ValueError(f"recv_lookahead must be >= 0 or None, got {recv_lookahead}")
     runs: list[list[Action]] = [[]]  # runs[c]: the transfers posted before compute action c
@@ -52,10 +59,10 @@ def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Actio
                 out.append(compute)
         return out
     posts: list[list[Batch]] = [[] for _ in runs]  # posts[c]: the batches posted before compute action c
-    for c, run in enumerate(runs):  # receives first: a run's receives move earlier (as one batch, waited as one)
-        posts[max(0, c - recv_lookahead)].append(tuple(a for a in run if a.kind in RECV_KINDS))
-    for c, run in enumerate(runs):
+    for c, run in enumerate(runs):  # sends first: a peer may be waiting for them
         posts[c].append(tuple(a for a in run if a.kind not in RECV_KINDS))
+    for c, run in enumerate(runs):  # a run's receives move earlier, as one batch (waited for as one)
+        posts[ahead(c, recv_lookahead)].append(tuple(a for a in run if a.kind in RECV_KINDS))
     out = []
     for c in range(len(runs)):
         out += [batch for batch in posts[c] if batch]
@@ -64,4 +71,4 @@ def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Actio
     return out
 
 
-__all__ = ["RECV_KINDS", "Batch", "program"]
+__all__ = ["RECV_KINDS", "Batch", "ahead", "program"]

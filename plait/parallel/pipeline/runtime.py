@@ -211,14 +211,17 @@ class PipelineRunner:
 
     @contextlib.contextmanager
     def _mode(self, training: bool) -> Iterator[None]:
-        previous = [stage.module.training for stage in self.stages.values()]
-        for stage in self.stages.values():
-            stage.module.train(training)
+        """The local stages in train (or eval) mode for the block, their previous modes restored after. A stage
+        whose module is already in that mode is left alone (no walk over its submodules, and a submodule the
+        user put in the other mode stays there): ``Engine.train_step`` has just called ``model.train()``."""
+        changed = [stage.module for stage in self.stages.values() if stage.module.training != training]
+        for module in changed:
+            module.train(training)
         try:
             yield
         finally:
-            for stage, mode in zip(self.stages.values(), previous):
-                stage.module.train(mode)
+            for module in changed:
+                module.train(not training)
 
     def _send_meta_and(self, tensor: torch.Tensor | None, meta: TensorMeta, peer: int) -> None:
         self.comm.send_recv(sends=[(meta.encode(self.device), peer)], axis=AXIS)
