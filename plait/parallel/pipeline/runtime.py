@@ -187,12 +187,13 @@ class PipelineRunner:
     # ----------------------------------------------------------------- helpers
     @property
     def recv_lookahead(self) -> int | None:
+        """None: each run of transfers is posted as one batch where the lowering put it (any transport, NCCL
+        included); an integer k: receives k compute actions ahead, as their own batches (gloo only). Setting it
+        rebuilds ``program``."""
         return self._recv_lookahead
 
     @recv_lookahead.setter
     def recv_lookahead(self, value: int | None) -> None:
-        """None: post each run of transfers as one batch where the lowering put it (any transport, NCCL
-        included); an integer k: receives k compute actions ahead, as their own batches (gloo only)."""
         self._recv_lookahead = value
         self.program: list[Action | Batch] = program(self.actions, value)
         """This rank's compute actions and batches of transfers, in the order the step runs them."""
