@@ -74,6 +74,68 @@ def test_collectives_values_and_bytes():
         assert stats["dp/send"]["payload_bytes"] == 8
 
 
+def _batches(world: int):
+    """Rank 1 posts a send batch and two receive batches in one call. Rank 0 sends the second receive's message
+    only after a message rank 1 sends once its first receive batch is done: had waiting for one batch waited for
+    the others, rank 1 would wait forever (here: a CommError after 20 s)."""
+    mesh = Mesh.build(Layout(dp=2))
+    comm = Comm(mesh, timeout_s=20)
+    comm.stage_p2p = os.environ.get("STAGE") == "1"  # host staging: each batch copies back only its own buffers
+    out: dict = {}
+    if mesh.rank == 0:
+        got, go = torch.empty(3), torch.empty(1)
+        comm.send_recv(recvs=[(got, 1)], axis="dp")
+        comm.send_recv(sends=[(torch.full((2,), 1.0), 1)], axis="dp")
+        comm.send_recv(recvs=[(go, 1)], axis="dp")
+        comm.send_recv(sends=[(torch.full((4,), 2.0), 1)], axis="dp")
+        out["got"] = got.tolist()
+    else:
+        first, second = torch.empty(2), torch.empty(4)
+        pendings = comm.send_recv_batches(
+            [([(torch.full((3,), 7.0), 0)], []), ([], [(first, 0)]), ([], [(second, 0)]), ([], [])], axis="dp"
+        )
+        pendings[1].wait()
+        out["first"] = first.tolist()
+        comm.send_recv(sends=[(torch.ones(1), 0)], axis="dp")  # only now may rank 0 send the second message
+        pendings[2].wait()
+        pendings[0].wait()
+        out["second"] = second.tolist()
+        out["empty_done"] = pendings[3].wait() is None
+        out["stats"] = comm.stats.to_dict()
+    return out
+
+
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_send_recv_batches_complete_each_batch_on_its_own(stage, monkeypatch):
+    monkeypatch.setenv("STAGE", stage)
+    zero, one = run_distributed(_batches, 2, 2)
+    assert zero["got"] == [7.0] * 3
+    assert one["first"] == [1.0] * 2 and one["second"] == [2.0] * 4 and one["empty_done"]
+    assert one["stats"]["dp/recv"]["calls"] == 2 and one["stats"]["dp/send"]["calls"] == 2
+
+
+def _coalescing(world: int):
+    import torch.distributed as dist
+
+    mesh = Mesh.build(Layout(dp=2))
+    comm = Comm(mesh)
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: real(ops)[:1]  # a backend reporting one completion for the whole batch
+    peer = 1 - mesh.rank
+    try:
+        comm.send_recv_batches([([(torch.ones(1), peer)], []), ([], [(torch.empty(1), peer)])], axis="dp")
+    except CommError as error:
+        return str(error)
+    finally:
+        dist.batch_isend_irecv = real
+    return None
+
+
+def test_send_recv_batches_refuses_a_backend_that_coalesces_completions():
+    for message in run_distributed(_coalescing, 2, 2):
+        assert message is not None and "one completion per operation" in message and "Fix:" in message
+
+
 def test_wire_bytes_follow_the_ring_formulas():
     assert wire_bytes("all_reduce", 1000, 4) == 1500
     assert wire_bytes("all_gather", 1000, 4) == 750

@@ -63,14 +63,14 @@ def run_programs(schedule: Schedule, lookahead: int | None) -> None:
         for rank, items in enumerate(programs):
             while position[rank] < len(items) and can_run(rank, items[position[rank]]):
                 item = items[position[rank]]
-                if isinstance(item, tuple):
-                    for action in item:
-                        batch_of[action] = item
-                        (posted_sends if action.kind in SEND_KINDS else posted_recvs)[route(rank, action)].append(
-                            action
-                        )
-                    if any(a.kind in SEND_KINDS for a in item):
-                        open_sends[rank].append(item)
+                if isinstance(item, tuple):  # a post: its batches, each waited for on its own
+                    for batch in item:
+                        for action in batch:
+                            batch_of[action] = batch
+                            kind = posted_sends if action.kind in SEND_KINDS else posted_recvs
+                            kind[route(rank, action)].append(action)
+                        if any(a.kind in SEND_KINDS for a in batch):
+                            open_sends[rank].append(batch)
                 elif sends_first:
                     open_sends[rank] = []
                 position[rank] += 1
@@ -107,7 +107,7 @@ def test_receives_move_ahead_in_order_and_sends_stay(name, lookahead):
     schedule = lowered(name, 4, 8, 2 if name == "interleaved" else 1)
     for actions in schedule.actions:
         items = program(actions, lookahead)
-        flat = [a for item in items for a in (item if isinstance(item, tuple) else (item,))]
+        flat = [a for item in items for a in (sum(item, ()) if isinstance(item, tuple) else (item,))]
         assert sorted(map(str, flat)) == sorted(map(str, actions)), "every action exactly once"
         computes = [a for a in actions if not a.is_comm]
         assert [a for a in flat if not a.is_comm] == computes, "compute order unchanged"
@@ -129,11 +129,15 @@ def test_receives_move_ahead_in_order_and_sends_stay(name, lookahead):
                 assert after[a] == ahead(before[a], lookahead), f"{a} moves {lookahead} computes ahead"
             elif a.is_comm:
                 assert after[a] == before[a], f"{a} stays where lowered"
-        for item in items:  # receives and sends never share a batch; a batch is one lowered run's receives
-            if isinstance(item, tuple):
-                assert all(a.kind in RECV_KINDS for a in item) or not any(a.kind in RECV_KINDS for a in item)
-                if item[0].kind in RECV_KINDS:
-                    assert len({before[a] for a in item}) == 1, f"{item} mixes receives of two lowered runs"
+        posts = [item for item in items if isinstance(item, tuple)]
+        assert len(posts) == len({after[post[0][0]] for post in posts}), "one post per point of the list"
+        for post in posts:  # receives and sends never share a batch; a batch is one lowered run's receives
+            assert all(post), "no empty batch"
+            assert all(batch[0].kind in RECV_KINDS for batch in post[1:]), "the sends' batch, if any, comes first"
+            for batch in post:
+                assert all(a.kind in RECV_KINDS for a in batch) or not any(a.kind in RECV_KINDS for a in batch)
+                if batch[0].kind in RECV_KINDS:
+                    assert len({before[a] for a in batch}) == 1, f"{batch} mixes receives of two lowered runs"
 
 
 def test_no_lookahead_posts_each_lowered_run_as_one_batch():
@@ -141,7 +145,7 @@ def test_no_lookahead_posts_each_lowered_run_as_one_batch():
     for actions in schedule.actions:
         items = program(actions, None)
         runs = [tuple(g) for comm, g in itertools.groupby(actions, key=lambda a: a.is_comm) if comm]
-        assert [item for item in items if isinstance(item, tuple)] == runs
+        assert [item for item in items if isinstance(item, tuple)] == [(run,) for run in runs]
         assert [a for a in items if not isinstance(a, tuple)] == [a for a in actions if not a.is_comm]
 
 
@@ -151,8 +155,8 @@ def test_negative_lookahead_is_refused():
 
 
 def test_merging_receives_of_two_runs_deadlocks_and_the_checker_sees_it():
-    """The checker is not vacuous: posting a rank's receives of two lowered runs as one batch (waited as one)
-    deadlocks naive at p=2, m=2: rank 1 waits for micro-batch 1's activation before it has run micro-batch 0."""
+    """The checker is not vacuous: a rank's receives of two lowered runs as one batch (waited for as one)
+    deadlock naive at p=2, m=2: rank 1 waits for micro-batch 1's activation before it has run micro-batch 0."""
     schedule = lowered("naive", 2, 2)
     rank1 = [a for a in schedule.actions[1] if a.kind not in RECV_KINDS]
     merged = Schedule(2, 2, [schedule.actions[0], [*[a for a in schedule.actions[1] if a.kind in RECV_KINDS], *rank1]])

@@ -164,7 +164,7 @@ def _posting(layout: dict) -> dict[str, object]:
         loader = ShardedBatches(task, GLOBAL_BATCH)
         out[f"losses {lookahead}"] = [engine.train_step(loader.global_batch_at(step)).loss for step in range(3)]
         out[f"params {lookahead}"] = snapshot_params(engine.model)
-        out[f"batches {lookahead}"] = sum(isinstance(item, tuple) for item in runner.program)
+        out[f"batches {lookahead}"] = sum(len(item) for item in runner.program if isinstance(item, tuple))
     return out
 
 

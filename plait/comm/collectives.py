@@ -57,6 +57,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+P2PBatch = tuple[Sequence[tuple[torch.Tensor, int]], Sequence[tuple[torch.Tensor, int]]]
+"""One batch of point-to-point transfers: ((tensor, global rank) to send, (buffer, global rank) to receive into)."""
+
+
+def _copy_back(targets: list[tuple[torch.Tensor, int]], staged: list[tuple[torch.Tensor, int]]) -> Callable[[], None]:
+    """What finishes a batch whose receives were staged through host buffers: copy them into their targets."""
+
+    def finish() -> None:
+        for (target, _), (buffer, _) in zip(targets, staged):
+            target.copy_(buffer)
+
+    return finish
+
+
 class Pending:
     """An issued collective: ``wait()`` blocks (with the timeout), runs the finishing step and returns its result."""
 
@@ -329,27 +343,52 @@ class Comm:
         values are in the buffers once the call (or its ``Pending.wait()``) returns."""
         if not sends and not recvs:
             return Done(None) if async_op else None
+        return self._result(self.send_recv_batches([(sends, recvs)], axis)[0], async_op)
+
+    def send_recv_batches(self, batches: Sequence[P2PBatch], axis: str = "pp") -> list[Pending]:
+        """Post the sends and receives of every ``(sends, recvs)`` batch in one ``batch_isend_irecv`` and return one
+        ``Pending`` per batch: waiting for a batch waits for its own transfers only. That needs the transport to
+        complete each operation on its own (gloo); a coalescing backend (NCCL) reports one completion for all of
+        them, so it takes one batch per call. Empty batches get a finished ``Done``."""
         group = self.mesh.group(axis)
-        for tensor, _peer in sends:
-            self.stats.record(axis, "send", _nbytes(tensor), 2)
-        for tensor, _peer in recvs:
-            self.stats.record(axis, "recv", _nbytes(tensor), 2)
-        sent, received = sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs)
-        targets: list[tuple[torch.Tensor, int]] = []  # staged: the receivers' own buffers
-        if self.stages_p2p_through_host(axis, [t for t, _ in (*sends, *recvs)]):
-            targets = list(recvs)
-            sends = [(tensor.detach().to("cpu", copy=True), peer) for tensor, peer in sends]
-            recvs = [(torch.empty(t.shape, dtype=t.dtype), peer) for t, peer in targets]
-
-        def finish() -> None:
-            for (target, _), (staged, _) in zip(targets, recvs):
-                target.copy_(staged)
-
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
-        works = self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))
-        pending = Pending(self, axis, "send_recv", works, finish, sent=sent, received=received)
-        return self._result(pending, async_op)
+        ops: list[dist.P2POp] = []
+        plans: list[tuple[int, int, Callable[[], None], int, int] | None] = []  # first op, ops, finish, bytes
+        for sends, recvs in batches:
+            if not sends and not recvs:
+                plans.append(None)
+                continue
+            for tensor, _peer in sends:
+                self.stats.record(axis, "send", _nbytes(tensor), 2)
+            for tensor, _peer in recvs:
+                self.stats.record(axis, "recv", _nbytes(tensor), 2)
+            sent, received = sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs)
+            targets: list[tuple[torch.Tensor, int]] = []  # staged: the receivers' own buffers
+            if self.stages_p2p_through_host(axis, [t for t, _ in (*sends, *recvs)]):
+                targets = list(recvs)
+                sends = [(tensor.detach().to("cpu", copy=True), peer) for tensor, peer in sends]
+                recvs = [(torch.empty(t.shape, dtype=t.dtype), peer) for t, peer in targets]
+            plans.append((len(ops), len(sends) + len(recvs), _copy_back(targets, list(recvs)), sent, received))
+            ops += [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
+            ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
+        works = list(self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))) if ops else []
+        if len(works) != len(ops) and sum(plan is not None for plan in plans) > 1:
+            raise CommError(
+                f"rank {self.mesh.rank}: send_recv_batches on mesh axis '{axis}' needs one completion per "
+                f"operation, but the backend returned {len(works)} for {len(ops)} (it coalesces them). Fix: post "
+                f"one batch per call on this backend.",
+                rank=self.mesh.rank,
+                axis=axis,
+                op="send_recv",
+            )
+        pendings: list[Pending] = []
+        for plan in plans:
+            if plan is None:
+                pendings.append(Done(None))
+                continue
+            first, count, finish, sent, received = plan
+            mine = works[first : first + count] if len(works) == len(ops) else works
+            pendings.append(Pending(self, axis, "send_recv", mine, finish, sent=sent, received=received))
+        return pendings
 
     def stages_p2p_through_host(self, axis: str, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``send_recv`` over ``axis`` copies ``tensors`` through host memory: ``stage_p2p`` when set

@@ -22,7 +22,10 @@ from collections.abc import Sequence
 from plait.parallel.pipeline.schedule import Action, Kind
 
 Batch = tuple[Action, ...]
-"""Transfers posted together as one ``Comm.send_recv``."""
+"""Transfers waited for together (one ``Pending``)."""
+Post = tuple[Batch, ...]
+"""Batches posted by one call (``Comm.send_recv_batches``, one ``batch_isend_irecv``): the runtime posts one
+``Post`` wherever the rank's list has transfers, and waits for each batch on its own."""
 
 RECV_KINDS = frozenset({Kind.RECV_FORWARD, Kind.RECV_BACKWARD})
 
@@ -34,12 +37,13 @@ def ahead(slot: int, lookahead: int) -> int:
     return slot if slot == 0 else max(1, slot - lookahead)
 
 
-def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Action | Batch]:
-    """``actions`` (one rank's lowered list) as compute actions and batches of transfers, in posting order.
+def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Action | Post]:
+    """``actions`` (one rank's lowered list) as compute actions and posts of transfer batches, in order.
 
-    ``recv_lookahead=None``: each run of consecutive transfers is one batch where the lowering put it. An integer
-    ``k >= 0``: sends stay where they are, and each run's receives become their own batch, posted ``k`` compute
-    actions earlier (``ahead``), in their original order, after the sends posted at the same point."""
+    ``recv_lookahead=None``: each run of consecutive transfers is one batch, posted alone where the lowering put
+    it. An integer ``k >= 0``: sends stay where they are, as one batch, and each run's receives become their own
+    batch, posted ``k`` compute actions earlier (``ahead``), in their original order, after the sends posted at the
+    same point; the batches due at one point are posted together (one ``Post``)."""
     if recv_lookahead is not None and recv_lookahead < 0:
         raise ValueError(f"recv_lookahead must be >= 0 or None, got {recv_lookahead}")
     runs: list[list[Action]] = [[]]  # runs[c]: the transfers posted before compute action c
@@ -51,10 +55,10 @@ def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Actio
             computes.append(action)
             runs.append([])
     if recv_lookahead is None:
-        out: list[Action | Batch] = []
+        out: list[Action | Post] = []
         for run, compute in zip(runs, [*computes, None]):
             if run:
-                out.append(tuple(run))
+                out.append((tuple(run),))
             if compute is not None:
                 out.append(compute)
         return out
@@ -65,10 +69,12 @@ def program(actions: Sequence[Action], recv_lookahead: int | None) -> list[Actio
         posts[ahead(c, recv_lookahead)].append(tuple(a for a in run if a.kind in RECV_KINDS))
     out = []
     for c in range(len(runs)):
-        out += [batch for batch in posts[c] if batch]
+        post = tuple(batch for batch in posts[c] if batch)
+        if post:
+            out.append(post)
         if c < len(computes):
             out.append(computes[c])
     return out
 
 
-__all__ = ["RECV_KINDS", "Batch", "ahead", "program"]
+__all__ = ["RECV_KINDS", "Batch", "Post", "ahead", "program"]

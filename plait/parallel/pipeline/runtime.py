@@ -40,7 +40,7 @@ from plait.errors import ScheduleError
 from plait.logging import get_logger
 from plait.models.inputs import Inputs, split, tokens_of
 from plait.parallel.loss_normalization import StepLoss
-from plait.parallel.pipeline.program import Batch, program
+from plait.parallel.pipeline.program import Post, program
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
@@ -195,8 +195,8 @@ class PipelineRunner:
     @recv_lookahead.setter
     def recv_lookahead(self, value: int | None) -> None:
         self._recv_lookahead = value
-        self.program: list[Action | Batch] = program(self.actions, value)
-        """This rank's compute actions and batches of transfers, in the order the step runs them."""
+        self.program: list[Action | Post] = program(self.actions, value)
+        """This rank's compute actions and posts of transfer batches, in the order the step runs them."""
 
     @property
     def holds_last_stage(self) -> bool:
@@ -361,9 +361,7 @@ class PipelineRunner:
         with self._mode(True):
             for action in self.program:
                 if isinstance(action, tuple):
-                    posted = self._post(action, metas, inbox, outbox)
-                    if posted[1]:  # a batch of receives only is waited for by the computes that consume it
-                        sends.append(posted)
+                    sends += self._post(action, metas, inbox, outbox)
                     continue
                 if self.sends_before_compute:
                     self._finish_sends(sends)
@@ -412,36 +410,47 @@ class PipelineRunner:
 
     def _post(
         self,
-        run: Sequence[Action],
+        post: Post,
         metas: dict[int, TensorMeta],
         inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
         outbox: dict[tuple[str, int, int], torch.Tensor],
-    ) -> tuple[Pending, list[torch.Tensor]]:
-        """Post one run of consecutive send/recv actions as one batched, asynchronous send_recv."""
-        to_send: list[tuple[torch.Tensor, int]] = []
-        to_recv: list[tuple[torch.Tensor, int]] = []
-        keys: list[tuple[str, int, int]] = []
-        for a in run:
-            s, j = a.stage, a.microbatch
-            if a.kind == Kind.SEND_FORWARD:
-                to_send.append((outbox.pop((Kind.FORWARD, s, j)), self._peer(s + 1)))
-                if self.tags_activations:
-                    to_send.append((outbox.pop(("V", s, j)), self._peer(s + 1)))
-            elif a.kind == Kind.SEND_BACKWARD:
-                to_send.append((outbox.pop((Kind.BACKWARD, s, j)), self._peer(s - 1)))
-            elif a.kind == Kind.RECV_FORWARD:
-                to_recv.append((metas[s - 1].empty(self.device), self._peer(s - 1)))
-                keys.append((Kind.FORWARD, s, j))
-                if self.tags_activations:
-                    to_recv.append((torch.empty(1, dtype=torch.int64, device=self.device), self._peer(s - 1)))
-                    keys.append(("V", s, j))
-            else:  # RB: the gradient of this stage's output
-                to_recv.append((metas[s].empty(self.device), self._peer(s + 1)))
-                keys.append((Kind.BACKWARD, s, j))
-        pending = self.comm.send_recv(sends=to_send, recvs=to_recv, axis=AXIS, async_op=True)
-        for key, (buffer, _peer) in zip(keys, to_recv):
-            inbox[key] = (buffer, pending)
-        return pending, [t for t, _ in to_send]
+    ) -> list[tuple[Pending, list[torch.Tensor]]]:
+        """Post the batches of ``post`` with one asynchronous ``Comm.send_recv_batches``; each received tensor waits
+        in ``inbox`` with its own batch's ``Pending``. Returns the batches that send (their pending, tensors)."""
+        batches: list[tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]] = []
+        keys: list[list[tuple[str, int, int]]] = []
+        for run in post:
+            to_send: list[tuple[torch.Tensor, int]] = []
+            to_recv: list[tuple[torch.Tensor, int]] = []
+            batch_keys: list[tuple[str, int, int]] = []
+            for a in run:
+                s, j = a.stage, a.microbatch
+                if a.kind == Kind.SEND_FORWARD:
+                    to_send.append((outbox.pop((Kind.FORWARD, s, j)), self._peer(s + 1)))
+                    if self.tags_activations:
+                        to_send.append((outbox.pop(("V", s, j)), self._peer(s + 1)))
+                elif a.kind == Kind.SEND_BACKWARD:
+                    to_send.append((outbox.pop((Kind.BACKWARD, s, j)), self._peer(s - 1)))
+                elif a.kind == Kind.RECV_FORWARD:
+                    to_recv.append((metas[s - 1].empty(self.device), self._peer(s - 1)))
+                    batch_keys.append((Kind.FORWARD, s, j))
+                    if self.tags_activations:
+                        to_recv.append((torch.empty(1, dtype=torch.int64, device=self.device), self._peer(s - 1)))
+                        batch_keys.append(("V", s, j))
+                else:  # RB: the gradient of this stage's output
+                    to_recv.append((metas[s].empty(self.device), self._peer(s + 1)))
+                    batch_keys.append((Kind.BACKWARD, s, j))
+            batches.append((to_send, to_recv))
+            keys.append(batch_keys)
+        pendings = self.comm.send_recv_batches(batches, axis=AXIS)
+        sending = []
+        for pending, (to_send, to_recv), batch_keys in zip(pendings, batches, keys):
+            pending.is_async = True
+            for key, (buffer, _peer) in zip(batch_keys, to_recv):
+                inbox[key] = (buffer, pending)
+            if to_send:
+                sending.append((pending, [t for t, _ in to_send]))
+        return sending
 
     def _wait_for_input(
         self, action: Action, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]
