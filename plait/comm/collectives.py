@@ -61,6 +61,10 @@ P2PBatch = tuple[Sequence[tuple[torch.Tensor, int]], Sequence[tuple[torch.Tensor
 """One batch of point-to-point transfers: ((tensor, global rank) to send, (buffer, global rank) to receive into)."""
 
 
+def _nothing() -> None:
+    """Finishes a batch whose receives landed in their own buffers."""
+
+
 def _copy_back(targets: list[tuple[torch.Tensor, int]], staged: list[tuple[torch.Tensor, int]]) -> Callable[[], None]:
     """What finishes a batch whose receives were staged through host buffers: copy them into their targets."""
 
@@ -352,26 +356,33 @@ class Comm:
         them, so it takes one batch per call. Empty batches get a finished ``Done``."""
         group = self.mesh.group(axis)
         ops: list[dist.P2POp] = []
-        plans: list[tuple[int, int, Callable[[], None], int, int] | None] = []  # first op, ops, finish, bytes
+        plans: list[tuple[int, int, Callable[[], Any], int, int] | None] = []  # first op, ops, finish, bytes
         for sends, recvs in batches:
             if not sends and not recvs:
                 plans.append(None)
                 continue
+            sent = received = 0
             for tensor, _peer in sends:
-                self.stats.record(axis, "send", _nbytes(tensor), 2)
+                size = _nbytes(tensor)
+                self.stats.record(axis, "send", size, 2)
+                sent += size
             for tensor, _peer in recvs:
-                self.stats.record(axis, "recv", _nbytes(tensor), 2)
-            sent, received = sum(_nbytes(t) for t, _ in sends), sum(_nbytes(t) for t, _ in recvs)
-            targets: list[tuple[torch.Tensor, int]] = []  # staged: the receivers' own buffers
+                size = _nbytes(tensor)
+                self.stats.record(axis, "recv", size, 2)
+                received += size
+            finish: Callable[[], Any] = _nothing
             if self.stages_p2p_through_host(axis, [t for t, _ in (*sends, *recvs)]):
-                targets = list(recvs)
+                targets = list(recvs)  # staged: the receivers' own buffers
                 sends = [(tensor.detach().to("cpu", copy=True), peer) for tensor, peer in sends]
                 recvs = [(torch.empty(t.shape, dtype=t.dtype), peer) for t, peer in targets]
-            plans.append((len(ops), len(sends) + len(recvs), _copy_back(targets, list(recvs)), sent, received))
-            ops += [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in sends]
-            ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in recvs]
+                finish = _copy_back(targets, list(recvs))
+            plans.append((len(ops), len(sends) + len(recvs), finish, sent, received))
+            for tensor, peer in sends:
+                ops.append(dist.P2POp(dist.isend, tensor, peer, group=group))
+            for tensor, peer in recvs:
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group))
         works = list(self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))) if ops else []
-        if len(works) != len(ops) and sum(plan is not None for plan in plans) > 1:
+        if len(works) != len(ops) and len(plans) - plans.count(None) > 1:
             raise CommError(
                 f"rank {self.mesh.rank}: send_recv_batches on mesh axis '{axis}' needs one completion per "
                 f"operation, but the backend returned {len(works)} for {len(ops)} (it coalesces them). Fix: post "
@@ -396,7 +407,10 @@ class Comm:
         if self.stage_p2p is not None:
             return self.stage_p2p
         backend = self._backend(axis)
-        return any(needs_host_staging(backend, t.device.type) for t in tensors)
+        for tensor in tensors:
+            if needs_host_staging(backend, tensor.device.type):
+                return True
+        return False
 
     def p2p_progresses_independently(self, axis: str) -> bool:
         """Whether each send and receive posted over ``axis`` completes on its own, whatever was posted before it:

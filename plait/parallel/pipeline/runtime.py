@@ -449,7 +449,7 @@ class PipelineRunner:
             for key, (buffer, _peer) in zip(batch_keys, to_recv):
                 inbox[key] = (buffer, pending)
             if to_send:
-                sending.append((pending, [t for t, _ in to_send]))
+                sending.append((pending, [tensor for tensor, _peer in to_send]))
         return sending
 
     def _wait_for_input(
