@@ -393,9 +393,10 @@ class PipelineRunner:
 
         Where the transport moves bytes on a host thread (gloo), a send left running competes with the next
         compute for the core and reaches its peer later; 1F1B's steady state puts every hand-over on the critical
-        path. Measured on the ``pp`` suite (2 CPU cores, gloo, 8 rounds): 1F1B at pp=2 went from 0.94 x torch's
-        step rate to 0.99-1.02 x; the same wait cost GPipe at pp=4 about 4 % and interleaved about 1 point of
-        bubble (docs/pipeline.md), so the others leave their sends running, as torch does. On NCCL a wait only
+        path. Measured on the ``pp`` suite (2 CPU cores, gloo, 8 rounds), before receives were posted ahead: 1F1B
+        at pp=2 went from 0.94 x torch's step rate to 0.99-1.02 x; the same wait cost GPipe at pp=4 about 4 % and
+        interleaved about 1 point of bubble (docs/pipeline.md), so the others leave their sends running, as torch
+        does. With receives posted ahead it costs little either way (1F1B at pp=2: 0.986 x with, 0.989 x without). On NCCL a wait only
         orders streams. Safe: the lowering lets every rank finish even if each send blocked until its receive
         was posted (``lower``)."""
         for pending, _tensors in sends:
