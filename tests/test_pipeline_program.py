@@ -53,7 +53,9 @@ def run_programs(schedule: Schedule, lookahead: int | None) -> None:
     def can_run(rank: int, item: Action | tuple[Action, ...]) -> bool:
         if isinstance(item, tuple):
             return True  # posting never blocks
-        needed = [batch_of[c] for c in schedule.comms(item) if c.kind in RECV_KINDS and c in batch_of]
+        receives = [c for c in schedule.comms(item) if c.kind in RECV_KINDS]
+        assert all(c in batch_of for c in receives), f"rank {rank} runs {item} before posting its receive"
+        needed = [batch_of[c] for c in receives]
         if sends_first:
             needed += open_sends[rank]
         return all(landed(rank, a) for batch in needed for a in batch)
