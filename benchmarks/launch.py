@@ -2,22 +2,26 @@
 
 ``torch.distributed.launcher.api.elastic_launch`` is what ``torchrun --standalone`` runs: a local c10d
 rendezvous on a free port, one agent, ``nproc_per_node`` workers with RANK/WORLD_SIZE/MASTER_* set, and every
-worker's return value handed back to the caller. Workers are forked: the parent has already imported torch, so a
-launch costs a fraction of a second instead of the seconds a fresh interpreter needs to import torch on every rank
-(which would dominate a benchmark on two cores). The parent does no tensor work, and each worker pins itself to
-one intra-op thread before computing anything. Modules that the contenders import lazily on first use (torch's
-optimizers and DDP both pull in ``torch._dynamo``, about 2 s on a busy 2-core machine) are imported here once, so
-that the forked workers inherit them instead of importing them again in every launch.
+worker's return value handed back to the caller. Workers come from a fork server (``start_method="forkserver"``):
+one clean process, started once, that has imported torch, plait and the benchmark modules (``FORKSERVER_PRELOAD``)
+and forks a worker per rank, so a launch costs a fraction of a second instead of the seconds a fresh interpreter
+needs to import torch on every rank (which would dominate a benchmark on two cores). Forking the launching
+process itself is cheaper still but unsafe: its rendezvous threads may be mid-call when it forks, and such a rank
+then never joins (measured: up to 8 of 64 launches of the ``pp`` suite stalled 60 s that way). The workers'
+function and arguments are pickled (module-level functions, plain data). Each worker pins itself to one intra-op
+thread before computing anything. Modules the contenders import lazily on first use (torch's optimizers and DDP
+both pull in ``torch._dynamo``, about 2 s on a busy 2-core machine) are in the preload, so no launch imports them
+again.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch._dynamo  # noqa: F401 - preloaded for the forked workers (see above)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -36,18 +40,28 @@ def _last_line(message: object) -> str:
     return lines[-1].strip() if lines else ""
 
 
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing",
+    "plait",
+    "benchmarks.worker",
+    "benchmarks.contenders",
+)
+"""Imported once by the fork server, so that every worker starts with them (see above)."""
+multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+
 START_UP_FAILURES = ("DistStoreError", "wait timeout")
 """Signs that a launch failed while its ranks were still connecting, before anything was measured."""
 START_UP_ATTEMPTS = 5
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "fork") -> list[Any]:
+def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(*args)`` on ``world`` local ranks; return their results in rank order.
 
-    A forked rank can, rarely (about one launch in a hundred; once three 4-rank launches in a row), stall before it
-    joins the process group: the parent's rendezvous threads were mid-call when it forked. Such a launch fails with
-    a store timeout before any step ran, so it is retried (up to ``START_UP_ATTEMPTS`` launches); any other failure
-    is raised.
+    A launch that fails with a store timeout before any step ran (a rank that never joined: with
+    ``start_method="fork"``, up to one launch in eight) is retried, up to ``START_UP_ATTEMPTS`` launches; any other
+    failure is raised.
     """
     for attempt in range(1, START_UP_ATTEMPTS + 1):
         try:

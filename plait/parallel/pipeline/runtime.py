@@ -122,7 +122,7 @@ class PipelineRunner:
     of receives is posted this many compute actions before the lowering puts it (``program.program``): the bytes
     are read while this rank computes instead of after it asks. On the ``pp`` suite (2 CPU cores, gloo) GPipe
     went from 0.99 x torch's step rate to 1.07-1.13 x and 1F1B at pp=4 to 1.05-1.10 x; 1F1B at pp=2 stayed level
-    (0.96-1.02 x); every schedule's measured bubble fell (docs/pipeline.md, "Posting receives ahead")."""
+    at best (0.94-1.02 x); every schedule's measured bubble fell (docs/pipeline.md, "Posting receives ahead")."""
     tags_activations = False
     """True when every activation sent forward is followed, in the same batch, by a one-element int64 *tag*
     (PipeDream's vertical sync sends the first stage's weight version with each micro-batch): the sender puts
