@@ -6,8 +6,8 @@ worker's return value handed back to the caller. Workers come from a fork server
 one clean process, started once, that has imported torch, plait and the benchmark modules (``FORKSERVER_PRELOAD``)
 and forks a worker per rank, so a launch costs a fraction of a second instead of the seconds a fresh interpreter
 needs to import torch on every rank (which would dominate a benchmark on two cores). Forking the launching
-process itself is cheaper still but unsafe: its rendezvous threads may be mid-call when it forks, and such a rank
-then never joins (measured: up to 8 of 64 launches of the ``pp`` suite stalled 60 s that way). The workers'
+process itself (what this module did before) is unsafe: its rendezvous threads may be mid-call when it forks, and
+such a rank then never joins (measured: up to 8 of 64 launches of the ``pp`` suite stalled 60 s that way). The workers'
 function and arguments are pickled (module-level functions, plain data). Each worker pins itself to one intra-op
 thread before computing anything. Modules the contenders import lazily on first use (torch's optimizers and DDP
 both pull in ``torch._dynamo``, about 2 s on a busy 2-core machine) are in the preload, so no launch imports them
