@@ -49,7 +49,6 @@ FORKSERVER_PRELOAD = (
     "benchmarks.contenders",
 )
 """Imported once by the fork server, so that every worker starts with them (see above)."""
-multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 START_UP_FAILURES = ("DistStoreError", "wait timeout")
 """Signs that a launch failed while its ranks were still connecting, before anything was measured."""
@@ -63,6 +62,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, start_method: str = "
     ``start_method="fork"``, up to one launch in eight) is retried, up to ``START_UP_ATTEMPTS`` launches; any other
     failure is raised.
     """
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the fork server first starts
     for attempt in range(1, START_UP_ATTEMPTS + 1):
         try:
             return _launch_once(fn, world, args, start_method)

@@ -119,21 +119,24 @@ def _coalescing(world: int):
 
     mesh = Mesh.build(Layout(dp=2))
     comm = Comm(mesh)
+    comm.p2p_progresses_independently = lambda axis: False  # a backend reporting one completion per call (NCCL)
+    posted = []
     real = dist.batch_isend_irecv
-    dist.batch_isend_irecv = lambda ops: real(ops)[:1]  # a backend reporting one completion for the whole batch
+    dist.batch_isend_irecv = lambda ops: posted.append(ops) or real(ops)
     peer = 1 - mesh.rank
     try:
         comm.send_recv_batches([([(torch.ones(1), peer)], []), ([], [(torch.empty(1), peer)])], axis="dp")
     except CommError as error:
-        return str(error)
+        return str(error), len(posted)
     finally:
         dist.batch_isend_irecv = real
-    return None
+    return None, len(posted)
 
 
 def test_send_recv_batches_refuses_a_backend_that_coalesces_completions():
-    for message in run_distributed(_coalescing, 2, 2):
+    for message, posted in run_distributed(_coalescing, 2, 2):
         assert message is not None and "one completion per operation" in message and "Fix:" in message
+        assert posted == 0, "refused before anything is posted"
 
 
 def test_wire_bytes_follow_the_ring_formulas():

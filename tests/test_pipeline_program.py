@@ -16,7 +16,7 @@ import pytest
 
 from plait.parallel.pipeline.program import RECV_KINDS, ahead, program
 from plait.parallel.pipeline.runtime import PipelineRunner
-from plait.parallel.pipeline.schedule import Action, Schedule, ScheduleError, build_schedule, lower
+from plait.parallel.pipeline.schedule import Action, Schedule, build_schedule, lower
 
 SEND_KINDS = ("SF", "SB")
 
@@ -96,11 +96,7 @@ CASES = [
 @pytest.mark.parametrize("lookahead", [None, 0, 1, 2, 5])
 @pytest.mark.parametrize(("name", "p", "m", "v"), CASES)
 def test_every_schedule_completes_with_receives_posted_ahead(name, p, m, v, lookahead):
-    try:
-        schedule = lowered(name, p, m, v)
-    except ScheduleError:
-        pytest.skip(f"{name} does not take p={p}, m={m}, v={v}")
-    run_programs(schedule, lookahead)
+    run_programs(lowered(name, p, m, v), lookahead)  # every case is a valid schedule: none is skipped
 
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2, 5])

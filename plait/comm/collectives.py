@@ -352,8 +352,19 @@ class Comm:
     def send_recv_batches(self, batches: Sequence[P2PBatch], axis: str = "pp") -> list[Pending]:
         """Post the sends and receives of every ``(sends, recvs)`` batch in one ``batch_isend_irecv`` and return one
         ``Pending`` per batch: waiting for a batch waits for its own transfers only. That needs the transport to
-        complete each operation on its own (gloo); a coalescing backend (NCCL) reports one completion for all of
-        them, so it takes one batch per call. Empty batches get a finished ``Done``."""
+        complete each operation on its own (``p2p_progresses_independently``: gloo); on a backend that reports one
+        completion for a whole call (NCCL's coalescing) several batches are refused before anything is posted.
+        Empty batches get a finished ``Done``."""
+        posting = sum(1 for sends, recvs in batches if sends or recvs)
+        if posting > 1 and not self.p2p_progresses_independently(axis):
+            raise CommError(
+                f"rank {self.mesh.rank}: send_recv_batches on mesh axis '{axis}' got {posting} batches, which needs "
+                f"one completion per operation, but the group's backend ({self._backend(axis)}) reports one for a "
+                f"whole call. Fix: post one batch per call on this backend.",
+                rank=self.mesh.rank,
+                axis=axis,
+                op="send_recv",
+            )
         group = self.mesh.group(axis)
         ops: list[dist.P2POp] = []
         plans: list[tuple[int, int, Callable[[], Any], int, int] | None] = []  # first op, ops, finish, bytes
@@ -382,22 +393,13 @@ class Comm:
             for tensor, peer in recvs:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group))
         works = list(self._guard(axis, "send_recv", lambda: dist.batch_isend_irecv(ops))) if ops else []
-        if len(works) != len(ops) and len(plans) - plans.count(None) > 1:
-            raise CommError(
-                f"rank {self.mesh.rank}: send_recv_batches on mesh axis '{axis}' needs one completion per "
-                f"operation, but the backend returned {len(works)} for {len(ops)} (it coalesces them). Fix: post "
-                f"one batch per call on this backend.",
-                rank=self.mesh.rank,
-                axis=axis,
-                op="send_recv",
-            )
         pendings: list[Pending] = []
         for plan in plans:
             if plan is None:
                 pendings.append(Done(None))
                 continue
             first, count, finish, sent, received = plan
-            mine = works[first : first + count] if len(works) == len(ops) else works
+            mine = works[first : first + count] if len(works) == len(ops) else works  # one batch, coalesced
             pendings.append(Pending(self, axis, "send_recv", mine, finish, sent=sent, received=received))
         return pendings
 
