@@ -102,3 +102,17 @@ def test_content_checks_read_whole_files_in_blocks(tmp_path) -> None:  # noqa: A
     nul.write_bytes(b"a" * 70_000 + b"\0")
     assert not_text(nul) == "binary (a NUL byte at byte 70000)"
     assert describe_skipped([]) == ""
+
+
+def test_an_empty_file_with_a_known_suffix_in_a_folder_is_skipped_not_fatal(tmp_path) -> None:  # noqa: ANN001
+    """Every Python package has an empty ``__init__.py``: the folder is still prepared, the file listed as skipped
+    (issue 37); the same file named on the command line stays an error (test_data_prepare)."""
+    package = tmp_path / "code" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_bytes(b"")
+    (package / "module.py").write_text("def answer():\n    return 42\n")
+    meta = prepare([tmp_path / "code"], tmp_path / "out", val_fraction=0.0, progress=False)
+    assert [(Path(e["path"]).name, e["reason"]) for e in meta["skipped"]["list"]] == [("__init__.py", "empty")]
+    assert "return 42" in TokenFolder(tmp_path / "out").codec.decode(
+        TokenFolder(tmp_path / "out").tokens("train").tolist()
+    )

@@ -9,6 +9,9 @@ file is taken
   text (one document, as any text file); anything else is skipped — binary (a NUL byte), not UTF-8, empty, not a
   regular file (a FIFO, a device: never opened), or a symbolic link (never followed: name the target itself).
 
+An empty file inside a folder (every Python package's ``__init__.py``) is skipped whatever its suffix; an empty
+file named on the command line is an error (it was asked for).
+
 ``--include PATTERN`` keeps only the files that match one of the patterns, ``--exclude PATTERN`` drops those that
 match one (both repeatable; a pattern is a shell glob matched against the file's path relative to the folder and
 against its name, so ``--exclude '*.min.js'`` and ``--exclude 'build/*'`` both work); the patterns choose among
@@ -94,7 +97,7 @@ def walk(folder: Path, include: Sequence[str] = (), exclude: Sequence[str] = ())
         for name in sorted(files) + sorted(d for d in dirs if os.path.islink(os.path.join(root, d))):
             path = Path(root) / name
             relative = path.relative_to(folder).as_posix()
-            reason = _chosen(relative, include, exclude) or _unreadable(path)
+            reason = _chosen(relative, include, exclude) or _unreadable(path) or _empty(path)
             if reason is None and path.suffix.lower() not in SUFFIXES:
                 reason = not_text(path)
             if reason is None:
@@ -102,6 +105,11 @@ def walk(folder: Path, include: Sequence[str] = (), exclude: Sequence[str] = ())
             else:
                 skipped.append(Skipped(str(path), reason))
     return sorted(found), skipped
+
+
+def _empty(path: Path) -> str | None:
+    """ "empty" for a file of no bytes (a package's ``__init__.py``): inside a folder it is skipped, not an error."""
+    return "empty" if os.lstat(path).st_size == 0 else None
 
 
 def _unreadable(path: Path) -> str | None:
