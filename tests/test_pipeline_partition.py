@@ -281,6 +281,14 @@ def test_auto_partition_memory_limit_too_small_is_explained():
         auto_partition(gpt_layers(model), torch.randint(0, 32, (2, 16)), 2, memory_limit=1000, repeats=1, measure=False)
 
 
+def test_auto_partition_given_a_count_instead_of_a_micro_batch_says_so_in_one_line():
+    """docs/pipeline.md once named the argument ``tokens_of_one_microbatch``: an int there was a raw traceback."""
+    from plait.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sample_input must be one micro-batch .* got int 512\. Fix: pass e\.g\."):
+        auto_partition(gpt_layers(small_gpt(n_layer=2)), 512, 2, repeats=1, measure=False)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------------- the one DP core
 def test_the_chain_dp_core_matches_brute_force_for_max_and_sum():
     """``inter_op.split_chain`` is the one dynamic program behind PipeDream's partitioner (max of stage costs, cost

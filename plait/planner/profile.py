@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from plait.errors import LayoutError
+from plait.errors import ConfigError, LayoutError
 from plait.models.gpt import GPT
 from plait.observe.memory import SavedActivations
 
@@ -250,12 +250,23 @@ def _inputs(chain: LayerChain, sample_input: Tensor, bounds: Sequence[int]) -> l
     return values
 
 
+def check_sample_input(sample_input: object) -> None:
+    """ConfigError unless ``sample_input`` is a tensor (one micro-batch of the model's inputs), not a count."""
+    if not isinstance(sample_input, Tensor):
+        raise ConfigError(
+            f"sample_input must be one micro-batch of the model's inputs as a tensor, got "
+            f"{type(sample_input).__name__} {sample_input!r:.40}. Fix: pass e.g. "
+            f"torch.randint(vocab_size, (micro_batch_size, seq_len)) for a GPT's token ids."
+        )
+
+
 def profile_layers(
     layers: Sequence[nn.Module] | LayerChain, sample_input: Tensor, repeats: int = 5, warmup: int = 2
 ) -> list[LayerProfile]:
     """Time and size each layer of the chain on ``sample_input`` (one micro-batch), in order (module doc)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0.")
+    check_sample_input(sample_input)
     chain = as_chain(layers)
     values = _inputs(chain, sample_input, range(len(chain.modules) + 1))
     pieces = [([module], values[i], name) for i, (module, name) in enumerate(zip(chain.modules, chain.names))]
