@@ -5,7 +5,8 @@ picks the device ``cuda:LOCAL_RANK % gpus`` where CUDA is present (else the CPU)
 ``plait train --backend``; default NCCL with CUDA, gloo otherwise), checks the pair (``choose_backend``,
 ``check_gpu_sharing``: pure, so every rank refuses a bad pair the same way before any collective) and
 initialises the default process group with a timeout. Without those variables it is a single process and
-creates no process group.
+creates no process group. Either way each rank gets its share of the machine's CPU threads
+(``plait.threads``: cores / local ranks unless ``OMP_NUM_THREADS`` says otherwise), logged once.
 
 - NCCL runs one rank per GPU: two ranks of a node on one GPU fail inside NCCL ("Duplicate GPU detected") at
   the first collective, which would look like a dead peer. ``check_gpu_sharing`` refuses it up front, naming
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from plait import logging as plait_logging
 from plait.errors import LayoutError
+from plait.threads import configure_threads
 
 TIMEOUT_ENV = "PLAIT_TIMEOUT_S"
 FIND_UNUSED_ENV = "PLAIT_FIND_UNUSED_PARAMETERS"
@@ -136,6 +138,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> World:
         return world
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         plait_logging.configure(0)
+        configure_threads(1)
         return World(0, 1, 0, default_device(0), None)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -148,6 +151,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> World:
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else default_timeout_s())
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     plait_logging.configure(rank)
+    configure_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return World(rank, world_size, local_rank, device, backend)
 
 

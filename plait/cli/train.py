@@ -131,7 +131,9 @@ def _run_torchrun(args: argparse.Namespace, forwarded: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from plait.threads import THREADS_ENV, per_rank_default
+
+    os.environ.setdefault(THREADS_ENV, str(per_rank_default(args.nproc)))  # torchrun's own default would be 1
     if args.max_restarts:  # a restart must not read the last attempt's addresses (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     parser = get_args_parser()
