@@ -3,7 +3,8 @@
 ``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
 (``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait
-checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait
+checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait runs``
+shows what a run folder holds (``runs.py``); ``plait
 generate`` prints a trained model's continuation of a prompt (``generate.py``); ``plait data`` prepares and
 inspects token folders (``data.py``); ``plait plan``,
 ``plait simulate`` and ``plait calibrate`` are the planner's (``plan.py``). A ``PlaitError`` is printed as
@@ -22,6 +23,7 @@ from plait.cli.data import add_data_command, run_data
 from plait.cli.generate import add_generate_command, run_generate
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
+from plait.cli.runs import add_runs_command, run_runs
 from plait.cli.schedule import add_schedule_command, run_schedule
 from plait.cli.train import add_train_command, run_train
 from plait.errors import PlaitError
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ps_command(commands)
     add_convert_command(commands)
     add_checkpoint_command(commands)
+    add_runs_command(commands)
     add_generate_command(commands)
     add_data_command(commands)
     add_planner_commands(commands)
@@ -55,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_convert(args)
         if args.command == "checkpoint":
             return run_checkpoint(args)
+        if args.command == "runs":
+            return run_runs(args)
         if args.command == "generate":
             return run_generate(args)
         if args.command == "data":
