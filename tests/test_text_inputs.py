@@ -116,3 +116,21 @@ def test_an_empty_file_with_a_known_suffix_in_a_folder_is_skipped_not_fatal(tmp_
     assert "return 42" in TokenFolder(tmp_path / "out").codec.decode(
         TokenFolder(tmp_path / "out").tokens("train").tolist()
     )
+
+
+def test_the_cli_lists_skipped_files_once_and_info_says_what_it_checked(tmp_path, capfd) -> None:  # noqa: ANN001
+    """prepare logs the skipped files; its summary then gives only their count (issue 37: they were listed
+    twice); ``data info`` says what it checked (it printed nothing of the check on success)."""
+    package = tmp_path / "code" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_bytes(b"")
+    for name in ("a.py", "b.py"):
+        (package / name).write_text(f"def {name[0]}():\n    return 1\n")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", str(tmp_path / "code"), "--out", str(out)]) == 0
+    shown = capfd.readouterr().out  # the log (stderr) has the list; the summary only the count
+    assert "__init__.py: empty" not in shown and "skipped 1 input file(s), listed above" in shown
+    assert main(["data", "info", str(out)]) == 0
+    assert "checked: every file's size (--verify: SHA-256 too) matches meta.json" in capfd.readouterr().out
+    assert main(["data", "info", str(out), "--verify"]) == 0
+    assert "checked: every file's size and SHA-256 matches meta.json" in capfd.readouterr().out
