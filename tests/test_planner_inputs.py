@@ -240,7 +240,7 @@ def test_bad_hardware_files_name_the_key_and_the_fix(tmp_path, text, words):
         load_hardware_toml(write(tmp_path, "cluster.toml", text))
 
 
-def test_cli_plan_from_an_hf_config_on_a_custom_cluster_writes_a_complete_run_config(tmp_path, capsys):
+def test_cli_plan_from_an_hf_config_on_a_custom_cluster_writes_a_complete_run_config(tmp_path, capsys, monkeypatch):
     from plait.cli.main import main
 
     config = write(
@@ -251,9 +251,12 @@ def test_cli_plan_from_an_hf_config_on_a_custom_cluster_writes_a_complete_run_co
     args = ["plan", "--model", str(config), "--seq", "1024", "--gpus", "8", "--hardware", str(cluster)]
     assert main([*args, "--global-batch", "16", "--out", str(out)]) == 0
     run = load_config(out)
-    assert run.model["hf_config"] == str(config.resolve()) and run.train.global_batch == 16
+    assert run.model["hf_config"] == str(config) and run.train.global_batch == 16
     assert run.layout.world_size == 8
     assert "test-cluster" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # a relative --model stays relative (issue 37: the plan named an absolute path)
+    assert main(["plan", "--model", "config.json", *args[3:], "--global-batch", "16", "--out", "rel.toml"]) == 0
+    assert load_config("rel.toml").model["hf_config"] == "config.json"
     assert main(["plan", "--model", str(config), "--gpus", "8"]) == 2  # no --seq for an ALiBi config
     assert "--seq" in capsys.readouterr().err
     sim = ["simulate", "--model", "llama-7b", "--hardware", str(cluster), "--layout", "dp=8,microbatches=2"]

@@ -229,3 +229,23 @@ def test_step_meter_mfu_with_a_calibrated_peak(tmp_path, monkeypatch):
     expected = 32 * model_flops_per_token(CONFIG, 8) / stats.seconds / 1e9
     assert record["mfu"] == pytest.approx(expected, rel=1e-12) and 0 < record["mfu"]
     assert record["max_rss_bytes"][0] > 0 and record["comm_bytes_per_rank"] == {}  # one rank: no traffic
+
+
+def test_the_trace_picture_labels_whole_ranks(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """trace.png's memory panel labelled 2 ranks 0.0/0.5/1.0 (issue 37): its ticks are the ranks."""
+    from matplotlib.figure import Figure
+
+    from plait.observe.trace_summary import draw
+
+    saved: list[Figure] = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), original(fig, *a, **k))[1])
+    row = {"compute_s": 0.01, "comm_s": 0.002, "idle_s": 0.001}
+    summary = {
+        "ranks": [
+            {"rank": r, "memory_kind": "rss", "peak_memory_bytes": 2**20 * (r + 1), "idle_share": 0.1} for r in (0, 1)
+        ],
+        "steps": [{"step": 3, "ranks": [{"rank": r, **row} for r in (0, 1)]}],
+    }
+    draw(summary, tmp_path / "trace.png")
+    assert list(saved[0].axes[0].get_xticks()) == [0, 1]

@@ -212,6 +212,7 @@ def draw(summary: dict[str, Any], path: str | Path) -> Path:
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=110, gridspec_kw={"width_ratios": [1, 3]})
     kind = ranks[0]["memory_kind"] if ranks else ""
     mem_ax.bar([r["rank"] for r in ranks], [r["peak_memory_bytes"] / 2**20 for r in ranks], color="tab:purple")
+    mem_ax.set_xticks([r["rank"] for r in ranks])  # whole ranks (matplotlib's own ticks read 0.0, 0.5, 1.0)
     mem_ax.set_xlabel("rank")
     mem_ax.set_ylabel("MiB")
     mem_ax.set_title(f"peak memory ({kind})", fontsize=10)

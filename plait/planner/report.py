@@ -117,10 +117,12 @@ def print_prediction(p: Prediction, console: Console | None = None) -> None:
 
 
 def model_section(spec: ModelSpec, hf_config: str | Path | None = None) -> dict[str, object]:
-    """The ``[model]`` section of a planned run: ``hf_config = PATH`` (absolute) for a model planned from a Hugging
-    Face config.json, else the reference GPT's GPTConfig fields that build ``spec``."""
+    """The ``[model]`` section of a planned run: ``hf_config = PATH`` as the user named it for a model planned from
+    a Hugging Face config.json (like every path of a run configuration, relative to the folder ``plait train``
+    runs in: the plan moves to another machine with the project), else the reference GPT's GPTConfig fields that
+    build ``spec``."""
     if hf_config is not None:
-        return {"hf_config": str(Path(hf_config).resolve())}
+        return {"hf_config": Path(hf_config).as_posix()}
     return dict(spec.to_gpt_config())
 
 
