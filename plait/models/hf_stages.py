@@ -115,8 +115,7 @@ def _llama_stage(self: Any, x: torch.Tensor, **given: Any) -> torch.Tensor:
             attention_mask=mask,
             position_embeddings=rotary,
             position_ids=positions,
-            past_key_values=None,
-            use_cache=False,
+            use_cache=False,  # no cache argument: its name changed in transformers 5.24 (a FutureWarning per call)
         )
     if base.norm is not None:
         hidden = base.norm(hidden)
