@@ -1,7 +1,8 @@
 """A rank-aware logger: every record carries the rank, and by default only rank 0 speaks at INFO.
 
 Use ``get_logger(__name__)`` everywhere instead of print. ``configure(rank)`` is called once per process by
-``plait.init``; ranks other than 0 log warnings and errors only, unless ``PLAIT_LOG_ALL_RANKS=1``.
+``plait.init``; ranks other than 0 log warnings and errors only, unless ``PLAIT_LOG_ALL_RANKS=1``. A warning that
+every rank would find alike goes through ``job_warning``: said once per job, by rank 0.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ class _RankFilter(logging.Filter):
         return True
 
 
+_rank = 0
+"""This process's rank, as ``configure`` was told (``job_warning`` speaks on rank 0 only)."""
+
+
 def configure(rank: int = 0, level: int | str | None = None) -> None:
     """Set up the ``plait`` logger hierarchy for this process (idempotent: replaces its own handler)."""
+    global _rank
+    _rank = rank
     root = logging.getLogger("plait")
     if level is None:
         level = os.environ.get("PLAIT_LOG_LEVEL", "INFO")
@@ -45,3 +52,10 @@ def configure(rank: int = 0, level: int | str | None = None) -> None:
 def get_logger(name: str) -> logging.Logger:
     """The logger for a plait module (a child of ``plait``)."""
     return logging.getLogger(name if name.startswith("plait") else f"plait.{name}")
+
+
+def job_warning(logger: logging.Logger, message: str, *args: object) -> None:
+    """A warning about the whole job, which every rank finds alike (the data has no validation split): logged by
+    rank 0 only, once per job rather than once per rank. A rank's own trouble stays ``logger.warning``."""
+    if _rank == 0:
+        logger.warning(message, *args)

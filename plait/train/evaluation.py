@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from plait.data import ShardedBatches
-from plait.logging import get_logger
+from plait.logging import get_logger, job_warning
 from plait.train.metrics import eval_record
 
 log = get_logger(__name__)
@@ -36,7 +36,7 @@ def evaluation_batches(
     split = dataset.validation_split() if callable(getattr(dataset, "validation_split", None)) else None
     if split is None:
         if hasattr(dataset, "validation_split"):
-            log.warning("the data has no validation split: evaluation reads training windows (in-sample).")
+            job_warning(log, "the data has no validation split: evaluation reads training windows (in-sample).")
         loader = ShardedBatches(dataset, global_batch, dp_rank, dp_size, offset=EVAL_OFFSET)
         return [loader.batch_at(i) for i in range(count)], False
     return held_out_batches(split, global_batch, count, dp_rank, dp_size), True
@@ -47,7 +47,8 @@ def held_out_batches(split: Any, global_batch: int, count: int, dp_rank: int, dp
     smaller than one batch repeats windows, with a warning)."""
     windows = int(getattr(split, "num_windows", count * global_batch))
     if windows < global_batch:
-        log.warning(
+        job_warning(
+            log,
             "the validation split holds %d windows, fewer than one global batch (%d): evaluation repeats some. "
             "Fix: prepare with a larger --val-fraction, or lower train.global_batch or data.seq_len.",
             windows,
