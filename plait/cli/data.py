@@ -79,7 +79,13 @@ def add_data_command(commands: Any) -> None:
         "tokenizer folder's chat template): only responses / assistant turns are scored by the loss",
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace the prepared data already in --out")
-    info = actions.add_parser("info", help="describe a prepared folder and check its files against meta.json")
+    info = actions.add_parser(
+        "info",
+        help="describe a prepared folder and check its files against meta.json",
+        description="Describe a folder written by plait data prepare (documents, tokens, splits, tokenizer, "
+        "skipped inputs, how to train on it) after checking every file's size against meta.json; --verify "
+        "also checks every file's SHA-256. Exit 0 when the folder checks out, 2 with the problem and the fix.",
+    )
     info.add_argument("folder", metavar="DIR")
     info.add_argument("--verify", action="store_true", help="check every file's sha256 (sizes are always checked)")
 
@@ -101,16 +107,19 @@ def run_data(args: argparse.Namespace) -> int:
             include=args.include,
             exclude=args.exclude,
         )
-        _print_summary(args.out, meta)
+        _print_summary(args.out, meta, skipped_shown=True)  # prepare has just logged the skipped files
         return 0
     from plait.data.tokens import TokenFolder
 
     folder = TokenFolder(args.folder, verify=args.verify)
-    _print_summary(args.folder, folder.meta)
+    checked = "size and SHA-256" if args.verify else "size (--verify: SHA-256 too)"
+    _print_summary(args.folder, folder.meta, checked=f"every file's {checked} matches meta.json")
     return 0
 
 
-def _print_summary(folder: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+def _print_summary(
+    folder: str | os.PathLike[str], meta: dict[str, Any], skipped_shown: bool = False, checked: str = ""
+) -> None:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     tokenizer = meta["tokenizer"]
     lines = [
@@ -126,17 +135,21 @@ def _print_summary(folder: str | os.PathLike[str], meta: dict[str, Any]) -> None
             if meta.get("loss_mask")
             else []
         ),
-        *_skipped_lines(meta.get("skipped")),
+        *_skipped_lines(meta.get("skipped"), skipped_shown),
+        *([f"  checked: {checked}"] if checked else []),
         f"  train with: plait train --set data.name=tokens --set data.path={json.dumps(str(folder))}",
     ]
     print("\n".join(lines), file=sys.stdout)  # noqa: T201 - CLI output
 
 
-def _skipped_lines(skipped: Any) -> list[str]:
-    """The input files prepare left out, and why (at most the 100 meta.json lists)."""
+def _skipped_lines(skipped: Any, shown: bool = False) -> list[str]:
+    """The input files prepare left out, and why (at most the 100 meta.json lists); only their count when
+    ``shown`` (prepare logged the list a moment ago)."""
     files = skipped.get("files") if isinstance(skipped, dict) else None
     if isinstance(files, bool) or not isinstance(files, int) or files < 1:  # a meta.json of another writer
         return []
+    if shown:
+        return [f"  skipped {files:,} input file(s), listed above (plait data info lists them again)"]
     listed = skipped.get("list") if isinstance(skipped.get("list"), list) else []
     lines = [f"  skipped {files:,} input file(s):"]
     lines += [f"    {entry.get('path')}: {entry.get('reason')}" for entry in listed if isinstance(entry, dict)]
