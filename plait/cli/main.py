@@ -41,7 +41,21 @@ def _parser() -> argparse.ArgumentParser:
     add_generate_command(commands)
     add_data_command(commands)
     add_planner_commands(commands)
+    _describe_subcommands(parser)
     return parser
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand (nested ones too) whose parser has no description its help line as one, so that
+    ``plait X Y --help`` always says what Y does."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                line = str(helps.get(name) or "")
+                if not (sub.description or "").strip() and line:
+                    sub.description = line[0].upper() + line[1:] + ("" if line.endswith(".") else ".")
+                _describe_subcommands(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

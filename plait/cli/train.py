@@ -30,17 +30,23 @@ if TYPE_CHECKING:
 
 def add_train_command(commands: Any) -> None:
     """Register ``plait train`` on the ``plait`` parser's subcommands."""
+    from plait.train.presets import DESCRIPTIONS
+
     train = commands.add_parser(
         "train",
-        help="train the reference GPT (default: synthetic addition, 4 local CPU processes)",
-        description="Train the reference GPT. Without torchrun around it, launches --nproc local processes.",
+        help="train plait's GPT (dense or MoE) or a local Hugging Face model under any layout (default: synthetic "
+        "addition, 4 local CPU processes)",
+        description="Train plait's GPT (dense or MoE) or a local Hugging Face model (--set model.hf=FOLDER) on "
+        "synthetic tasks, text or prepared token folders, under any layout ([layout]: dp, tp, pp, cp, ep, ZeRO). "
+        "Without torchrun around it, launches --nproc local processes; under torchrun it is the training program.",
     )
     train.add_argument("--config", help="a TOML run configuration ([layout], [model], [data], [train])")
     train.add_argument(
         "--preset",
         metavar="NAME",
-        help="start from a named run configuration (stdlib-lm: a small GPT on the Python standard library's "
-        "source); --config and --set apply on top",
+        help="start from a named run configuration ("
+        + "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items())
+        + "); --config and --set apply on top",
     )
     train.add_argument(
         "--set",

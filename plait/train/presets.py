@@ -38,6 +38,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS["stdlib-moe"] = {**copy.deepcopy(PRESETS["stdlib-lm"]), "model": {"preset": "small-moe"}}
 """Each preset is the sections of a RunConfig (what a ``--config`` TOML file would hold)."""
+DESCRIPTIONS: dict[str, str] = {
+    "stdlib-lm": "a small GPT on the Python standard library's source (BPE 4,096, 600 steps)",
+    "stdlib-moe": "the same run with 8 experts per block, top-2 (--set layout.ep=2 splits them)",
+}
+"""One line per preset, for ``plait train --help`` (a test checks every preset has one)."""
 
 
 def preset(name: str) -> dict[str, dict[str, Any]]:
@@ -47,4 +52,4 @@ def preset(name: str) -> dict[str, dict[str, Any]]:
     return copy.deepcopy(PRESETS[name])
 
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["DESCRIPTIONS", "PRESETS", "preset"]
