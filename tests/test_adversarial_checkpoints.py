@@ -5,7 +5,8 @@ and that the user gets one line naming the problem and the fix.
 Defects covered: 1 (convert deleting folders), 3 (class mutation through .metadata, unkeyed seals), 5 (FIFO
 hang), 6 (resume with another model), 7 + 14 (full disk, async and sync), 11 (reads outside the folder), 14
 (tracebacks: corrupt safetensors, malformed plait.json, torch's unpickling advice), 15 (a self-contradicting size
-message).
+message). Issue 39: N2 (a step copied under another step's name, a checkpoint of another run), N3 (a bad key
+found only at the first save), N9 (key file and keygen tracebacks), N11 (a step of 10**30).
 """
 
 from __future__ import annotations
@@ -619,10 +620,10 @@ def test_a_checkpoint_of_another_run_is_refused_on_resume_but_loads_by_name(tmp_
     trained(tmp_path / "run" / "ckpt")  # this run: step 1
     copied = tmp_path / "run" / "ckpt" / other.name
     shutil.copytree(other, copied)
+    before = snapshot(tmp_path)
+    assert engine().load(tmp_path / "run" / "ckpt") == 1  # was 2: the other run's
     run_ids = {(tmp_path / name / "ckpt" / "run-id").read_text().strip() for name in ("run", "other")}
     assert len(run_ids) == 2 and all(len(run) == 32 for run in run_ids)
-    before = snapshot(tmp_path)
-    assert engine().load(tmp_path / "run" / "ckpt") == 1
     code, out, _err = _cli(capsys, "checkpoint", "verify", str(tmp_path / "run"))
     assert code == 1 and "step-00000002: it is from another run" in out and "run-id names" in out
     assert engine().load(copied) == 2  # named directly: the user chose it
@@ -675,7 +676,7 @@ def _resume_over_copies(out: str, key: str) -> dict[str, object]:
     return {"steps": summary.steps, "before": before, "after": after}
 
 
-@pytest.mark.parametrize("key", ["", KEY], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("key", ["", pytest.param(KEY, marks=pytest.mark.long)], ids=["unsigned", "signed"])
 def test_plait_train_resumes_from_its_own_newest_step_and_keeps_the_records(tmp_path, key):
     """N2 as a user met it: `plait train` resumed a step-2 checkpoint copied as step 8 and deleted the metrics
     records of steps 3-6; with another run's checkpoint copied in, it resumed that run."""
