@@ -185,6 +185,9 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.precision = precision
         self.step = 0
+        self.run_id: str | None = None
+        """The run of the checkpoint this engine resumed from (``plait.checkpoint.catalog``: kept by the next save
+        into a checkpoint folder that has no run id yet)."""
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
         self.experts: RouterStats | None = None

@@ -122,45 +122,72 @@ def read_text(path: Path, what: str = "", error: type[PlaitError] = ConfigError)
 
 # ----------------------------------------------------------------- secrets
 def generate_key_file(path: str | Path) -> Path:
-    """Write 32 random bytes (hex) to a new file at ``path`` with mode 0600; refuses to overwrite a file."""
+    """Write 32 random bytes (hex) to a new file at ``path`` with mode 0600; refuses to overwrite a file, and to
+    create a missing folder (a key belongs where the user chose to keep it: a typo must not invent a folder)."""
     path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        if os.path.lexists(folder):
+            problem, fix = "is not a folder", "choose a path in an existing folder"
+        else:
+            problem, fix = "does not exist", f"create it first (mkdir -p -m 700 {folder}), or choose another path"
+        raise ConfigError(f"cannot write the key {path}: {folder} {problem} (keygen creates no folder). Fix: {fix}.")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        raise ConfigError(f"{path} exists; keygen never overwrites a key. Fix: choose another path.") from None
+        kind = " (a folder)" if path.is_dir() else ""
+        raise ConfigError(f"{path} exists{kind}; keygen never overwrites a key. Fix: choose another path.") from None
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write the key {path}: {error.strerror}. Fix: choose a path in a folder you can write."
+        ) from None
     with os.fdopen(fd, "w") as handle:
         handle.write(secrets.token_hex(32) + "\n")
     return path
 
 
-def read_key_file(path: str | Path, fix: str) -> bytes:
+def read_key_file(path: str | Path, fix: str, named_by: str = "") -> bytes:
     """The key in ``path``: a regular file of this user with no group/other permission bits, of at least
-    ``MIN_KEY_CHARS`` characters. ``fix`` ends the messages of the errors (how to make a good key)."""
+    ``MIN_KEY_CHARS`` characters. ``fix`` ends the messages of the errors (how to make a good key); ``named_by``
+    (e.g. the environment variable that named the file) begins them."""
     path = Path(path)
+    label = f"{named_by}: key file {path}" if named_by else f"key file {path}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
-        raise ConfigError(f"cannot read the key file {path}: {error}. {fix}") from error
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise ConfigError(f"key file {path} is not a regular file owned by this user. {fix}")
+        if error.errno == errno.ENOENT:
+            raise ConfigError(f"{label} does not exist. {fix}") from None
+        if error.errno == errno.ELOOP:
+            raise ConfigError(f"{label} is a symbolic link: name the key file itself. {fix}") from None
+        raise ConfigError(f"{label} cannot be opened: {error.strerror}. {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{label} is {_kind(info.st_mode)}, not a key file. {fix}")
+        if info.st_uid != os.getuid():
+            raise ConfigError(f"{label} is owned by another user (uid {info.st_uid}). {fix}")
         if info.st_mode & 0o077:
             raise ConfigError(
-                f"key file {path} has mode {stat.S_IMODE(info.st_mode):o}: others may read it. Fix: chmod 600 {path}."
+                f"{label} has mode {stat.S_IMODE(info.st_mode):o}: others may read it. Fix: chmod 600 {path}."
             )
-        key = handle.read(4096).strip()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        key = os.read(fd, 4096).strip()
+    except OSError as error:
+        raise ConfigError(f"{label} cannot be read: {error.strerror}. {fix}") from None
+    finally:
+        os.close(fd)
     if len(key) < MIN_KEY_CHARS:
-        raise ConfigError(f"key file {path} holds {len(key)} characters, fewer than {MIN_KEY_CHARS}. {fix}")
+        raise ConfigError(f"{label} holds {len(key)} characters, fewer than {MIN_KEY_CHARS}. {fix}")
     return key
 
 
 def resolve_key(key_file: str | None, file_env: str, key_env: str, fix: str) -> bytes | None:
     """The key the user set: ``key_file`` (or the file the environment variable ``file_env`` names), else the
     value of ``key_env`` (at least ``MIN_KEY_CHARS`` characters), else None."""
+    named_by = "" if key_file else file_env
     key_file = key_file or os.environ.get(file_env) or None
     if key_file:
-        return read_key_file(key_file, fix)
+        return read_key_file(key_file, fix, named_by)
     text = os.environ.get(key_env)
     if text is None or text == "":
         return None

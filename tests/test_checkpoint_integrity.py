@@ -143,7 +143,7 @@ def test_damaged_newest_checkpoint_resumes_bitwise_from_the_previous_one(tmp_pat
         CheckpointError, match=r"no intact checkpoint.*step-00000006 is damaged.*step-00000003 is damaged"
     ):
         engine.load(root)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", STEP3, STEP6]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "run-id", STEP3, STEP6]
     with pytest.raises(CheckpointError, match=r"is damaged.*\(written by rank 1\).*Fix: "):
         engine.load(root / STEP6)  # one folder named: no fallback, the file, its rank and the fix
 

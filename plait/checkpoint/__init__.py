@@ -35,6 +35,7 @@ from plait.checkpoint.catalog import LATEST, has_checkpoints, step_dir
 from plait.checkpoint.integrity import FORMAT, META, ChecksumWriter
 from plait.checkpoint.restore import load_engine
 from plait.checkpoint.saving import Checkpointer, publish, save
+from plait.checkpoint.signing import check_key
 from plait.errors import CheckpointError
 from plait.logging import get_logger
 
@@ -89,7 +90,9 @@ def load(engine: Engine, root: str | Path) -> int:
     """Load the newest intact checkpoint under ``root`` (or the step folder ``root``) into ``engine``, whatever
     layout saved it; returns (and sets) its step. Every file is checked against plait.json's sizes and SHA-256
     first (each rank its share); a damaged or incomplete newer checkpoint is skipped with one warning, the same
-    decision on every rank. Random states are restored when the layout and world size are the saved ones."""
+    decision on every rank, and so is one whose plait.json records another step than its folder's name or, under
+    a root, another run than the root's ``run-id`` (``catalog``). Random states are restored when the layout and
+    world size are the saved ones."""
     gather = lambda data: engine.comm.all_gather_bytes(data, "world")  # noqa: E731
     folder = _choose(root, engine.mesh.rank, engine.mesh.world_size, gather)
     meta = _read_meta(folder)
@@ -118,6 +121,13 @@ def load(engine: Engine, root: str | Path) -> int:
             meta["layout"],
         )
     engine.step = int(meta["step"])
+    engine.run_id = meta.get("run")  # a root without a run id yet takes this one at its next save
+    if engine.run_id is None:
+        log.info(
+            "%s records no run (written before plait recorded runs, or a model-only import): it is loaded without "
+            "checking that it belongs to this run",
+            folder,
+        )
     engine.comm.barrier()
     log.info("loaded checkpoint %s (step %d)", folder, engine.step)
     return engine.step
@@ -178,6 +188,7 @@ __all__ = [
     "META",
     "CheckpointError",
     "Checkpointer",
+    "check_key",
     "has_checkpoints",
     "latest",
     "load",

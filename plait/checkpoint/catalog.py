@@ -16,6 +16,15 @@ while deleting never leaves a half-removed ``step-N`` that would look damaged.
 
 Only real folders count: a ``step-N`` that is a symbolic link is not a checkpoint of this root (it may point
 anywhere), and ``latest`` must be a regular file naming a ``step-N`` folder of the root.
+
+Identity: a checkpoint belongs to one step and one run. Its plait.json records the step it was saved at, and a
+folder named for another step is damaged (``integrity.step_problem``). A root belongs to one run: ``run-id``, a
+random id written by the first save into the root (``ensure_run_id``; a resumed engine keeps the run of the
+checkpoint it loaded), which every save records in plait.json as ``run``. Choosing from a root refuses a
+checkpoint of another run like a damaged one (copied from another run's folder), so resume falls back to the
+newest intact checkpoint of this run. Both are in plait.json's sealed content: under a checkpoint key, neither
+can be changed without the key. A checkpoint that records no run (written before plait recorded runs, or a
+model-only import) is not compared (``load`` notes it); a step folder named directly is loaded whatever its run.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,13 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from plait import files
-from plait.checkpoint import integrity
+from plait.checkpoint import integrity, schema
 from plait.checkpoint.integrity import META
 from plait.errors import CheckpointError
 from plait.logging import get_logger
 
 log = get_logger(__name__)
 LATEST = "latest"
+RUN_ID = "run-id"
+"""The file of a checkpoint root naming the run its checkpoints belong to (module docstring)."""
 STEP = re.compile(r"^step-(\d+)(\.partial|\.deleting)?$")
 INTACT, DAMAGED, INCOMPLETE, UNVERIFIED = "intact", "damaged", "incomplete", "unverified"
 Gather = Callable[[bytes], list[bytes]]
@@ -84,6 +96,47 @@ def latest_name(root: Path) -> str | None:
     return name if match is not None and not match.group(2) else None
 
 
+def run_id(root: Path) -> str | None:
+    """The run whose checkpoints ``root`` holds (``root/run-id``), None when no save has written one yet. Raises
+    ``CheckpointError`` when it is not a regular file holding a run id (32 hex digits)."""
+    path = root / RUN_ID
+    if files.file_problem(path) == "is missing":
+        return None
+    text = files.read_text(path, RUN_ID, CheckpointError).strip()
+    if not schema.RUN_ID.match(text):
+        raise CheckpointError(
+            f"{path} holds {text[:40]!r}, not a run id (32 hex digits). Fix: write back the run id this run's "
+            f"checkpoints record (plait.json's `run`), or remove the file (the next save records the run of the "
+            f"checkpoint it resumed from)."
+        )
+    return text
+
+
+def ensure_run_id(root: Path, adopt: str | None = None) -> str:
+    """``root``'s run id, written first when it has none: ``adopt`` (the run of the checkpoint the saving engine
+    resumed from, if any), else a new random one. Rank 0, at a save, once ``root`` exists."""
+    found = run_id(root)
+    if found is not None:
+        return found
+    from plait.checkpoint.saving import write_text_atomic  # saving imports this module
+
+    made = adopt if adopt is not None and schema.RUN_ID.match(adopt) else secrets.token_hex(16)
+    write_text_atomic(root / RUN_ID, made + "\n")
+    return made
+
+
+def run_problem(meta: dict[str, Any], run: str | None) -> list[str]:
+    """[why] when plait.json (``meta``) records a run other than ``run`` (its root's), else []: nothing to compare
+    when either is unknown."""
+    theirs = meta.get("run")
+    if run is None or theirs is None or theirs == run:
+        return []
+    return [
+        f"it is from another run (run {theirs}, this folder's {RUN_ID} names {run}): copied from another run's "
+        f"checkpoints"
+    ]
+
+
 def is_checkpoint_folder(path: Path) -> bool:
     """A single checkpoint (a step folder), rather than a root of them."""
     return (path / META).is_file() or (path / integrity.DCP_METADATA).is_file()
@@ -114,15 +167,16 @@ def folder_bytes(folder: Path) -> int:
         return 0
 
 
-def status(entry: Entry, deep: bool = True) -> Status:
-    """The state of one folder, checked in this process (every file; sizes only unless ``deep``)."""
+def status(entry: Entry, deep: bool = True, run: str | None = None) -> Status:
+    """The state of one folder, checked in this process (every file; sizes only unless ``deep``); ``run``: its
+    root's run id (a checkpoint of another run is damaged)."""
     size = folder_bytes(entry.path)
     if entry.kind:
         what = "a save that never completed (or is still in flight)" if entry.kind == ".partial" else "being removed"
         return Status(entry, INCOMPLETE, [f"{entry.name} is {what}"], None, size)
     meta, problems = integrity.read_meta(entry.path)
     if meta is not None:
-        problems = integrity.check_files(entry.path, meta, deep=deep)
+        problems = run_problem(meta, run) or integrity.check_files(entry.path, meta, deep=deep)
     if problems:
         return Status(entry, DAMAGED, problems, meta, size)
     return Status(entry, INTACT if meta is not None and integrity.verified(meta) else UNVERIFIED, [], meta, size)
@@ -145,9 +199,15 @@ def choose(root: Path, rank: int = 0, world: int = 1, gather: Gather | None = No
     Raises ``CheckpointError`` when there is no checkpoint, or none intact (naming each one's problems)."""
     gather = gather or (lambda data: [data])
     strict = is_checkpoint_folder(root)
-    view = {"strict": strict, "names": [] if strict else [e.name for e in entries(root)]}
+    view: dict[str, Any] = {"strict": strict, "names": [] if strict else [e.name for e in entries(root)]}
+    try:
+        view["run"] = None if strict else run_id(root)
+    except CheckpointError as error:
+        view["refused"] = str(error)
     view = json.loads(gather(json.dumps(view).encode())[0].decode())  # rank 0's view of root, on every rank
-    strict, agreed = bool(view["strict"]), list(view["names"])
+    if view.get("refused"):
+        raise CheckpointError(view["refused"])
+    strict, agreed, run = bool(view["strict"]), list(view["names"]), view.get("run")
     if strict:
         candidates = [Entry(root, -1)]
     else:
@@ -166,8 +226,8 @@ def choose(root: Path, rank: int = 0, world: int = 1, gather: Gather | None = No
             skipped.append(f"{entry.name} is incomplete (a save that never completed)")
             continue
         meta, problems = integrity.read_meta(entry.path)
-        if meta is not None:
-            problems = integrity.check_files(entry.path, meta, rank, world)
+        if meta is not None:  # another run's checkpoint: its files need not be read
+            problems = run_problem(meta, run) or integrity.check_files(entry.path, meta, rank, world)
         problems = _agreed(problems, gather)
         if not problems:
             return entry.path, skipped
@@ -176,7 +236,8 @@ def choose(root: Path, rank: int = 0, world: int = 1, gather: Gather | None = No
         skipped.append(f"{entry.name} is damaged: {'; '.join(problems)}")
     raise CheckpointError(
         f"no intact checkpoint under {root}: {' | '.join(skipped)}. Nothing was deleted. Fix: restore the damaged "
-        f"files from a copy (`plait checkpoint verify {root}` lists them), or start a fresh run in another folder."
+        f"files from a copy (`plait checkpoint verify {root}` lists them), move a checkpoint copied from another "
+        f"step or run back where it came from, or start a fresh run in another folder."
     )
 
 
@@ -196,7 +257,12 @@ def prune(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     for leftover in (e for e in found if e.kind == ".deleting"):
         shutil.rmtree(leftover.path, ignore_errors=True)
     complete = [e for e in found if not e.kind]
-    newest = next((e for e in complete if status(e, deep=False).state == INTACT), None)
+    try:
+        run = run_id(root)
+    except CheckpointError as error:  # changed since the save that called retention read it
+        log.warning("retention removes nothing under %s: %s", root, error)
+        return []
+    newest = next((e for e in complete if status(e, deep=False, run=run).state == INTACT), None)
     if newest is None:
         if complete:
             log.warning("retention removes nothing under %s: no checkpoint there is intact", root)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ FORMAT = 2
 DCP_METADATA = ".metadata"
 DIGEST = "sha256"
 CHUNK = 8 * 2**20
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+"""A complete step folder's name: the step its plait.json must record (``step_problem``)."""
 FILES_KEY = "__plait_files__"
 """The fqn of the extra write result that carries a rank's file records to the coordinator."""
 FIX = (
@@ -92,8 +95,8 @@ def seal(meta: dict[str, Any]) -> dict[str, Any]:
 
 def read_meta(folder: Path, keyed: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
     """plait.json of ``folder`` and the problems found with it (missing, not a regular file, unreadable, not
-    matching its checksum, malformed values, under a key not signed with it; ``keyed=False``: the signature is
-    not checked, for ``plait checkpoint sign``).
+    matching its checksum, malformed values, under a key not signed with it, a step other than the folder's name
+    says; ``keyed=False``: the signature is not checked, for ``plait checkpoint sign``).
 
     A plait.json of another format raises ``CheckpointError`` (it is not damage: another plait wrote it). One
     written before checksums were recorded (no ``files``) comes back with no problem; ``verified(meta)`` is
@@ -123,7 +126,24 @@ def read_meta(folder: Path, keyed: bool = True) -> tuple[dict[str, Any] | None, 
     if malformed:
         return None, [f"{META} (written by rank 0) is malformed: {'; '.join(malformed[:3])}"]
     sealed = signing.problem(meta, signing.key()) if keyed else None
-    return (meta, []) if sealed is None else (None, [sealed])
+    if sealed is not None:
+        return None, [sealed]
+    moved = step_problem(folder, meta)
+    return (meta, []) if moved is None else (None, [moved])
+
+
+def step_problem(folder: Path, meta: dict[str, Any]) -> str | None:
+    """Whether plait.json's step is the one its folder's name says (None when it is, or when the folder is not
+    named ``step-N``). A checkpoint copied or renamed to another step's name would otherwise be resumed as that
+    step, and the run's records after its real step deleted; plait.json's seals (under a key, its signature)
+    cover the step, so the name cannot be made to match without re-sealing."""
+    named = STEP_FOLDER.match(folder.name)
+    if named is None or int(named.group(1)) == meta["step"]:
+        return None
+    return (
+        f"recorded step {meta['step']} in folder {folder.name}: the checkpoint was copied or renamed from another "
+        f"step's folder ({META} records the step it was saved at)"
+    )
 
 
 def verified(meta: dict[str, Any]) -> bool:

@@ -4,8 +4,9 @@
 One save, on every rank:
 
 1. *prepare* (main thread, a collective): check that the state can be saved (the verdict agreed over the
-   world), rank 0 creates ``step-N.partial``, a barrier; every rank writes its random generators and optimizer
-   param groups there (small files) and captures the rest of plait.json (step, layout, lr scheduler);
+   world), rank 0 creates ``step-N.partial`` (and at a root's first save its ``run-id``: ``catalog``), a
+   barrier; every rank writes its random generators and optimizer param groups there (small files) and
+   captures the rest of plait.json (step, layout, lr scheduler; rank 0: the run id);
 2. *write*: DCP writes every rank's pieces through ``integrity.ChecksumWriter`` (each rank digests what it
    wrote; rank 0 receives the whole manifest);
 3. *publish* (rank 0): plait.json with the manifest and its own checksum, rename to ``step-N``, replace
@@ -163,11 +164,15 @@ def prepare(engine: Engine, root: str | Path) -> Pending:
     rank, world = engine.mesh.rank, engine.mesh.world_size
     pending = Pending(root, engine.step, rank, world, entries, {}, [])
     failed: Exception | None = None
+    run: str | None = None
     try:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
+            run = catalog.ensure_run_id(root, engine.run_id)  # the run every checkpoint of the root records
             shutil.rmtree(pending.partial, ignore_errors=True)
             pending.partial.mkdir()
+    except CheckpointError as error:  # a run-id that is not one: its own message
+        failed = error
     except OSError as error:
         failed = pending.failed(error)
     _agree(engine, failed, pending.others, pending.discard)  # also the barrier: the folder exists for every rank
@@ -186,6 +191,8 @@ def prepare(engine: Engine, root: str | Path) -> Pending:
         "model": model_meta(engine),
         "lr_scheduler": extras.scheduler_state(engine.lr_scheduler),
     }
+    if run is not None:  # rank 0, which publishes plait.json
+        pending.meta["run"] = run
     return pending
 
 

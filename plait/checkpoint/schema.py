@@ -15,6 +15,10 @@ from typing import Any
 from plait.files import plain_name
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+"""A run id (``catalog.new_run_id``): 32 lowercase hex digits."""
+STEP_LIMIT = 2**63
+"""Steps are below it: what a 64-bit counter (TensorBoard's, a tensor's) holds."""
 
 
 def _whole(value: Any, minimum: int = 0) -> bool:
@@ -73,8 +77,11 @@ def _tensors(value: Any) -> str | None:
 def problems(meta: dict[str, Any]) -> list[str]:
     """Every malformed value of plait.json ``meta`` (empty when it has the types and ranges plait writes)."""
     found = []
-    if not _whole(meta.get("step")):
-        found.append(f"step is {meta.get('step')!r}, not a whole number >= 0")
+    step: Any = meta.get("step")
+    if not (_whole(step) and step < STEP_LIMIT):
+        found.append(f"step is {repr(step)[:40]}, not a whole number in [0, 2**63)")
+    if meta.get("run") is not None and not (isinstance(meta["run"], str) and RUN_ID.match(meta["run"])):
+        found.append(f"run is {repr(meta['run'])[:40]}, not a run id (32 hex digits)")
     if meta.get("world_size") is not None and not _whole(meta.get("world_size"), 1):
         found.append(f"world_size is {meta.get('world_size')!r}, not a whole number >= 1")
     for key in ("layout", "model", "lr_scheduler", "signature"):
@@ -90,4 +97,4 @@ def problems(meta: dict[str, Any]) -> list[str]:
     return [line for line in found if line]
 
 
-__all__ = ["file_record_problem", "problems"]
+__all__ = ["RUN_ID", "STEP_LIMIT", "file_record_problem", "problems"]

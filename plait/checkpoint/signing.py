@@ -14,7 +14,12 @@ refused like a damaged one (``plait checkpoint sign DIR`` signs one you trust). 
 not checked (and cannot be).
 
 The key is read the way the parameter server reads its own (``plait.files``: a regular file of this user, no
-group/other permission bits), from environment variables of its own.
+group/other permission bits), from environment variables of its own. ``plait train`` reads it first of all, on
+every rank (``check_key``): a key set but unusable stops the job before any work.
+
+What the signature binds: plait.json's whole content, so also the step it records (which must be its folder's,
+``integrity.step_problem``) and the run it records (which must be its root's, ``catalog``): a signed checkpoint
+copied or renamed to another step's folder, or into another run's folder, is refused like a damaged one.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ ALGORITHM = "hmac-sha256"
 def key() -> bytes | None:
     """The checkpoint key the user set (module docstring), or None."""
     return files.resolve_key(None, KEY_FILE_ENV, KEY_ENV, KEY_FIX)
+
+
+def check_key() -> None:
+    """Read and check the checkpoint key the user set, if any: what a job runs first, on every rank, before any
+    work (building the model, a step), so that a key file that is missing, a folder, readable by others or too
+    short (or a ``KEY_ENV`` too short) fails the job at once with one ``ConfigError`` line naming the variable,
+    the problem and the fix, not at the first save ``save_every`` steps later. The key is read again where it is
+    used (a key file replaced during the run fails that save or load alike)."""
+    key()
 
 
 def key_id(secret: bytes) -> str:
@@ -89,4 +103,4 @@ def problem(meta: dict[str, Any], secret: bytes | None) -> str | None:
     return None
 
 
-__all__ = ["KEY_ENV", "KEY_FILE_ENV", "canonical", "key", "key_id", "problem", "seal"]
+__all__ = ["KEY_ENV", "KEY_FILE_ENV", "canonical", "check_key", "key", "key_id", "problem", "seal"]

@@ -99,9 +99,10 @@ def run_verify(path: Path) -> int:
         targets = [e for e in entries(path) if not e.kind]
     if not targets:
         raise ConfigError(f"{path} holds no checkpoint (no plait.json, no step-N folder). Fix: give a run folder.")
+    run = _run_id(path, targets)
     bad = 0
     for entry in targets:
-        found = status(entry)
+        found = status(entry, run=run)
         if found.state in (DAMAGED, INCOMPLETE):
             bad += 1
             for problem in found.problems:
@@ -111,6 +112,14 @@ def run_verify(path: Path) -> int:
             files = len((found.meta or {}).get("files") or {})
             print(f"{entry.path}: {found.state}, {files} files, {_size(found.bytes)}{note}{_trust()}")  # noqa: T201
     return 1 if bad else 0
+
+
+def _run_id(root: Path, targets: list[Any]) -> str | None:
+    """The run id of ``root`` when ``targets`` are its step folders (a checkpoint of another run is damaged);
+    None for a step folder named directly."""
+    from plait.checkpoint.catalog import run_id
+
+    return None if any(entry.step < 0 for entry in targets) else run_id(root)
 
 
 def _trust() -> str:
@@ -165,11 +174,12 @@ def run_list(path: Path, quick: bool) -> int:
     if not found:
         raise ConfigError(f"{root} holds no checkpoint (no step-N folder). Fix: give a run folder or its ckpt/.")
     pointer = latest_name(root)
+    run = _run_id(root, found)
     table = Table(title=f"checkpoints under {root}" + (" (sizes only)" if quick else ""), title_justify="left")
     for header in ("step", "folder", "size", "files", "layout", "world", "state", "latest"):
         table.add_column(header, justify="right" if header in ("step", "size", "files", "world") else "left")
     for entry in found:
-        result = status(entry, deep=not quick)
+        result = status(entry, deep=not quick, run=run)
         meta = result.meta or {}
         state = result.state if result.state == INTACT else f"{result.state}: {'; '.join(result.problems)}"
         table.add_row(

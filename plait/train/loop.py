@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint import Checkpointer, has_checkpoints
+from plait.checkpoint import Checkpointer, check_key, has_checkpoints
 from plait.checkpoint.identity import config_differences, describe_model
 from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
@@ -283,6 +283,7 @@ def run(config: RunConfig, world: World | None = None, trace: str | None = None,
 def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = None, trace_steps: int = 10) -> Summary:
     if trace is not None and trace_steps < 1:  # before any collective, on every rank
         raise ConfigError(f"--trace-steps {trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
+    check_key()  # a checkpoint key set but unusable: one line on every rank, before any work
     guard.beat("building the model", timed=False)  # unbounded for a large model; collectives time out on their own
     engine, dataset, model_config = build(config, world)
     train = config.train
