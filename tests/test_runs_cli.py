@@ -94,3 +94,14 @@ def test_a_folder_of_runs_is_a_table_and_a_bad_path_one_line(finished: Path, cap
     assert str(finished) in shown and "finished" in shown and "4/4" in shown and "step-00000004" in shown
     assert main(["runs", str(finished / "config.toml")]) == 2
     assert "is not a folder. Fix:" in capsys.readouterr().err
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_damaged_here(finished: Path, tmp_path: Path) -> None:
+    """The run's ckpt/run-id binds its checkpoints (issue 39 N2): one of another run is not what a resume loads."""
+    copy = _copy(finished, tmp_path)
+    (copy / "ckpt" / "run-id").write_text("0" * 32 + "\n")
+    info = read_run(copy)
+    assert all(c.state == "damaged" and "another run" in c.problems[0] for c in info.checkpoints)
+    assert info.resumable is None
+    (copy / "summary.json").unlink()
+    assert "a job on this folder refuses to start" in "\n".join(describe(read_run(copy)))

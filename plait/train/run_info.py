@@ -11,7 +11,7 @@ into a ``RunInfo``:
   before ``train.steps`` (a stopped job resumes from its newest intact checkpoint);
 - the losses: the first and the last training loss, the last evaluation;
 - the checkpoints, newest first, with their state (``plait.checkpoint.catalog.status``; sizes only unless
-  ``verify``) and which one ``latest`` names;
+  ``verify``; one of another run, copied in, is damaged) and which one ``latest`` names;
 - the commands that go on from here: resume (the same ``--out``), generate, export.
 
 Nothing here trusts the folder's content: a file that is missing or malformed is reported, never raised.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.checkpoint.catalog import INTACT, entries, latest_name, status
-from plait.errors import ConfigError
+from plait.checkpoint.catalog import INTACT, entries, latest_name, run_id, status
+from plait.errors import CheckpointError, ConfigError
 from plait.train.fault import LOCK_NAME
 
 try:  # Python >= 3.11
@@ -165,9 +165,14 @@ def read_run(path: str | Path, verify: bool = False) -> RunInfo:
     summary = _json(path / "summary.json", notes)
     ckpt = path / "ckpt"
     pointer = latest_name(ckpt)
+    try:
+        run = run_id(ckpt)  # a checkpoint of another run (copied in) is damaged for this run
+    except CheckpointError as error:
+        run = None
+        notes.append(str(error))
     checkpoints = []
     for entry in entries(ckpt):
-        found = status(entry, deep=verify)
+        found = status(entry, deep=verify, run=run)
         checkpoints.append(
             Checkpoint(entry.step, entry.name, found.state, found.problems, found.bytes, entry.name == pointer)
         )
@@ -278,8 +283,13 @@ def _next(info: RunInfo) -> list[str]:
         lines.append(
             f"  resume       plait train --config {run}/config.toml --out {run}{nproc}   (from step {ckpt.step})"
         )
+    elif info.status == STOPPED and info.checkpoints:
+        lines.append(
+            f"  resume       no intact checkpoint: a job on this folder refuses to start (nothing is deleted); "
+            f"plait checkpoint verify {run} names the damage"
+        )
     elif info.status == STOPPED:
-        lines.append("  resume       no intact checkpoint: a new job on this folder starts at step 0")
+        lines.append("  resume       no checkpoint (train.save_every = 0): a new job on this folder starts at step 0")
     elif info.status == FINISHED and ckpt is not None:
         lines.append(
             f"  train on     plait train --config {run}/config.toml --out {run}{nproc} --set train.steps=N"
