@@ -139,9 +139,10 @@ def test_gpt2_with_tied_embeddings_round_trips_through_an_hf_folder(tmp_path):
 def test_bad_conversions_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         convert(tmp_path / "nothing", tmp_path / "out.safetensors")
-    trained(tiny_gpt(), tmp_path / "ckpt")
+    trained(torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)), tmp_path / "other")
     with pytest.raises(ConfigError, match="does not record a Hugging Face model config"):
-        convert(tmp_path / "ckpt", tmp_path / "hf")  # the reference GPT is not an HF model
+        convert(tmp_path / "other", tmp_path / "hf")  # neither an HF model nor plait's GPT (test_convert_gpt.py)
+    trained(tiny_gpt(), tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="drop --hf-config"):
         convert(tmp_path / "ckpt", tmp_path / "x.safetensors", hf_config=tmp_path / "config.json")
     (tmp_path / "pickled").mkdir()
@@ -165,10 +166,11 @@ def test_plait_convert_command(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "m.safetensors").is_file()
-    bad = subprocess.run(
+    folder = subprocess.run(  # plait's GPT as the transformers family that computes it (test_convert_gpt.py)
         [sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert bad.returncode == 2 and "does not record a Hugging Face model config" in bad.stderr
+    assert folder.returncode == 0, folder.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]

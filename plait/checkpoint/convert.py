@@ -2,9 +2,10 @@
 
 - export: a checkpoint (any layout, any world size) -> one ``.safetensors`` file with the single-device parameter
   names, or, for a Hugging Face model, a folder ``from_pretrained`` opens (``config.json`` + ``model.safetensors``,
-  or shards and an index past ``HF_SHARD_BYTES``). Exports stream: each tensor is read from the checkpoint (DCP,
-  ``slices.CheckpointSource``) and appended to a file whose header was written first (``safetensors_writer``), so
-  one process never holds more than one tensor of the model, whatever its size;
+  or shards and an index past ``HF_SHARD_BYTES``), and plait's own GPT as the transformers family that computes
+  it (``export_gpt``: GPT-2, Llama, Mixtral, Qwen2-MoE or GLM-4-MoE). Exports stream: each tensor is read from
+  the checkpoint (DCP, ``slices.CheckpointSource``) and appended to a file whose header was written first
+  (``safetensors_writer``), so one process never holds more than a few tensors of the model, whatever its size;
 - import: a ``.safetensors`` file or an HF folder -> a model-only checkpoint that ``engine.load`` accepts under any
   layout (the optimizer then starts fresh) and ``plait train --out RUN`` resumes from when written to ``RUN/ckpt``.
 
@@ -24,6 +25,7 @@ import torch
 
 from plait.checkpoint import outputs, save_model_state
 from plait.checkpoint import safetensors_writer as writer
+from plait.checkpoint.export_gpt import export_gpt, recorded_gpt_config
 from plait.checkpoint.outputs import MARKER
 from plait.checkpoint.slices import CheckpointSource
 from plait.errors import ConfigError
@@ -132,6 +134,9 @@ def export_hf(
     outputs.check_folder_out(out, overwrite, outputs.marked_files)
     source = CheckpointSource(checkpoint)
     meta, shapes = source.meta, source.shapes()
+    gpt = recorded_gpt_config(meta) if hf_config is None else None
+    if gpt is not None:  # plait's own GPT: written as the transformers family that computes it
+        return export_gpt(source, checkpoint, out, gpt, HF_SHARD_BYTES)
     with torch.device("meta"):
         model = build_hf_model(_hf_config(meta, hf_config))
     expected = model.state_dict()

@@ -2,6 +2,7 @@
 
     plait convert runs/demo/ckpt model.safetensors       # export: whole weights, one file
     plait convert runs/hf/ckpt hf-folder/                # export an HF model as a folder from_pretrained opens
+    plait convert runs/demo/ckpt gpt-folder/             # plait's GPT as GPT-2 / Llama / Mixtral / ... (export_gpt)
     plait convert model.safetensors runs/ft/ckpt         # import: a model-only checkpoint (any layout loads it)
     plait convert hf-folder/ runs/ft/ckpt                # import a save_pretrained folder
 
