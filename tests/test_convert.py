@@ -166,6 +166,7 @@ def test_plait_convert_command(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "m.safetensors").is_file()
+    assert f"tensors (step 2) to {tmp_path / 'm.safetensors'}" in ok.stderr  # issue 37: it printed nothing
     folder = subprocess.run(  # plait's GPT as the transformers family that computes it (test_convert_gpt.py)
         [sys.executable, "-m", "plait", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf")],
         capture_output=True,
@@ -174,3 +175,4 @@ def test_plait_convert_command(tmp_path):
     )
     assert folder.returncode == 0, folder.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert "as GPT2LMHeadModel, a Hugging Face folder" in folder.stderr  # issue 37: it printed nothing

@@ -38,8 +38,10 @@ def add_convert_command(commands: Any) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from plait import logging as plait_logging
     from plait.checkpoint.convert import convert
 
+    plait_logging.configure(0)  # the converter's one line says what it wrote (step, format, where)
     convert(args.source, args.out, args.hf_config, args.overwrite)
     return 0
 
