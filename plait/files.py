@@ -12,19 +12,29 @@ read is still caught; it opens with ``O_NONBLOCK``, so even a FIFO is refused at
 
 Secrets the user controls (a checkpoint key, a parameter server key) come from an environment variable or a key
 file (``read_key_file``: a regular file of this user that no one else may read); ``generate_key_file`` writes one.
+
+A write that fails for a reason of the disk (full, over quota, read-only, not writable) is said in one line naming
+the folder and the fix (``disk_problem``, ``disk_errors``), for every writer: checkpoints, ``plait data prepare``,
+``plait convert``. plait's cache folder (``cache_folder``) is this user's alone (mode 0700).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
 import os
+import re
 import secrets
 import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from plait.errors import ConfigError, PlaitError
+from plait.logging import get_logger
+
+log = get_logger(__name__)
 
 MIN_KEY_CHARS = 16
 LINK_FIX = "Fix: copy the file itself into the folder (cp -L), so that the folder holds what it names."
@@ -196,9 +206,132 @@ def resolve_key(key_file: str | None, file_env: str, key_env: str, fix: str) -> 
     return text.encode()
 
 
+# ------------------------------------------------------------------ full disks
+NEARLY_FULL = 2**20
+"""Bytes free below which a write failure without an errno is taken for a full disk."""
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_TEXT = re.compile(r"no space left on device|os error 28|disk quota exceeded", re.IGNORECASE)
+DENIED_ERRNOS = (errno.EACCES, errno.EROFS)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes free to this user on the device of ``path`` (or of its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        try:
+            info = os.statvfs(candidate)
+        except OSError:
+            continue
+        return info.f_bavail * info.f_frsize
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 10_000 else f"{n / 1e6:.1f} MB"
+
+
+def error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes (``__cause__`` / ``__context__``), outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and len(chain) < 32 and not any(current is seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def disk_problem(chain: Sequence[BaseException], folder: Path) -> str | None:
+    """The disk-level root cause of a failed write into ``folder`` among the failures ``chain`` (an error and its
+    causes), None when it is not one: a full disk or quota (an ``ENOSPC`` / ``EDQUOT`` errno, its text, or --
+    for a writer that drops the errno -- a nearly full device right after the failure, unless a plait error
+    explains it), or a folder this user may not write (``EACCES``, ``EROFS``)."""
+    full = any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in chain)
+    full = full or any(FULL_TEXT.search(str(e)) for e in chain)
+    free = free_bytes(folder)
+    if not full and free is not None and free < NEARLY_FULL:
+        full = not any(isinstance(e, PlaitError) for e in chain)
+    if full:
+        room = f" ({_size(free)} free)" if free is not None else ""
+        return f"no space left on device at {folder}{room}"
+    denied = next((e for e in chain if isinstance(e, OSError) and e.errno in DENIED_ERRNOS), None)
+    if denied is not None:
+        return f"cannot write to {folder}: {denied.strerror}"
+    return None
+
+
+@contextlib.contextmanager
+def disk_errors(folder: Path, what: str, fix: str, error: type[PlaitError] = ConfigError) -> Iterator[None]:
+    """Turn a failure of the disk (``disk_problem``: an ``OSError``, or a library's error that says "os error 28")
+    raised in the block into ``error``: "``what`` failed: the problem. ``fix``" (e.g. what was kept and what was
+    removed); any other failure passes unchanged. The block cleans up its partial output itself (this only says
+    why it failed)."""
+    try:
+        yield
+    except PlaitError:
+        raise
+    except Exception as failure:
+        problem = disk_problem(error_chain(failure), folder)
+        if problem is None:
+            raise
+        raise error(
+            f"{what} failed: {problem}. {fix} Fix: free space on that disk or write to another one (or, if it is "
+            f"not writable, choose a folder this user may write)."
+        ) from None
+
+
+# -------------------------------------------------------------------- the cache
+CACHE_ENV = "PLAIT_CACHE_DIR"
+CACHE_MODE = 0o700
+
+
+def cache_root() -> Path:
+    """plait's cache folder: ``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "plait"
+    return Path.home() / ".cache" / "plait"
+
+
+def private_folder(path: Path, narrow: bool = True) -> Path:
+    """``path`` as a folder only this user may enter: created with mode 0700 where missing (its missing parents
+    too). An existing one that others may enter is narrowed to 0700 when ``narrow`` (plait's own folder: nothing
+    but plait writes there), else left as it is with a warning (a folder the user chose)."""
+    missing = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process of this user made it first
+            folder.mkdir(mode=CACHE_MODE)
+        os.chmod(folder, CACHE_MODE)  # mkdir's mode passes through the umask; this one does not
+    info = os.stat(path)
+    loose = stat.S_IMODE(info.st_mode) & 0o077
+    if loose and path not in missing:
+        mode = f"{stat.S_IMODE(info.st_mode):o}"
+        if narrow and info.st_uid == os.getuid():
+            os.chmod(path, stat.S_IMODE(info.st_mode) & ~0o077)
+            log.info("narrowed plait's cache folder %s from mode %s to 700: only this user may enter it", path, mode)
+        else:
+            log.warning("%s has mode %s: other users may list and read it. Fix: chmod 700 %s", path, mode, path)
+    return path
+
+
+def cache_folder(*names: str) -> Path:
+    """The folder ``names`` inside plait's cache (``cache_root``), created with mode 0700 (``private_folder``);
+    the cache root is narrowed to 0700 when it is plait's default one, left as it is when ``$PLAIT_CACHE_DIR``
+    names it (a folder the user chose, maybe on purpose shared)."""
+    root = private_folder(cache_root(), narrow=not os.environ.get(CACHE_ENV))
+    return private_folder(root.joinpath(*names)) if names else root
+
+
 __all__ = [
+    "CACHE_ENV",
     "MIN_KEY_CHARS",
+    "cache_folder",
+    "cache_root",
+    "disk_errors",
+    "disk_problem",
+    "error_chain",
     "file_problem",
+    "free_bytes",
+    "private_folder",
     "generate_key_file",
     "inside",
     "open_regular",

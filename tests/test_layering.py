@@ -15,7 +15,7 @@ import pytest
 PLAIT = Path(__file__).resolve().parent.parent / "plait"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("plait.errors", "plait.logging", "plait.files", "plait.threads"),
+    ("plait.errors", "plait.logging", "plait.files", "plait.threads", "plait.hf_folders"),
     ("plait.layout",),
     ("plait.mesh", "plait.distributed", "plait.launch"),
     ("plait.comm",),

@@ -18,11 +18,13 @@ checkpoint being converted nor anything else of the user's (``outputs``).
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from plait import files
 from plait.checkpoint import outputs, save_model_state
 from plait.checkpoint import safetensors_writer as writer
 from plait.checkpoint.export_gpt import export_gpt, recorded_gpt_config
@@ -30,7 +32,8 @@ from plait.checkpoint.outputs import MARKER
 from plait.checkpoint.slices import CheckpointSource
 from plait.errors import ConfigError
 from plait.logging import get_logger
-from plait.models.hf_load import load_safetensors, read_config, read_hf_weights
+from plait.models.hf_fields import check_fields
+from plait.models.hf_load import hf_config, load_safetensors, read_config, read_hf_weights
 from plait.models.hf_moe import unfuse_expert_layout
 
 log = get_logger(__name__)
@@ -59,6 +62,14 @@ def header_meta(path: Path, header: dict[str, str]) -> dict[str, Any]:
     return meta
 
 
+def _writing(out: Path) -> AbstractContextManager[None]:
+    """A failure of the disk while writing ``out`` as one ``ConfigError`` line naming its folder and the fix
+    (``plait.files.disk_errors``); used around ``outputs.staged``, which has removed the partial output by then."""
+    return files.disk_errors(
+        out.parent, f"plait convert to {out}", f"{out.name} is as it was, and the partial output is removed."
+    )
+
+
 def _is_plait_export(path: Path) -> bool:
     """Whether the safetensors file ``path`` is one ``export_safetensors`` wrote (its header has plait's entry)."""
     from safetensors import SafetensorError, safe_open
@@ -78,7 +89,7 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, overwrite: bool 
     outputs.check_file_out(out, overwrite, _is_plait_export)
     source = CheckpointSource(checkpoint)
     specs = {name: (source.dtype(name), shape) for name, shape in source.shapes().items()}
-    with outputs.staged(out) as tmp:
+    with _writing(out), outputs.staged(out) as tmp:
         writer.write(tmp, specs, source.whole, {SAFETENSORS_META: json.dumps(source.meta)})
     log.info("exported %d tensors (step %s) to %s", len(specs), source.meta.get("step"), out)
     return out
@@ -101,18 +112,22 @@ def _hf_config(meta: dict[str, Any], hf_config: str | Path | None) -> dict[str, 
 
 
 def build_hf_model(config: dict[str, Any]) -> torch.nn.Module:
-    """An untrained transformers causal LM of ``config`` (a ``config.to_dict()``), weights to be loaded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """An untrained transformers causal LM of ``config`` (a ``config.to_dict()``), weights to be loaded; its sizes
+    checked as a config.json's (``hf_fields.check_fields``: a checkpoint's metadata is data someone may have
+    written)."""
+    import transformers
 
     fields = dict(config)
-    model_type = fields.pop("model_type", None)
-    if model_type is None:
+    if fields.get("model_type") is None:
         raise ConfigError(
             "the Hugging Face config has no model_type. Fix: use the config.json the model was saved "
             'with (it names model_type, e.g. "llama").'
         )
+    where = "the recorded Hugging Face config"
+    check_fields(fields, where)
+    built = hf_config(transformers, fields, where)
     try:
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), trust_remote_code=False)
+        return transformers.AutoModelForCausalLM.from_config(built, trust_remote_code=False)
     except (ValueError, TypeError, KeyError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(
@@ -159,7 +174,7 @@ def export_hf(
     # an MoE family's experts in the per-expert layout save_pretrained writes (what from_pretrained reads back)
     specs, read = unfuse_expert_layout(specs, source.whole, str(getattr(config, "model_type", "")))
     config.architectures = [type(model).__name__]
-    with outputs.staged(out) as tmp:
+    with _writing(out), outputs.staged(out) as tmp:
         tmp.mkdir()
         config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None and cast(Any, model).can_generate():
@@ -201,7 +216,7 @@ def import_weights(source: str | Path, checkpoint: str | Path, overwrite: bool =
     step = meta.get("step", 0)
     model = meta.get("model") if isinstance(meta.get("model"), dict) else None
     meta = {"step": 0, "model": model, "imported_from": str(source), "source_step": step if type(step) is int else None}
-    with outputs.staged(root) as tmp:
+    with _writing(root), outputs.staged(root) as tmp:
         folder = save_model_state(tmp, state, meta)
     log.info("imported %d tensors from %s into %s", len(state), source, root / folder.name)
     return root / folder.name

@@ -14,20 +14,15 @@ the failure); anything else as its exception's first line, without torch's unpic
 
 from __future__ import annotations
 
-import errno
-import os
 import pickle
 import re
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from plait import files
 from plait.errors import CheckpointError, PlaitError
 
-NEARLY_FULL = 2**20
-"""Bytes free below which a write failure without an errno is taken for a full disk."""
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-FULL_TEXT = re.compile(r"no space left on device|os error 28|disk quota exceeded", re.IGNORECASE)
 UNPICKLING = re.compile(r"weights[ _-]only", re.IGNORECASE)
 WRITE_FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 """What a failed checkpoint write may raise (DCP's exception is a BaseException; KeyboardInterrupt is not caught)."""
@@ -66,36 +61,10 @@ def first_line(error: BaseException) -> str:
     return f"{type(root).__name__}: {detail}"
 
 
-def free_bytes(path: Path) -> int | None:
-    """Bytes free to this user on the device of ``path`` (or of its nearest existing parent)."""
-    for candidate in (path, *path.parents):
-        try:
-            info = os.statvfs(candidate)
-        except OSError:
-            continue
-        return info.f_bavail * info.f_frsize
-    return None
-
-
-def _size(n: int) -> str:
-    return f"{n} bytes" if n < 10_000 else f"{n / 1e6:.1f} MB"
-
-
 def disk_problem(error: BaseException, folder: Path) -> str | None:
-    """The disk-level root cause of a failed write into ``folder`` (None when it is not one)."""
-    chain = causes(error)
-    full = any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in chain)
-    full = full or any(FULL_TEXT.search(str(e)) for e in chain if not isinstance(e, CheckpointException))
-    free = free_bytes(folder)
-    if not full and free is not None and free < NEARLY_FULL:
-        full = not any(isinstance(e, PlaitError) for e in chain)
-    if full:
-        room = f" ({_size(free)} free)" if free is not None else ""
-        return f"no space left on device at {folder}{room}"
-    denied = next((e for e in chain if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EROFS)), None)
-    if denied is not None:
-        return f"cannot write to {folder}: {denied.strerror}"
-    return None
+    """The disk-level root cause of a failed write into ``folder`` (None when it is not one): ``plait.files``'
+    rule, shared by every writer, over every rank's failure and its causes."""
+    return files.disk_problem([e for e in causes(error) if not isinstance(e, CheckpointException)], folder)
 
 
 def save_failed(error: BaseException, folder: Path, what: str) -> CheckpointError:

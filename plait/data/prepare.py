@@ -28,6 +28,7 @@ token folder (replaced with ``--overwrite``, and then only plait's own files): `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,12 +36,14 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from plait import files
 from plait.data.discover import describe_skipped
 from plait.data.instruct import chat_template, encode_scored, encode_scored_documents
 from plait.data.loader import index_hash
@@ -99,6 +102,17 @@ def _first_by_hash(documents: int) -> int:
     return best
 
 
+def _writing(staging: Path) -> AbstractContextManager[None]:
+    """A failure of the disk while writing into the ``staging`` folder as one ``DataError`` line naming the folder
+    and the fix (``plait.files.disk_errors``); ``prepare`` then removes the staging folder, so --out is unchanged."""
+    return files.disk_errors(
+        staging.parent,
+        "plait data prepare",
+        "--out is as it was, and the partial output is removed.",
+        DataError,
+    )
+
+
 @dataclass
 class _SplitWriter:
     """Appends documents (ids + eos) of one split to ``<name>.bin.partial`` and their offsets to ``.idx.partial``."""
@@ -119,13 +133,15 @@ class _SplitWriter:
         return ("bin", "idx", "mask.bin") if self.masked else ("bin", "idx")
 
     def __post_init__(self) -> None:
-        for suffix in self.suffixes:
-            self.streams[suffix] = open(self.folder / f"{self.name}.{suffix}.partial", "wb")
-            self.hashes[suffix] = hashlib.sha256()
+        with _writing(self.folder):
+            for suffix in self.suffixes:
+                self.streams[suffix] = open(self.folder / f"{self.name}.{suffix}.partial", "wb")
+                self.hashes[suffix] = hashlib.sha256()
         self._write("idx", np.zeros(1, dtype="<i8").tobytes())
 
     def _write(self, suffix: str, data: bytes) -> None:
-        self.streams[suffix].write(data)
+        with _writing(self.folder):
+            self.streams[suffix].write(data)
         self.hashes[suffix].update(data)
 
     def append(self, tokens: np.ndarray, lengths: np.ndarray, scored: np.ndarray | None = None) -> np.ndarray:
@@ -158,16 +174,18 @@ class _SplitWriter:
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Rename the partial files into place; their records for ``meta.json``."""
-        self.close()
-        files = {}
-        for suffix in self.suffixes:
-            final = self.folder / f"{self.name}.{suffix}"
-            os.replace(self.folder / f"{self.name}.{suffix}.partial", final)
-            files[final.name] = {"bytes": final.stat().st_size, "sha256": self.hashes[suffix].hexdigest()}
-        return files
+        records = {}
+        with _writing(self.folder):  # closing flushes the last bytes
+            self.close()
+            for suffix in self.suffixes:
+                final = self.folder / f"{self.name}.{suffix}"
+                os.replace(self.folder / f"{self.name}.{suffix}.partial", final)
+                records[final.name] = {"bytes": final.stat().st_size, "sha256": self.hashes[suffix].hexdigest()}
+        return records
 
     def discard(self) -> None:
-        self.close()
+        with contextlib.suppress(OSError):  # a full disk fails the flush of what is being thrown away
+            self.close()
         for suffix in self.suffixes:
             (self.folder / f"{self.name}.{suffix}.partial").unlink(missing_ok=True)
 
@@ -326,7 +344,8 @@ def prepare(
                 chosen = _train_bpe(sources, stats, field, is_val, bpe_vocab, bars)
             assert chosen is not None
             staging = target.stage()
-            tokenizer_file = chosen.save(staging)
+            with _writing(staging):
+                tokenizer_file = chosen.save(staging)
             record = describe(chosen, tokenizer, tokenizer_file)
             work = (pool, workers, instruct)
             meta = _tokenize(sources, stats, chosen, record, staging, work, field, is_val, bars)
@@ -337,8 +356,9 @@ def prepare(
                 "files": len(skipped),
                 "list": [{"path": entry.path, "reason": entry.reason} for entry in skipped[:SKIPPED_LISTED]],
             }
-        _write_records(staging, meta, stats, tokenizer_file)
-        target.install(staging)
+        with _writing(staging):
+            _write_records(staging, meta, stats, tokenizer_file)
+        target.install(staging)  # renames inside one file system
         staging = None
     finally:
         if pool is not None:

@@ -25,6 +25,8 @@ from plait.data.prepare import META_FILE, prepare
 from plait.data.sources import sha256_of
 from plait.data.tokens import TokenDataset, TokenFolder
 from plait.errors import DataError
+from plait.files import cache_folder
+from plait.files import cache_root as plait_cache
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -76,14 +78,9 @@ def corpus_record(files: list[Path], root: Path) -> dict[str, Any]:
 
 
 def cache_root() -> Path:
-    """``$PLAIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``; then ``data``."""
-    if os.environ.get("PLAIT_CACHE_DIR"):
-        base = Path(os.environ["PLAIT_CACHE_DIR"])
-    elif os.environ.get("XDG_CACHE_HOME"):
-        base = Path(os.environ["XDG_CACHE_HOME"]) / "plait"
-    else:
-        base = Path.home() / ".cache" / "plait"
-    return base.expanduser() / "data"
+    """``data`` in plait's cache folder (``plait.files.cache_root``: ``$PLAIT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/plait``, else ``~/.cache/plait``)."""
+    return plait_cache() / "data"
 
 
 def _usable(folder: Path, spec: str, corpus: dict[str, Any]) -> bool:
@@ -115,7 +112,7 @@ def ensure_stdlib_tokens(vocab: int = 4096, corpus_mb: float = 0.0, workers: int
     folder = cache_root() / name
     if _usable(folder, spec, corpus):
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    cache_folder("data")  # mode 0700: this user's alone
     import fcntl  # POSIX: where torch.distributed runs plait
 
     with open(folder.parent / f"{name}.lock", "w") as lock:

@@ -10,6 +10,25 @@ import torch
 from torch import Tensor
 
 from plait.data.loader import IGNORE_INDEX, index_uniform
+from plait.errors import DataError
+
+
+def check_text_file(path: str | Path, seq_len: int) -> int:
+    """The size of the text file ``path`` of ``data.name = "bytes"``; DataError (one line with the fix) when it
+    is missing, not a regular file, or shorter than one window of ``seq_len`` + 1 bytes."""
+    path = Path(path)
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a regular file"
+        raise DataError(
+            f"the text file data.path={str(path)!r} {what}. Fix: --set data.path=FILE naming an existing text file."
+        )
+    size = path.stat().st_size
+    if size < seq_len + 1:
+        raise DataError(
+            f"the text file data.path={str(path)!r} has {size} bytes, fewer than seq_len + 1 = {seq_len + 1} (one "
+            f"sample and its next byte). Fix: use a longer file, or --set data.seq_len={max(1, size - 1)} or less."
+        )
+    return size
 
 
 class ByteTextDataset:
@@ -21,17 +40,11 @@ class ByteTextDataset:
     def __init__(self, path: str | Path, seq_len: int, seed: int = 0) -> None:
         self.path = Path(path)
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len={seq_len!r} must be a positive integer.")
-        if not self.path.is_file():
-            raise ValueError(
-                f"text file {str(self.path)!r} does not exist or is not a file: pass the path of an existing text file."
-            )
+            raise DataError(f"seq_len={seq_len!r} must be a positive integer. Fix: e.g. data.seq_len=64.")
+        check_text_file(self.path, seq_len)
         self.data = np.frombuffer(self.path.read_bytes(), dtype=np.uint8)
-        if len(self.data) < seq_len + 1:
-            raise ValueError(
-                f"text file {str(self.path)!r} has {len(self.data)} bytes, fewer than seq_len + 1 = {seq_len + 1}: "
-                "use a longer file or a smaller seq_len."
-            )
+        if len(self.data) < seq_len + 1:  # shrunk since it was checked
+            check_text_file(self.path, seq_len)
         self._seq_len = seq_len
         self.seed = seed
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from plait import hf_folders
 from plait.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -156,10 +157,12 @@ def load_tokenizer(spec: str, eos: str | None = None) -> AnyTokenizer:
 
 def refuse_remote_code(path: Path) -> None:
     """``DataError`` when a file of the tokenizer folder ``path`` names classes of the folder's own Python files
-    (``auto_map``): transformers would import them (after a prompt, or silently with ``trust_remote_code``), and
-    plait never runs code from a folder. Checked before transformers opens the folder."""
+    (``auto_map``, in any form: ``plait.hf_folders.refuse_auto_map``): transformers would import them (after a
+    prompt, or silently with ``trust_remote_code``), and plait never runs code from a folder; or when a link in the
+    folder leads outside it (``plait.hf_folders.check_links``). Checked before transformers opens the folder."""
+    hf_folders.check_links(path, DataError)
     for name in FOLDER_CONFIGS:
-        file = path / name
+        file = hf_folders.resolve(path, name)
         if not file.is_file():
             continue
         try:
@@ -169,12 +172,13 @@ def refuse_remote_code(path: Path) -> None:
                 f"{file} is not a JSON file ({error}). Fix: a folder written by save_pretrained, or pass its "
                 f"tokenizer.json file."
             ) from error
-        if isinstance(fields, dict) and fields.get("auto_map"):
-            raise DataError(
-                f"{file} asks for the folder's own Python code (auto_map {sorted(fields['auto_map'])[:3]}); plait "
-                f"never runs code from a folder. Fix: use a tokenizer class transformers has built in (drop auto_map "
-                f"and tokenizer_class there, or pass the folder's {TOKENIZER_FILE} file)."
-            )
+        hf_folders.refuse_auto_map(
+            fields,
+            path / name,
+            f"Fix: use a tokenizer class transformers has built in (drop auto_map and tokenizer_class there, or pass "
+            f"the folder's {TOKENIZER_FILE} file).",
+            DataError,
+        )
 
 
 def _load_pretrained_folder(path: Path, eos: str | None) -> HFTokenizer:

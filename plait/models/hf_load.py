@@ -11,9 +11,13 @@ folder holding one) with fresh weights from torch's current random state. Nothin
 
 Every file of a folder is read inside it (``weight_files``): the shards a ``model.safetensors.index.json`` names
 must be plain file names of the folder, and every file read (``config.json``, the index, the weights) a regular
-file, not a symbolic link, a FIFO or a device (``plait.files``). ``load_safetensors`` / ``read_hf_weights`` read
-them for plait's own loaders (``plait convert``, ``train.init_from``, ``plait generate``), a corrupt file being one
-``ConfigError`` line.
+file, not a FIFO or a device (``plait.files``); a symbolic link in the folder is followed only to a file inside it
+or, in a snapshot of the Hugging Face hub cache, to the same model's blobs (``plait.hf_folders``: any other link
+in the folder is refused before transformers reads it). ``read_config`` checks the sizes of a config.json before
+transformers or the planner reads them (``hf_fields``), and every config transformers builds goes through
+``hf_config``, so a config transformers refuses is one ``ConfigError`` line too. ``load_safetensors`` /
+``read_hf_weights`` read them for plait's own loaders (``plait convert``, ``train.init_from``, ``plait
+generate``), a corrupt file being one ``ConfigError`` line.
 
 ``check_fits`` refuses data the model cannot read: token ids beyond its embedding table, samples longer than
 its positions.
@@ -30,9 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import files
+from plait import files, hf_folders
 from plait.errors import ConfigError
 from plait.logging import get_logger
+from plait.models.hf_fields import check_fields
 from plait.models.hf_moe import fuse_expert_layout
 
 log = get_logger(__name__)
@@ -60,7 +65,8 @@ def check_weights_folder(folder: Path) -> None:
             f"model.hf={str(folder)!r} is not a folder. Fix: give a local folder written by save_pretrained "
             f"(plait never downloads; fetch the model first, e.g. with huggingface-cli download)."
         )
-    config = files.file_problem(folder / "config.json")
+    hf_folders.check_links(folder)  # before anything reads the folder: its links lead inside it, or nowhere
+    config = files.file_problem(hf_folders.resolve(folder, "config.json"))
     if config == "is missing":
         raise ConfigError(f"{folder} has no config.json, so it is not a save_pretrained folder. Fix: give one.")
     if config is not None:
@@ -81,7 +87,7 @@ def check_weights_folder(folder: Path) -> None:
 def weight_files(folder: Path) -> list[str]:
     """The safetensors files of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index
     names; ConfigError unless each is a plain file name of the folder and a regular file there."""
-    index = folder / INDEX
+    index = hf_folders.resolve(folder, INDEX)
     names = [WEIGHTS]
     if files.file_problem(index) != "is missing":
         try:
@@ -95,7 +101,7 @@ def weight_files(folder: Path) -> list[str]:
             raise ConfigError(f"{index} has no weight_map of tensor names to files. Fix: save the model again.")
         names = sorted({files.inside(folder, name, f"{index}'s weight_map").name for name in weight_map.values()})
     for name in names:
-        problem = files.file_problem(folder / name)
+        problem = files.file_problem(hf_folders.resolve(folder, name))
         if problem is not None:
             raise ConfigError(
                 f"{folder / name} {problem}: plait reads only the regular files of a model folder (a link may lead "
@@ -139,14 +145,19 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     check_weights_folder(folder)
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(folder):
-        state.update(load_safetensors(folder / name)[0])
+        state.update(load_safetensors(hf_folders.resolve(folder, name))[0])
     return fuse_expert_layout(state, str(read_config(folder, "model.hf")["model_type"]))
 
 
 def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:
-    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable, or when it asks
-    for the folder's own code (``auto_map``: plait never runs code from a folder)."""
-    path = path / "config.json" if path.is_dir() else path
+    """The fields of a config.json (or of the one in folder ``path``); ConfigError when unreadable, when it asks
+    for the folder's own code (``auto_map`` in any form: plait never runs code from a folder), or when a size
+    transformers builds the model from is not one (``hf_fields.check_fields``)."""
+    if path.is_dir():
+        hf_folders.check_links(path)
+        path = hf_folders.resolve(path, "config.json")
+    else:
+        path = path.resolve()  # a config.json the user named (through a link of theirs, maybe)
     if files.file_problem(path) == "is missing":
         raise ConfigError(f"{key}: {path} does not exist. Fix: give a Hugging Face config.json.")
     try:
@@ -155,13 +166,28 @@ def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:
         raise ConfigError(f"{key}: {path} is not valid JSON ({error}). Fix: give a config.json.") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(f"{path} names no model_type. Fix: use a config.json written by save_pretrained.")
-    if fields.get("auto_map"):
-        raise ConfigError(
-            f"{key}: {path} asks for the folder's own Python code (auto_map {sorted(fields['auto_map'])[:3]}); plait "
-            f"never runs code from a folder. Fix: use a model class transformers has built in (a model_type it ships, "
-            f"without auto_map)."
-        )
+    hf_folders.refuse_auto_map(
+        fields,
+        path,
+        f"Fix: use a model class transformers has built in ({key}: a model_type it ships, without auto_map).",
+    )
+    check_fields(fields, f"{key}: {path}")
     return fields
+
+
+def hf_config(transformers: Any, fields: dict[str, Any], where: str) -> Any:
+    """The transformers config of the checked ``fields`` (``read_config``); a config transformers refuses (its own
+    validation: a wrong type, an inconsistent architecture) is one ConfigError line naming ``where``."""
+    fields = dict(fields)
+    try:
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except Exception as error:  # transformers' validation raises ValueError, TypeError, huggingface_hub's own
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = " ".join(lines[:3]) if lines else type(error).__name__
+        raise ConfigError(
+            f"{where}: transformers refuses this config ({reason[:300]}). Fix: correct config.json (or save it again "
+            f"with save_pretrained)."
+        ) from None
 
 
 def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Module:
@@ -179,8 +205,7 @@ def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Modul
     if "hf" in section and not weights:
         folder = Path(str(section["hf"]))
         check_weights_folder(folder)
-        fields = read_config(folder)
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = hf_config(transformers, read_config(folder), f"model.hf: {folder}")
         model = transformers.AutoModelForCausalLM.from_config(
             config, trust_remote_code=False, dtype=torch.float32, **options
         )
@@ -190,6 +215,7 @@ def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Modul
         check_weights_folder(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder),
+            config=hf_config(transformers, read_config(folder, "model.hf"), f"model.hf: {folder}"),
             local_files_only=True,
             use_safetensors=True,
             trust_remote_code=False,
@@ -198,8 +224,8 @@ def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Modul
         )
         log.info("loaded %s from %s", type(model).__name__, folder)
     else:
-        fields = read_config(Path(str(section["hf_config"])))
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        path = Path(str(section["hf_config"]))
+        config = hf_config(transformers, read_config(path), f"model.hf_config: {path}")
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, **options)
         log.info("built %s from %s (fresh weights)", type(model).__name__, section["hf_config"])
     return model
@@ -237,6 +263,7 @@ __all__ = [
     "build_hf_model",
     "check_fits",
     "check_weights_folder",
+    "hf_config",
     "load_safetensors",
     "model_context",
     "read_config",

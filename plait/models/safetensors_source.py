@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from plait import files
+from plait import files, hf_folders
 from plait.errors import ConfigError
 from plait.models.hf_load import check_weights_folder, safetensors_file, weight_files
 
@@ -150,7 +150,8 @@ class SafetensorsSource:
     def of_folder(cls, folder: Path) -> SafetensorsSource:
         """The weights of a ``save_pretrained`` folder (``check_weights_folder``, then ``weight_files``)."""
         check_weights_folder(folder)
-        return cls([folder / name for name in weight_files(folder)], f"the Hugging Face folder {folder}")
+        paths = [hf_folders.resolve(folder, name) for name in weight_files(folder)]  # hub-cache links to blobs
+        return cls(paths, f"the Hugging Face folder {folder}")
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)

@@ -64,7 +64,10 @@ def local_key() -> bytes:
     path = local_key_path()
     if not path.exists():
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.environ.get(LOCAL_KEY_FILE_ENV):
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            else:
+                files.private_folder(path.parent)  # plait's cache folder ~/.cache/plait: mode 0700
             generate_key_file(path)
         except ConfigError:
             pass  # another process of this user created it first: read theirs

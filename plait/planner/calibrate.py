@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from plait.errors import ConfigError
+from plait.files import private_folder
 from plait.logging import get_logger
 from plait.planner.hardware import COLLECTIVES, THIS_MACHINE, Hardware, calibration_path
 
@@ -259,7 +260,10 @@ def calibrate(
         "seconds": time.perf_counter() - started,
     }
     path = Path(out) if out else calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if out or os.environ.get("PLAIT_CALIBRATION"):
+        path.parent.mkdir(parents=True, exist_ok=True)  # a place the user chose
+    else:
+        private_folder(path.parent)  # plait's cache folder ~/.cache/plait: mode 0700
     path.write_text(json.dumps(data, indent=1))
     logger.info(
         "calibrated this machine in %.1f s: %.1f GFLOP/s matmul, %.1f GB/s memory -> %s",

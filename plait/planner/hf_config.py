@@ -52,6 +52,7 @@ from typing import Any
 
 from plait import files
 from plait.errors import ConfigError
+from plait.models.hf_fields import MOE_KEYS, TOP_K_KEYS, check_fields
 from plait.planner.models import ModelSpec
 
 GATED = frozenset(
@@ -72,9 +73,6 @@ DROPOUT_KEYS = (
     "attention_probs_dropout_prob", "dropout", "residual_dropout",
 )  # fmt: skip
 """Keys of a config's dropout probabilities (GPT-2, BLOOM, OPT, Llama, MPT's attn_config, ...): the largest is used."""
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Keys of a config's routed expert count (Mixtral; Qwen-MoE, OLMoE; DeepSeek; others)."""
-TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k")
 
 
 def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
@@ -84,7 +82,7 @@ def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
     if files.file_problem(path) == "is missing":
         raise ConfigError(f"model config {path} does not exist. Fix: give a Hugging Face config.json.")
     try:  # a regular file only (a FIFO would block), UTF-8, JSON of bounded depth: one line otherwise
-        data = json.loads(files.read_text(path, "model config"))
+        data = json.loads(files.read_text(path.resolve(), "model config"))  # the user's path: a link of theirs too
     except (json.JSONDecodeError, RecursionError) as error:
         reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
         raise ConfigError(f"cannot read model config {path}: {reason}. Fix: give a Hugging Face config.json.") from None
@@ -94,7 +92,9 @@ def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
 
 
 def spec_from_hf_dict(data: dict[str, Any], where: str, default_name: str, seq: int | None = None) -> ModelSpec:
-    """A ``ModelSpec`` from the keys of a Hugging Face config; ``where`` names the source in errors."""
+    """A ``ModelSpec`` from the keys of a Hugging Face config; ``where`` names the source in errors. Its sizes are
+    checked first, as training checks them (``plait.models.hf_fields``)."""
+    check_fields(data, where)
     kind = str(data.get("model_type", "")).lower()
     if data.get("is_encoder_decoder"):
         raise ConfigError(

@@ -23,6 +23,7 @@ from typing import Any
 import tomli_w
 
 from plait.data.mixture import check_sources
+from plait.data.text import check_text_file
 from plait.data.tokens import ATTENTION_KINDS
 from plait.errors import ConfigError, DataError, LayoutError
 from plait.layout import Layout, from_mapping
@@ -31,6 +32,13 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""``torch.finfo(torch.float32).max``: the weights and optimizer states are float32 (master weights under every
+precision), and torch turns each real setting into a float32 scalar at the step, failing mid-step beyond it."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""``torch.finfo(torch.float32).tiny``: a positive lr or eps below it rounds to 0 (or a denormal that hardware
+flushes to 0) in float32: no training, or Adam's 0 / 0 for a weight whose gradient is 0."""
 
 
 @dataclass
@@ -88,6 +96,11 @@ class DataConfig:
             )
         if self.sources:
             self._check_sources()
+        if self.name == "bytes" and self.path:
+            try:
+                check_text_file(self.path, self.seq_len)  # before any work (a run folder, a launch)
+            except DataError as error:
+                raise ConfigError(str(error)) from None
         if (self.attention != "causal" or self.eod_mask_loss) and self.name in ("addition", "bytes"):
             raise ConfigError(
                 f"data.attention={self.attention!r} / data.eod_mask_loss={self.eod_mask_loss} need documents, but "
@@ -232,12 +245,17 @@ class TrainConfig:
         ):
             _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
         _integer("train.seed", self.seed, 0)
-        _number("train.lr", self.lr, lambda v: v > 0, "be positive", "3e-4")
-        _number("train.eps", self.eps, lambda v: v > 0, "be positive", "1e-8")
+        _number("train.lr", self.lr, lambda v: v >= FLOAT32_TINY, f"be at least {FLOAT32_TINY:.3g}", "3e-4")
+        _number("train.eps", self.eps, lambda v: v >= FLOAT32_TINY, f"be at least {FLOAT32_TINY:.3g}", "1e-8")
         _number("train.momentum", self.momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
         _number("train.weight_decay", self.weight_decay, lambda v: v >= 0, "be >= 0", "0.1")
         _number("train.max_grad_norm", self.max_grad_norm, lambda v: v >= 0, "be >= 0 (0: no clipping)", "1.0")
         _number("train.sample_temperature", self.sample_temperature, lambda v: v >= 0, "be >= 0 (0: greedy)", "0.8")
+        _number("train.muon_momentum", self.muon_momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.95")
+        if self.muon_lr is not None:
+            _number("train.muon_lr", self.muon_lr, lambda v: v >= FLOAT32_TINY, "be positive (or unset: lr)", "0.02")
+        if self.muon_weight_decay is not None:
+            _number("train.muon_weight_decay", self.muon_weight_decay, lambda v: v >= 0, "be >= 0 (or unset)", "0.1")
         if self.min_lr is not None:
             _number(
                 "train.min_lr",
@@ -267,14 +285,23 @@ def _integer(where: str, value: Any, low: int, note: str = "") -> None:
 
 
 def _real(value: Any) -> bool:
-    """Whether ``value`` is a finite real number (not a bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite real number (not a bool, NaN or infinity) inside float32's range."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and abs(value) <= FLOAT32_MAX
+    )
 
 
 def _number(where: str, value: Any, ok: Any, rule: str, example: str) -> None:
-    """ConfigError unless ``value`` is a finite real number for which ``ok(value)`` holds."""
+    """ConfigError unless ``value`` is a finite real number inside float32's range (``FLOAT32_MAX``: the dtype it
+    becomes at the step) for which ``ok(value)`` holds."""
     if not (_real(value) and ok(value)):
-        raise ConfigError(f"{where}={value!r} must {rule} (a finite number). Fix: e.g. {where}={example}.")
+        raise ConfigError(
+            f"{where}={value!r} must {rule} (a finite number, at most {FLOAT32_MAX:.3g} in size: float32's range). "
+            f"Fix: e.g. {where}={example}."
+        )
 
 
 @dataclass

@@ -48,6 +48,9 @@ WITH_EPS = (*WITH_BETAS, "rmsprop", "adagrad")
 WITH_MOMENTUM = ("sgd", "rmsprop")
 SCHEDULES = ("cosine", "linear", "constant")
 SKIP_KINDS = ("norms", "biases", "embeddings")
+MUON_RMS_BOUND = 0.2 * math.sqrt(2**31)
+"""Muon's ``match_rms_adamw`` multiplies its lr by 0.2 sqrt(max(A, B)); this is that factor for the widest matrix a
+checked config can have (``plait.models.hf_fields.MAX_SIZE``)."""
 
 
 def optimizer_kwargs(train: Any) -> dict[str, Any]:
@@ -163,6 +166,19 @@ def decay_groups(model: nn.Module, skip: list[str] | tuple[str, ...]) -> GroupOf
     return group_of
 
 
+def step_scale(train: Any) -> float:
+    """The largest factor an optimizer step multiplies an update by, as a float32 scalar: lr / (1 - beta1) for
+    Adam's family (its first, bias-corrected step: torch's ``lr / (1 - beta1^t)``), lr for the others, Muon's lr
+    times ``MUON_RMS_BOUND``. Beyond float32's range torch fails mid-step ("value cannot be converted to type
+    float without overflow")."""
+    scale = float(train.lr)
+    if train.optimizer in (*WITH_BETAS, "muon"):
+        scale /= 1.0 - float(train.betas[0])
+    if train.optimizer == "muon":
+        scale = max(scale, float(train.lr if train.muon_lr is None else train.muon_lr) * MUON_RMS_BOUND)
+    return scale
+
+
 def check_optim_config(train: Any) -> None:
     """ConfigError (with the fix) for an optimizer, schedule or decay setting that cannot work."""
     if train.optimizer not in (*OPTIMIZERS, "muon"):
@@ -190,6 +206,15 @@ def check_optim_config(train: Any) -> None:
         raise ConfigError(
             f"train.min_lr={train.min_lr!r} must lie in [0, lr={train.lr}]. Fix: e.g. train.min_lr={train.lr / 10:g}."
         )
+    from plait.train.config import FLOAT32_MAX
+
+    scale = step_scale(train)
+    if not scale <= FLOAT32_MAX:
+        raise ConfigError(
+            f"train.lr={train.lr!r} with {train.optimizer} (betas={list(train.betas)}) makes a step of lr x "
+            f"{scale / train.lr:.3g} = {scale:.3g}, beyond float32's range ({FLOAT32_MAX:.3g}), the dtype of the "
+            f"weights it updates: the step would fail. Fix: a learning rate such as train.lr=3e-4."
+        )
     unknown = sorted(set(train.weight_decay_skip) - set(SKIP_KINDS))
     if unknown:
         raise ConfigError(
@@ -209,4 +234,5 @@ __all__ = [
     "optimizer_factory",
     "optimizer_kwargs",
     "parameter_kinds",
+    "step_scale",
 ]
