@@ -279,7 +279,7 @@ def _resume_job(root: str) -> dict:
 
     config = load_config(Path(root) / "config.toml")
     engine, dataset, _ = build(dataclasses.replace(config, layout=Layout(dp=1)), init())
-    engine.load(Path(root) / "ckpt")
+    engine.load(Path(root) / "ckpt" / "step-00000002")  # not the last step, 3, also saved
     stats = engine.train_step(ShardedBatches(dataset, config.train.global_batch, 0, 1).batch_at(engine.step))
     return {"step": stats.step, "load": stats.moe.load, "loss": stats.loss, "norm": stats.grad_norm}
 

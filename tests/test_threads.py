@@ -67,7 +67,7 @@ def test_plait_train_hands_its_workers_the_per_rank_default(eight_cores, monkeyp
     seen: list[str | None] = []
     monkeypatch.delenv(threads.THREADS_ENV, raising=False)
     monkeypatch.setattr(torchrun, "run", lambda parsed: seen.append(os.environ.get(threads.THREADS_ENV)))
-    args = argparse.Namespace(nproc=2, max_restarts=0)
+    args = argparse.Namespace(nproc=2, max_restarts=0, stop_grace=60)
     assert train._run_torchrun(args, ["train"]) == 0
     assert seen == ["4"]
     monkeypatch.setenv(threads.THREADS_ENV, "1")

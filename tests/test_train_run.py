@@ -148,3 +148,23 @@ def test_tensorboard_true_without_the_package_names_the_fix(tmp_path: Path, monk
     with pytest.raises(ConfigError, match=r"pip install 'plait\[tensorboard\]'"):
         tensorboard.open_tensorboard(tmp_path, True)
     assert tensorboard.open_tensorboard(tmp_path, False) is None
+
+
+def test_the_last_step_is_saved_when_steps_is_not_a_multiple_of_save_every(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """steps=7, save_every=3: step 7 is saved besides 3 and 6 (``latest``), so generate, convert and a resume start
+    from it; resumed with steps=9 the run trains 8 and 9 only, records each step once, and saves its own last."""
+    run = tmp_path / "run"
+    job = ["train", "--nproc", "1", "--out", str(run)] + [
+        arg
+        for setting in ("train.save_every=3", "train.eval_every=0", "train.global_batch=4", "model.n_layer=1")
+        for arg in ("--set", setting)
+    ]
+    assert main([*job, "--set", "train.steps=7"]) == 0
+    assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == [f"step-{n:08d}" for n in (3, 6, 7)]
+    assert (run / "ckpt" / "latest").read_text().strip().endswith("step-00000007")
+    assert "step 7: the last step, saved although train.save_every=3" in capsys.readouterr().err
+    assert main([*job, "--set", "train.steps=9"]) == 0
+    assert sorted(p.name for p in (run / "ckpt").glob("step-*"))[-2:] == ["step-00000007", "step-00000009"]
+    assert [r["step"] for r in records(run) if r["kind"] == "train"] == list(range(1, 10))

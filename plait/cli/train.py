@@ -1,11 +1,13 @@
 """``plait train``: on a laptop, launch ``--nproc`` local processes; inside torchrun, be the training program.
 
 ``plait train`` launches ``--nproc`` local processes through torchrun's own launcher (``torch.distributed.run``,
-standalone rendezvous) running ``python -m plait train`` again; inside a torchrun worker (LOCAL_RANK set) it is
-the training program itself (``plait.train.loop``). So on a cluster the same program runs under
+on plait's loopback rendezvous: ``plait.rendezvous``) running ``python -m plait train`` again; inside a torchrun
+worker (LOCAL_RANK set) it is the training program itself (``plait.train.loop``). So on a cluster the same program runs under
 ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait train``.
 ``--max-restarts N`` is torchrun's: the agent restarts every worker when one fails, and each resumes from the
-last checkpoint (``plait/train/fault.py``, docs/launching.md).
+last checkpoint (``plait/train/fault.py``, docs/launching.md). SIGTERM or Ctrl-C stops every rank after a saved
+step and exits with 128 + the signal's number; a second signal stops at once (``_LauncherSignals``,
+``plait.train.stop``).
 
 One job per run folder, and no rank outlives its launcher: the launcher locks the run folder before it starts any
 worker and holds the lock until it exits (``RunFolderLock``; without plait's launcher, rank 0 takes it), and every
@@ -16,7 +18,9 @@ SIGKILL leaves nothing running that could write into the folder a resumed job th
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,8 +28,13 @@ from typing import TYPE_CHECKING, Any
 from plait.errors import ConfigError, PlaitError
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from plait.train.config import RunConfig
     from plait.train.fault import RunFolderLock
+
+DEFAULT_STOP_GRACE_S = 60
+"""How long plait's launcher gives its workers to finish their step and save it after SIGTERM / SIGINT."""
 
 
 def add_train_command(commands: Any) -> None:
@@ -65,6 +74,14 @@ def add_train_command(commands: Any) -> None:
         metavar="N",
         help="restart all workers up to N times when one fails; each restart resumes from the last "
         "checkpoint, so it needs train.save_every (default 0: a failed rank fails the job)",
+    )
+    train.add_argument(
+        "--stop-grace",
+        type=int,
+        default=DEFAULT_STOP_GRACE_S,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C the workers finish their step and save it; after S seconds without that they "
+        f"are killed (default {DEFAULT_STOP_GRACE_S}); a second signal stops at once",
     )
     train.add_argument(
         "--trace",
@@ -111,57 +128,155 @@ def worker_args(args: argparse.Namespace, out: str | None = None) -> list[str]:
     return forwarded
 
 
+def resume_args(args: argparse.Namespace, out: str) -> list[str]:
+    """The ``plait`` command line that runs this launch again on the same run folder (which resumes it)."""
+    forwarded = worker_args(args, out)
+    restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+    grace = ["--stop-grace", str(args.stop_grace)] if args.stop_grace != DEFAULT_STOP_GRACE_S else []
+    return ["plait", forwarded[0], "--nproc", str(args.nproc), *restarts, *grace, *forwarded[1:]]
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Re-run this command in ``args.nproc`` processes under torchrun's launcher, holding the run folder's lock;
     returns the exit code."""
+    import shlex
+
     from plait.launch import LAUNCHER_PID_ENV
     from plait.train.fault import RunFolderLock
+    from plait.train.stop import RESUME_COMMAND_ENV
 
     out = launch_out(args)
     forwarded = worker_args(args, out)
     lock = RunFolderLock.acquire(out)  # held until the job ends, or this process dies, however it dies
-    previous = os.environ.get(LAUNCHER_PID_ENV)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' parent: they die with it
+    env = {
+        LAUNCHER_PID_ENV: str(os.getpid()),  # the workers' parent: they die with it
+        RESUME_COMMAND_ENV: shlex.join(resume_args(args, out)),  # what rank 0 names when a signal stops the run
+    }
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         return _run_torchrun(args, forwarded)
     finally:
         lock.release()
-        if previous is None:
-            os.environ.pop(LAUNCHER_PID_ENV, None)
-        else:
-            os.environ[LAUNCHER_PID_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+_QUIET_WHEN_STOPPING = {
+    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
+    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
+}
+"""torchrun's routine lines about a stop it was asked for (rank 0 says where it stopped, in one line)."""
+
+
+def _drop_routine_stop_lines(record: logging.LogRecord) -> bool:
+    return record.msg != _QUIET_WHEN_STOPPING.get(record.name)
+
+
+class _LauncherSignals:
+    """SIGTERM and SIGINT in plait's launcher (torchrun's agent, in this process, handles neither:
+    ``--signals-to-handle``). The first becomes the agent's own ``SignalException``: the agent stops watching
+    (so no restart follows, whatever ``--max-restarts`` says), forwards the signal to every worker and gives
+    them ``--stop-grace`` seconds to finish their step and save it (``plait.train.stop``) before it kills them.
+    The second ends the launcher at once, and its workers die with it (``plait.launch.die_with_parent``)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> _LauncherSignals:
+        from plait.train.stop import STOP_SIGNALS
+
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        for name in _QUIET_WHEN_STOPPING:
+            logging.getLogger(name).removeFilter(_drop_routine_stop_lines)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        from plait.train.stop import signal_name, stop_exit_code
+
+        name = signal_name(signum)
+        if self.signum:  # os.write: a signal handler must not re-enter a Python stream
+            os.write(2, f"plait: second {name}: stopping at once; the workers are killed unsaved.\n".encode())
+            os._exit(stop_exit_code(signum))
+        self.signum = signum
+        for logger in _QUIET_WHEN_STOPPING:
+            logging.getLogger(logger).addFilter(_drop_routine_stop_lines)
+        raise SignalException(f"plait train got {name}", sigval=signal.Signals(signum))
+
+
+def _loopback_interface() -> str | None:
+    """The loopback network interface's name (Linux "lo", macOS "lo0"), where the system lists one."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def _run_torchrun(args: argparse.Namespace, forwarded: list[str]) -> int:
-    """torchrun's launcher, in this process, running ``forwarded`` on ``args.nproc`` workers; the exit code."""
+    """torchrun's launcher, in this process, running ``forwarded`` on ``args.nproc`` workers; the exit code
+    (``plait.train.stop.stop_exit_code`` after SIGTERM / SIGINT).
+
+    The rendezvous is plait's loopback one (``plait.rendezvous``): nothing of it listens beyond 127.0.0.1, and
+    gloo's own connections between the workers use the loopback interface (``GLOO_SOCKET_IFNAME``, unless set)."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from plait.rendezvous import register_loopback_backend
     from plait.threads import THREADS_ENV, per_rank_default
+    from plait.train.stop import stop_exit_code
 
     os.environ.setdefault(THREADS_ENV, str(per_rank_default(args.nproc)))  # torchrun's own default would be 1
-    if args.max_restarts:  # a restart must not read the last attempt's addresses (pytorch/pytorch#135712)
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     parser = get_args_parser()
     parser.allow_abbrev = False  # the worker's own flags (--nproc, --out) must not match torchrun's by prefix
+    options = {option for action in parser._actions for option in action.option_strings}
+    grace = [f"--shutdown-timeout={args.stop_grace}"] if "--shutdown-timeout" in options else []  # else 30 s
     torchrun_args = parser.parse_args(
         [
-            "--standalone",
+            "--nnodes=1",
+            f"--rdzv-backend={register_loopback_backend()}",
+            f"--rdzv-id={uuid.uuid4().hex}",
             f"--nproc-per-node={args.nproc}",
             f"--max-restarts={args.max_restarts}",
+            "--signals-to-handle=SIGHUP,SIGQUIT",  # SIGTERM and SIGINT are _LauncherSignals'
+            *grace,
             "--module",
             "plait",
             *forwarded,
         ]
     )
+    signals = _LauncherSignals().install()
     try:
         run(torchrun_args)
+    except SignalException as stopped:  # the workers have stopped (rank 0 said where) or were killed
+        return stop_exit_code(stopped.sigval)
     except ChildFailedError as error:
         from plait.train.fault import describe_exit
 
         failed = ", ".join(f"rank {rank} ({describe_exit(f.exitcode)})" for rank, f in sorted(error.failures.items()))
         print(f"plait: error: training failed on {failed}; see that rank's error above.", file=sys.stderr)  # noqa: T201
         return 1
+    finally:
+        signals.restore()
     return 0
 
 
@@ -173,6 +288,9 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides, args.preset)
     config.layout.resolve(args.nproc).check_batch(config.train.global_batch)
+    from plait.checkpoint.signing import check_key
+
+    check_key()  # a checkpoint key set but unusable: one line here, not one per rank after the launch
     fault = RankGuard.from_env(0).fault  # PLAIT_WATCHDOG_S and PLAIT_FAULT_INJECT read as every worker will
     if fault is not None and fault.rank >= args.nproc:
         raise ConfigError(
@@ -247,24 +365,32 @@ def _lock_run_folder(config: RunConfig) -> RunFolderLock | None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Train on this rank; 0, or 128 + the signal's number when SIGTERM / SIGINT stopped it (``plait.train.stop``)."""
     from plait.distributed import init, shutdown
     from plait.train.config import load_config
     from plait.train.loop import run
+    from plait.train.stop import StopRequest, stop_exit_code
 
     overrides = list(args.overrides) + ([f"train.out={args.out!r}".replace("'", '"')] if args.out else [])
     _start_rank()
-    config = load_config(args.config, overrides, args.preset)
-    lock = _lock_run_folder(config)
+    stop = StopRequest(lone=not _in_torchrun()).install()  # a signal from here on: stop after a saved step
     try:
-        run(config, world=init(backend=args.backend), trace=args.trace, trace_steps=args.trace_steps)
-    except BaseException:
-        shutdown(wait_for_peers=False)
-        raise
+        config = load_config(args.config, overrides, args.preset)
+        lock = _lock_run_folder(config)
+        try:
+            summary = run(
+                config, world=init(backend=args.backend), trace=args.trace, trace_steps=args.trace_steps, stop=stop
+            )
+        except BaseException:
+            shutdown(wait_for_peers=False)
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
+        shutdown()
     finally:
-        if lock is not None:
-            lock.release()
-    shutdown()
-    return 0
+        stop.restore()
+    return stop_exit_code(summary.stopped_by) if summary.stopped_by else 0
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -273,6 +399,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise PlaitError(f"--nproc {args.nproc} must be at least 1.")
     if args.trace is not None and args.trace_steps < 1:
         raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
+    if args.stop_grace < 0:
+        raise ConfigError(f"--stop-grace {args.stop_grace} must be >= 0 seconds. Fix: e.g. --stop-grace 120.")
     if args.max_restarts < 0:
         raise ConfigError(
             f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "

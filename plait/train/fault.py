@@ -341,11 +341,13 @@ class RunFolderLock:
 
 
 def describe_exit(code: int) -> str:
-    """``exit code N`` with what it means when plait knows (the watchdog's code, a signal)."""
+    """``exit code N`` with what it means when plait knows (the watchdog's code, a stop or a kill by a signal)."""
     if code == WATCHDOG_EXIT_CODE:
         return f"exit code {code}: stopped by the hang watchdog"
     if code == ORPHANED_EXIT_CODE:
         return f"exit code {code}: stopped because its launcher died"
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):  # plait.train.stop.stop_exit_code
+        return f"exit code {code}: stopped by {signal.Signals(code - 128).name}"
     if code < 0:
         try:
             return f"exit code {code}: killed by {signal.Signals(-code).name}"

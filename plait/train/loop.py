@@ -47,6 +47,7 @@ from plait.train.fits import check_run_fits, local_world_size
 from plait.train.metrics import MetricsWriter, StepMeter, check_step, dumps, plot_metrics, step_record
 from plait.train.optim import decay_groups, lr_scheduler_factory, optimizer_factory
 from plait.train.samples import write_samples
+from plait.train.stop import StopRequest, resume_command, signal_name
 from plait.train.tensorboard import open_tensorboard
 from plait.train.weights import check_fits, open_weights
 
@@ -69,6 +70,8 @@ class Summary:
     seconds: float
     world_size: int
     layout: str
+    stopped_by: int = 0
+    """The signal that stopped the run after ``steps`` (``plait.train.stop``); 0 when it ran to its end."""
 
 
 @dataclass
@@ -269,18 +272,69 @@ class _Records:
             check_step(stats)
 
 
-def run(config: RunConfig, world: World | None = None, trace: str | None = None, trace_steps: int = 10) -> Summary:
+def _stopped(
+    signum: int,
+    engine: Engine,
+    run_dir: Path,
+    writer: MetricsWriter | None,
+    stats: StepStats | None,
+    throughput: Throughput,
+    seconds: float,
+    world: World,
+) -> Summary:
+    """End a run a signal stopped (its last step saved): no final evaluation, trace or summary.json; rank 0 logs
+    the one line that says where it stopped and how to resume."""
+    if writer:
+        writer.close()
+        log.warning(
+            "stopped by %s at step %d (checkpoint saved in %s); resume with: %s",
+            signal_name(signum),
+            engine.step,
+            run_dir / "ckpt",
+            resume_command(str(run_dir)),
+        )
+    nan = float("nan")
+    return Summary(
+        run_dir=str(run_dir),
+        steps=engine.step,
+        final_loss=stats.loss if stats else nan,
+        eval_loss=nan,
+        accuracy=nan,
+        tokens_per_s=throughput.tokens_per_s,
+        seconds=seconds,
+        world_size=world.world_size,
+        layout=engine.layout.short(),
+        stopped_by=signum,
+    )
+
+
+def run(
+    config: RunConfig,
+    world: World | None = None,
+    trace: str | None = None,
+    trace_steps: int = 10,
+    stop: StopRequest | None = None,
+) -> Summary:
     """Train as ``config`` says on this rank; returns the summary (rank 0 also writes the run folder).
 
     A hang watchdog and the test-only injected fault (``plait.train.fault``) watch the whole run. With ``trace`` (a
     path; "" for ``<run>/trace.json``) the last ``trace_steps`` steps are traced on every rank
-    (``plait.observe.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``."""
+    (``plait.observe.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``. With
+    ``stop`` (the CLI's SIGTERM / SIGINT record, ``plait.train.stop``) a signal to any rank stops every rank after
+    the same step, which is saved; the summary then has ``stopped_by`` set and no final evaluation."""
     world = world or init()
     with RankGuard.from_env(world.rank) as guard:
-        return _run(config, world, guard, trace, trace_steps)
+        return _run(config, world, guard, trace, trace_steps, stop)
 
 
-def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = None, trace_steps: int = 10) -> Summary:
+def _run(
+    config: RunConfig,
+    world: World,
+    guard: RankGuard,
+    trace: str | None = None,
+    trace_steps: int = 10,
+    stop: StopRequest | None = None,
+) -> Summary:
     if trace is not None and trace_steps < 1:  # before any collective, on every rank
         raise ConfigError(f"--trace-steps {trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
     check_key()  # a checkpoint key set but unusable: one line on every rank, before any work
@@ -320,6 +374,7 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     throughput = Throughput()
     records = _Records(writer)
     record_every_step = not runs_ahead(engine.device)  # CPU: nothing to wait for, write each record at once
+    stopped_by = 0
     try:
         for batch in guard.batches(loader, engine):
             if engine.step >= train.steps:
@@ -332,13 +387,16 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             stats = engine.train_step(batch)
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
-            observed = meter.measure(stats)  # a collective: every rank
+            observed = meter.measure(stats, stop.signum if stop is not None else 0)  # a collective: every rank
+            stopped_by = meter.stop_signal  # the same on every rank: all stop after this step, saved
             if tokens_seen is not None:  # pure in the step: a resumed run records what the uninterrupted one would
                 observed["tokens_by_source"] = tokens_seen(stats.step * train.global_batch)
             records.add(stats, lr, observed)
-            evaluate = train.eval_every and stats.step % train.eval_every == 0 and stats.step < train.steps
-            save = train.save_every and stats.step % train.save_every == 0
-            if record_every_step or evaluate or save or stats.step % train.log_every == 0 or stats.step >= train.steps:
+            last = stats.step >= train.steps
+            evaluate = train.eval_every and stats.step % train.eval_every == 0 and not last and not stopped_by
+            # the last step is saved too (generate, convert and a longer resume start from it), and a stop's step
+            save = (train.save_every and (stats.step % train.save_every == 0 or last)) or stopped_by
+            if record_every_step or evaluate or save or stats.step % train.log_every == 0 or last:
                 records.flush()  # reads the losses: on a GPU a host sync once per log interval, not per step
             if evaluate:
                 guard.beat(f"step {stats.step}: evaluate")
@@ -351,7 +409,11 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
             if save:
                 guard.beat(f"step {stats.step}: save the checkpoint", timed=False)
                 saver.save()  # train.async_save: waits for the previous save, stages a host copy, returns
+                if lead and last and train.save_every and stats.step % train.save_every:
+                    log.info("step %d: the last step, saved although train.save_every=%d", stats.step, train.save_every)
             progress.update(stats.step, records.info + last_eval)
+            if stopped_by:
+                break
     except BaseException:
         records.flush_after_failure()
         raise
@@ -362,6 +424,8 @@ def _run(config: RunConfig, world: World, guard: RankGuard, trace: str | None = 
     guard.beat("waiting for the last checkpoint save", timed=False)
     saver.wait()  # the job ends with its last checkpoint published
     seconds = time.perf_counter() - started
+    if stopped_by:
+        return _stopped(stopped_by, engine, run_dir, writer, stats, throughput, seconds, world)
     guard.beat("writing traces after the last step", timed=False)
     if tracer is not None:  # a collective: every rank gathers its spans to rank 0
         tracer.save(Path(trace) if trace else run_dir / "trace.json")

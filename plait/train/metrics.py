@@ -162,6 +162,8 @@ class StepMeter:
             log.info("model FLOPs unknown, so MFU is null in metrics.jsonl: %s", error)
         self.peak, source = peak_flops(self.device, engine.layout.precision, engine.mesh.world_size)
         self.memory_field = "max_allocated_bytes" if self.device.type == "cuda" else "max_rss_bytes"
+        self.stop_signal = 0
+        """After ``measure``: the signal some rank was asked to stop by (0: none), agreed by every rank."""
         if self.flops_per_token is None:
             pass
         elif self.peak is None:
@@ -181,14 +183,22 @@ class StepMeter:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def measure(self, stats: StepStats) -> dict[str, Any]:
-        """The fields this adds to the step's record. Every rank must call it (an all-gather over "world")."""
+    def measure(self, stats: StepStats, stop_signal: int = 0) -> dict[str, Any]:
+        """The fields this adds to the step's record. Every rank must call it (an all-gather over "world").
+
+        The same all-gather carries each rank's ``stop_signal`` (the signal it was asked to stop by, 0 for none:
+        ``plait.train.stop``); afterwards ``self.stop_signal`` is the largest of them, the same on every rank, so
+        the ranks agree to stop after the same step at the cost of one more number per rank."""
         from plait.observe.trace import max_rss_bytes
 
         memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else max_rss_bytes()
         wire = stats.comm.wire_by_axis()
-        mine = torch.tensor([float(memory)] + [wire.get(a, 0.0) for a in self.axes], dtype=torch.float64)
-        rows = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, 1 + len(self.axes))
+        mine = torch.tensor(
+            [float(stop_signal), float(memory)] + [wire.get(a, 0.0) for a in self.axes], dtype=torch.float64
+        )
+        gathered = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, 2 + len(self.axes))
+        self.stop_signal = int(gathered[:, 0].max().item())
+        rows = gathered[:, 1:]
         flops, seconds = self.flops_per_token, stats.seconds
         mfu = stats.tokens * flops / seconds / self.peak if self.peak and flops and seconds else None
         return {
