@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import final_state, recorded_train_steps
 
 from plait.cli.main import main
-from plait.distributed import World
 from plait.errors import ConfigError
-from plait.train.config import load_config
 from plait.train.fault import (
     WATCHDOG_EXIT_CODE,
     Fault,
@@ -28,7 +27,6 @@ from plait.train.fault import (
     resume_metrics,
     watchdog_seconds,
 )
-from plait.train.loop import build
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
 # A tiny job: 2 ranks (dp=2), 9 steps, a checkpoint every 3 steps. Killed before step 8 it resumes from step 6 and
@@ -67,23 +65,6 @@ def plait(
     )
 
 
-def train_records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
-def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The run's last checkpoint loaded into a one-process engine: model parameters and optimizer state by name."""
-    config = load_config(run_dir / "config.toml")
-    engine, _, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
-    engine.load(run_dir / "ckpt")
-    state = {f"model.{k}": v for k, v in engine.model.state_dict().items()}
-    for name, param in engine.model.named_parameters():
-        for key, value in engine.optimizer.state[param].items():
-            state[f"optimizer.{name}.{key}"] = torch.as_tensor(value)
-    return state
-
-
 # ----------------------------------------------------------------------------------- end to end, through torchrun
 @pytest.mark.cli
 @pytest.mark.distributed
@@ -109,7 +90,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_p
     assert "resuming at step 6: dropped 1 record(s) after it" in result.stderr  # step 7's first record
     assert time.monotonic() - started < 120, "a restart should cost one worker start-up, not a timeout"
 
-    expected, got = train_records(tmp_path / "reference"), train_records(tmp_path / "killed")
+    expected, got = recorded_train_steps(tmp_path / "reference"), recorded_train_steps(tmp_path / "killed")
     assert [r["step"] for r in got] == list(range(1, 10))  # step 7 (recorded, then replayed) appears once
     fields = ("loss", "grad_norm", "lr")  # exact: same data order, same arithmetic on CPU (no timing fields)
     assert [[r[f] for f in fields] for r in got] == [[r[f] for f in fields] for r in expected]
@@ -135,7 +116,7 @@ def test_killed_rank_without_restarts_fails_fast_naming_it(tmp_path):
     assert "rank 1: PLAIT_FAULT_INJECT injects 'exit' before step 5 (attempt 0)" in result.stderr
     assert "restart 1" not in result.stderr
     assert elapsed < 90, f"{elapsed:.0f} s: a dead peer must fail the job at once, not after PLAIT_TIMEOUT_S=120"
-    assert [r["step"] for r in train_records(tmp_path / "r")] == [1, 2, 3, 4]
+    assert [r["step"] for r in recorded_train_steps(tmp_path / "r")] == [1, 2, 3, 4]
 
 
 @pytest.mark.cli

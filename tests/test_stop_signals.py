@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fault_tolerance import final_state, train_records
+from helpers.runs import final_state, recorded_train_steps
 
 from plait.launch import run_local
 from plait.train.fault import describe_exit
@@ -147,7 +147,7 @@ def test_sigterm_stops_every_rank_after_a_saved_step_on_a_loopback_rendezvous(tm
     text = (tmp_path / "log").read_text()
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
     (line,) = _stop_lines(text, "SIGTERM")
-    steps = [r["step"] for r in train_records(run)]
+    steps = [r["step"] for r in recorded_train_steps(run)]
     assert _published(run)[-1] == steps[-1] == len(steps), (steps, _published(run))  # the last step is the saved one
     assert f"at step {steps[-1]} (checkpoint saved in {run / 'ckpt'}); resume with: plait train --nproc 2 " in line
     assert f"--out {run}" in line and "--set train.steps=100000" in line
@@ -203,7 +203,7 @@ def test_sigint_stop_resumes_bitwise_as_the_uninterrupted_run(tmp_path):
     text = (tmp_path / "log").read_text()
     assert "Traceback" not in text and len(_stop_lines(text, "SIGINT")) == 1, text[-3000:]
     at = _published(stopped)[-1]
-    assert 3 <= at < 150 and [r["step"] for r in train_records(stopped)][-1] == at
+    assert 3 <= at < 150 and [r["step"] for r in recorded_train_steps(stopped)][-1] == at
     for folder in (stopped, reference):
         done = subprocess.run(
             [sys.executable, "-m", "plait", "train", *job, "--out", str(folder)],
@@ -213,7 +213,7 @@ def test_sigint_stop_resumes_bitwise_as_the_uninterrupted_run(tmp_path):
             timeout=400,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-    got, expected = train_records(stopped), train_records(reference)
+    got, expected = recorded_train_steps(stopped), recorded_train_steps(reference)
     assert [r["step"] for r in got] == list(range(1, 151))  # each step once
     fields = ("loss", "grad_norm", "lr")
     assert [[r[f] for f in fields] for r in got] == [[r[f] for f in fields] for r in expected]
@@ -243,7 +243,7 @@ def test_a_signal_under_max_restarts_stops_the_job_without_a_restart(tmp_path):
     assert "--max-restarts 2" in _stop_lines(text, "SIGTERM")[0]  # the resume command is the launch command
     time.sleep(2.0)  # a restart would start workers again and write the folder
     assert "restart 1" not in (tmp_path / "log").read_text() and not _children(launcher.pid)
-    assert _published(run)[-1] == train_records(run)[-1]["step"] < 1000  # saved at the stop, not at save_every
+    assert _published(run)[-1] == recorded_train_steps(run)[-1]["step"] < 1000  # saved at the stop, not at save_every
 
 
 # ------------------------------------------------------------------------------------------------ the pieces

@@ -25,3 +25,27 @@ def straight_and_resumed(overrides: list[str], root: Path) -> tuple[list[dict], 
     straight = train_records(overrides, root / "a", 6)
     train_records(overrides, root / "b", 3)
     return straight, train_records(overrides, root / "b", 6)
+
+
+def recorded_train_steps(run_dir: Path) -> list[dict]:
+    """The training records (kind "train") of a run folder's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def final_state(run_dir: Path) -> dict:
+    """The run's last checkpoint loaded into a one-process engine: model parameters and optimizer state by name."""
+    import torch
+
+    from plait.distributed import World
+    from plait.train.config import load_config
+    from plait.train.loop import build
+
+    config = load_config(run_dir / "config.toml")
+    engine, _, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
+    engine.load(run_dir / "ckpt")
+    state = {f"model.{k}": v for k, v in engine.model.state_dict().items()}
+    for name, param in engine.model.named_parameters():
+        for key, value in engine.optimizer.state[param].items():
+            state[f"optimizer.{name}.{key}"] = torch.as_tensor(value)
+    return state
