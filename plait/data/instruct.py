@@ -17,6 +17,13 @@ back to its fixed date), so the output is the same bytes on every run. An assist
 rendering the conversation up to it with the generation prompt, then with it: the difference is the turn. A
 template that rewrites earlier turns when later ones come (not prefix-stable) is refused.
 
+The template and the records are untrusted (docs/security.md): records are read under the record-size budget
+(``plait.data.jsonl``), a conversation may hold at most ``budgets.TURNS`` messages, and the sandbox is metered
+(``plait.data.sandbox``: a render-time budget per record, a size budget per render). Whatever stops a render —
+a budget, the sandbox, ``raise_exception``, or any exception the template makes Python raise (an ``OverflowError``
+from ``range``, a ``RecursionError``, a ``MemoryError``) — is one ``DataError`` naming the record, the template's
+folder and the fix. A lone surrogate the template writes becomes U+FFFD, as in records.
+
 Tokenization (``scored_tokens``) maps the spans to tokens through the tokenizer's character offsets: a token is
 scored when its first character is; the end-of-document token after a document is scored when the document ends
 scored (a response), so the model learns to stop. The folder then holds ``<split>.mask.bin``: one byte per token,
@@ -29,13 +36,18 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plait.data.budgets import TURNS
+from plait.data.jsonl import SURROGATES, records
 from plait.data.tokenizer import concatenate, worker_tokenizer
 from plait.errors import DataError
 from plait.files import read_text
+
+if TYPE_CHECKING:
+    from plait.data.sandbox import Meter
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -65,36 +77,100 @@ def _special(value: Any) -> str:
 
 
 class ChatTemplate:
-    """A tokenizer folder's chat template, compiled in Jinja's immutable sandbox (module docstring)."""
+    """A tokenizer folder's chat template, compiled in Jinja's immutable sandbox, metered (module docstring)."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", where: str = "") -> None:
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from plait.data.sandbox import MeteredEnvironment  # Jinja: imported when a template is used
 
         self.where = where
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        environment.globals["raise_exception"] = self._raise
+        self.record = ""
+        """The record being rendered ("FILE line N"), for the messages."""
+        self.environment = MeteredEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        self.environment.globals["raise_exception"] = self._raise
         try:
-            self.template = environment.from_string(_GENERATION_TAGS.sub("", source))
+            self.template = self.environment.from_string(_GENERATION_TAGS.sub("", source))
         except TemplateError as error:
             raise DataError(f"the chat template of {where} is not valid Jinja ({error}). Fix: correct it.") from error
+        except Exception as error:  # nested past Python's limits (RecursionError, SyntaxError), ...
+            raise DataError(
+                f"the chat template of {where} cannot be compiled ({type(error).__name__}: {_one_line(error)}). "
+                f"Fix: correct it (less deeply nested)."
+            ) from error
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
+        self.meter: Meter | None = None
+        """The budget of the record being rendered (``conversation``), else None."""
+        self.work: Meter | None = None
+        """The budget of the record last rendered: ``work.renders`` is how many renders it took."""
 
-    def _raise(self, message: str) -> None:
-        raise DataError(f"the chat template of {self.where} refused a conversation: {message}")
+    def _about(self) -> str:
+        return f"{self.record}: " if self.record else ""
+
+    def _raise(self, message: Any) -> None:
+        raise DataError(
+            f"{self._about()}the chat template of {self.where} refused a conversation: {_one_line(message)}. Fix: "
+            f"make the record fit the template, or use a tokenizer folder whose template takes it."
+        )
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        from jinja2 import TemplateError
+        """The template's text for ``messages``, under the budgets of ``self.meter`` (a fresh one when none is
+        running): lone surrogates the template writes become U+FFFD, one character for one, as in records
+        (``plait.data.jsonl``)."""
+        from plait.data.sandbox import Meter, OverBudget
 
+        own = self.meter is None
+        meter = self.meter = self.meter or Meter()
+        meter.start()
+        self.environment.meter = meter
         try:
-            return str(self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.tokens))
-        except TemplateError as error:  # includes the sandbox's SecurityError
-            raise DataError(f"the chat template of {self.where} failed ({type(error).__name__}: {error}).") from error
+            context = {"messages": messages, "add_generation_prompt": generation_prompt, **self.tokens}
+            text = meter.collect(self.template.generate(context))
+            return text if text.isascii() else SURROGATES.sub("\ufffd", text)
+        except DataError:  # raise_exception
+            raise
+        except OverBudget as error:
+            raise DataError(
+                f"{self._about()}the chat template of {self.where} stopped: {error}. Fix: a template that formats "
+                f"the messages without such work, or a shorter record; {error.budget.fix(error.limit)}."
+            ) from error
+        except Exception as error:  # whatever the template makes Python raise: SecurityError, OverflowError, ...
+            raise DataError(
+                f"{self._about()}the chat template of {self.where} failed ({type(error).__name__}: "
+                f"{_one_line(error)}). Fix: correct the template, or use a tokenizer folder whose template renders "
+                f"this conversation."
+            ) from error
+        finally:
+            self.environment.meter = None
+            if own:
+                self.meter = None
 
     def conversation(self, messages: list[dict[str, Any]], where: str) -> Rendered:
-        """The whole conversation, with every assistant turn's span."""
+        """The whole conversation, with every assistant turn's span.
+
+        An assistant turn i is found by two renders, of messages[:i] with the generation prompt and of
+        messages[:i+1]; the second must start with the first, and the last with the whole conversation's render
+        (prefix-stable). That is exact for any template but renders a prefix per turn: work grows with turns x
+        length. A template is a black box, so knowing where a prefix's render ends takes rendering it; what bounds
+        the work is the turns budget (``budgets.TURNS``, checked before any render), the render-time budget over
+        the record's renders together, and the size budget of each render."""
+        turns = TURNS.value()
+        if len(messages) > turns:
+            raise DataError(
+                f"{where} holds a conversation of {len(messages):,} messages, more than {TURNS.describe(turns)}. "
+                f"Fix: split it into records of fewer turns; {TURNS.fix(turns)}."
+            )
+        from plait.data.sandbox import Meter
+
+        self.record, self.meter = where, Meter()
+        self.work = self.meter
+        try:
+            return self._spans(messages, where)
+        finally:
+            self.record, self.meter = "", None
+
+    def _spans(self, messages: list[dict[str, Any]], where: str) -> Rendered:
         spans = []
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -109,7 +185,7 @@ class ChatTemplate:
                 )
             spans.append((len(prompt), len(turn)))
         text = self.render(messages, generation_prompt=False)
-        if spans and not text.startswith(self.render(messages[: _last_assistant(messages) + 1], False)):
+        if spans and not text.startswith(turn):
             raise DataError(
                 f"{where}: the chat template of {self.where} renders earlier turns differently as the conversation "
                 f"goes on. Fix: one exchange per record, or prompt/response records."
@@ -117,8 +193,10 @@ class ChatTemplate:
         return Rendered(text, spans)
 
 
-def _last_assistant(messages: list[dict[str, Any]]) -> int:
-    return max(index for index, message in enumerate(messages) if message["role"] == "assistant")
+def _one_line(value: Any, limit: int = 300) -> str:
+    """A message from a template or an exception on one line, at most ``limit`` characters."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def chat_template(spec: str) -> ChatTemplate | None:
@@ -184,21 +262,9 @@ def render_record(record: Any, template: ChatTemplate | None, where: str) -> Ren
 
 
 def instruct_documents(path: Path, template: ChatTemplate | None) -> Iterator[Rendered]:
-    """The instruction documents of a ``.jsonl`` file, streamed (one per non-blank line)."""
-    with open(path, "rb") as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise DataError(
-                    f"{where} is not JSON ({error}). Fix: one JSON object per line (JSON Lines)."
-                ) from error
-            except RecursionError as error:
-                raise DataError(f"{where} nests JSON deeper than Python can parse. Fix: flatten it.") from error
-            yield render_record(record, template, where)
+    """The instruction documents of a ``.jsonl`` file, streamed (one per non-blank line; ``plait.data.jsonl``)."""
+    for where, record in records(path):
+        yield render_record(record, template, where)
 
 
 def scored_tokens(tokenizer: Any, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:

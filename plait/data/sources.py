@@ -2,7 +2,8 @@
 
 A *document* is the unit the validation split and the end-of-document token work on:
 
-* a ``.jsonl`` file: one document per non-blank line, the string in its ``field`` (default ``text``);
+* a ``.jsonl`` file: one document per non-blank line, the string in its ``field`` (default ``text``); lines are
+  read under the record-size budget, lone surrogate escapes replaced (``plait.data.jsonl``);
 * a ``.parquet`` file: one document per row of the string column ``field`` (a null is an empty document);
 * any other file: its UTF-8 text (undecodable bytes replaced) is one document, or, above ``TEXT_DOCUMENT_BYTES``,
   pieces of about that size cut at line ends (so a single big file streams, tokenizes in parallel and still has
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 
 from plait.data.discover import SUFFIXES, Skipped, check_patterns, describe_skipped, kind_of, walk
 from plait.data.instruct import instruct_documents
+from plait.data.jsonl import records
 from plait.errors import DataError
 
 TEXT_DOCUMENT_BYTES = 1 << 20
@@ -130,30 +131,16 @@ def _text_documents(path: Path) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with open(path, "rb") as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise DataError(
-                    f"{path} line {number} is not JSON ({error}). Fix: one JSON object per line (JSON Lines)."
-                ) from error
-            except RecursionError as error:  # json's parser recurses once per level of nesting
-                raise DataError(
-                    f"{path} line {number} nests JSON deeper than Python can parse. Fix: one flat JSON object per "
-                    f"line, its text in a top-level field."
-                ) from error
-            value = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
-                what = "has no" if not isinstance(record, dict) or field not in record else "has a non-string"
-                raise DataError(
-                    f"{path} line {number} {what} {field!r} field (it has: {keys}). Fix: --field NAME picks the "
-                    f"field that holds the text, or fix that line."
-                )
-            yield value
+    for where, record in records(path):
+        value = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
+            what = "has no" if not isinstance(record, dict) or field not in record else "has a non-string"
+            raise DataError(
+                f"{where} {what} {field!r} field (it has: {keys}). Fix: --field NAME picks the field that holds the "
+                f"text, or fix that line."
+            )
+        yield value
 
 
 def _parquet_file(path: Path, field: str) -> Any:
