@@ -43,6 +43,9 @@ from plait.parallel.pipeline import (
     zero_bubble,
 )
 from plait.parallel.pipeline.schedule import Kind, Placement, stage_rank
+from plait.planner.inter_op import rank_balanced_stages, rank_loads
+from plait.planner.predict import pipeline_closed_form, predict
+from plait.planner.search import _schedules, plan
 
 STAGE = {"F": 1, "B": 2}
 CHUNK = {"F": 0.5, "B": 1}
@@ -183,6 +186,51 @@ def test_parallelize_refuses_dualpipev_with_too_few_microbatches_before_any_coll
     check_in_one_process(4, Layout(pp=2, tp=2, dp=1, microbatches=2, schedule="zb-v", zero=1), model=model)
     with pytest.raises(LayoutError, match="needs pp x virtual_stages = 8 stages, but the model has only 4"):
         check_in_one_process(4, Layout(pp=4, dp=1, microbatches=8, schedule="zb-v"), model=make_model(n_layer=4)[0])
+
+
+# ----------------------------------------------------------------- the planner
+def test_inter_op_balances_a_vs_ranks_with_both_ends_on_rank_0():
+    """Equal blocks with a heavy embedding (first) and output layer (last): in a V both extras are rank 0's, so
+    rank 0 gets the fewest blocks and the ranks' totals are balanced over chunks r and 2p - 1 - r."""
+    p, v = 4, 2
+    costs = [3.0] + [1.0] * 22 + [4.0]
+    chunks = rank_balanced_stages(costs, p, v, "v")
+    assert len(chunks) == p * v and chunks[0][0] == 0 and chunks[-1][1] == len(costs)
+    loads = rank_loads(costs, chunks, p, "v")
+    assert max(loads) - min(loads) <= 1.0 + 1e-9, loads
+    blocks = [sum(j - i for i, j in (chunks[r], chunks[2 * p - 1 - r])) for r in range(p)]
+    assert blocks[0] == min(blocks) < max(blocks), blocks
+    interleaved = rank_loads(costs, chunks, p)  # the same cuts read as interleaved are unbalanced
+    assert max(interleaved) > max(loads)
+
+
+def test_planner_offers_and_prices_the_v_schedules():
+    assert ("zb-v", 2) in _schedules(4, 4, 24, ("zb-v", "dualpipev"), ())
+    assert ("dualpipev", 2) not in _schedules(4, 4, 24, ("zb-v", "dualpipev"), ()), "m >= 2p"
+    assert ("dualpipev", 2) in _schedules(4, 8, 24, ("zb-v", "dualpipev"), ())
+    assert _schedules(4, 8, 7, ("zb-v", "dualpipev"), ()) == [], "2 pp chunks need 2 pp layers"
+    runs = {}
+    for schedule in ("1f1b", "zero-bubble", "zb-v", "dualpipev"):
+        layout = Layout(dp=2, pp=4, microbatches=16, schedule=schedule, precision="bf16")
+        exact = predict("gpt2", layout, "h100", global_batch=32, exact=True)
+        fast = predict("gpt2", layout, "h100", global_batch=32, exact=False)
+        if schedule in V_NAMES:  # the search's closed form and the simulator on unequal chunks (embedding, head)
+            assert fast.step_time == pytest.approx(exact.step_time, rel=0.03), schedule
+        runs[schedule] = exact
+    bubble = {name: run.time["pp_bubble"] for name, run in runs.items()}
+    assert bubble["zb-v"] < bubble["zero-bubble"] < bubble["1f1b"] and bubble["dualpipev"] < bubble["1f1b"]
+    # memory: every rank of a V holds 2p chunk activations (ZB-V), 2p + 1 (DualPipeV), priced on its own chunks
+    assert [pipeline_closed_form(name, 4, 16, 2, 1.0, 2.0, 0.0)[2] for name in V_NAMES] == [8, 9]
+    memory = {name: run.memory.activations for name, run in runs.items()}
+    assert memory["dualpipev"] > memory["zb-v"], "DualPipeV: half a stage more"
+    with pytest.raises(LayoutError, match="dualpipev needs microbatches >= 2 x pp = 8"):
+        predict("gpt2", Layout(dp=2, pp=4, microbatches=4, schedule="dualpipev"), "h100", global_batch=8)
+
+
+def test_plan_searches_the_v_schedules():
+    result = plan("gpt2", 8, "h100", global_batch=64, top=50, schedules=("zb-v", "dualpipev"))
+    shapes = {(p.layout.schedule, p.layout.virtual_stages) for p in result.candidates if p.layout.pp > 1}
+    assert shapes and shapes <= {("zb-v", 2), ("dualpipev", 2)}, shapes
 
 
 # ----------------------------------------------------------------- parity with one device

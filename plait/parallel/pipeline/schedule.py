@@ -73,6 +73,14 @@ def stage_rank(stage: int, p: int, placement: str = Placement.INTERLEAVED) -> in
     return p - 1 - offset if placement == Placement.V and chunk % 2 else offset
 
 
+def rank_stages(p: int, v: int, placement: str = Placement.INTERLEAVED) -> list[list[int]]:
+    """Per rank of ``p``, the stages of ``p x v`` it holds under ``placement``, in increasing order."""
+    out: list[list[int]] = [[] for _ in range(p)]
+    for stage in range(p * v):
+        out[stage_rank(stage, p, placement)].append(stage)
+    return out
+
+
 @dataclass(frozen=True, order=True, repr=False)
 class Action:
     """One step of one rank: ``kind`` of ``stage`` on ``microbatch``; ``str`` gives "1F0", "0B3", "1SF0"."""
@@ -143,7 +151,7 @@ class Schedule:
 
     def stages_on(self, rank: int) -> list[int]:
         """The stages ``rank`` holds, in increasing order."""
-        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+        return rank_stages(self.p, self.v, self.placement)[rank]
 
     @property
     def placement_rule(self) -> str:
@@ -465,5 +473,6 @@ __all__ = [
     "build_schedule",
     "lower",
     "placement_of",
+    "rank_stages",
     "stage_rank",
 ]
