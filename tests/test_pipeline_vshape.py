@@ -237,23 +237,27 @@ def test_plan_searches_the_v_schedules():
 STEPS = 3
 
 
-def make_model(n_layer: int = 8) -> tuple[GPT, UnevenMasks]:
+def make_model(n_layer: int = 8, tied: bool = False) -> tuple[GPT, UnevenMasks]:
     """The tiny reference GPT (8 blocks: 2p = 8 chunks at pp = 4) on the addition task, rows scoring uneven
-    numbers of tokens (so the token-mean normalisation over the global batch is part of every check)."""
+    numbers of tokens (so the token-mean normalisation over the global batch is part of every check); ``tied``:
+    the LM head shares the token embedding's weight (the first and the last stage: both on rank 0 in a V)."""
     task = AdditionTask(digits=2, seed=1)
     torch.manual_seed(1234)
     # bias=False: the key bias's gradient is analytically zero, i.e. rounding noise (docs/testing.md)
     config = GPTConfig(
         vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=n_layer, n_head=4, d_model=16, bias=False
     )
-    return GPT(config), UnevenMasks(task)
+    model = GPT(config)
+    if tied:
+        model.lm_head.weight = model.tok_embed.weight
+    return model, UnevenMasks(task)
 
 
-def reference(global_batch: int, clip: float | None) -> dict:
-    model, task = make_model()
+def reference(global_batch: int, clip: float | None, tied: bool = False) -> dict:
+    model, task = make_model(tied=tied)
     loader = ShardedBatches(task, global_batch)
     out = train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], optimizer, max_grad_norm=clip)
-    model.load_state_dict(out.params[-1])
+    model.load_state_dict(out.params[-1], strict=not tied)  # a tied head is named once (as tok_embed.weight)
     inputs, targets = loader.global_batch_at(STEPS)
     with torch.no_grad():
         evaluation = float(apply_loss(torch.nn.functional.cross_entropy, model(inputs), targets))
@@ -263,8 +267,12 @@ def reference(global_batch: int, clip: float | None) -> dict:
 def train_v(layout: dict, global_batch: int, clip: float | None) -> dict:
     """This rank's run: losses and norms per step, its stages' whole gradients and parameters per step, and the
     evaluation loss of the trained model on the next batch (the V's forward-only chain ends on rank 0)."""
-    model, task = make_model()
+    layout = dict(layout)
+    tied = layout.pop("tied", False)
+    model, task = make_model(tied=tied)
     engine = plait.parallelize(model, Layout(**{"dp": 1, **layout}), optimizer=optimizer, max_grad_norm=clip)
+    if tied and engine.mesh.index("pp") == 0:  # rank 0 holds both ends of the V: one parameter, no copy
+        assert engine.model.lm_head.weight is engine.model.tok_embed.weight, "the tie is kept on rank 0"
     grads: list[dict[str, torch.Tensor]] = []
     engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)))
     loader = ShardedBatches(task, global_batch, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
@@ -293,7 +301,7 @@ def _world(layout: dict) -> int:
 def assert_matches(case: tuple[dict, int, float | None], per_rank: list[dict]) -> None:
     layout, batch, clip = case
     what = f"{layout} batch={batch} clip={clip}"
-    expected = reference(batch, clip)
+    expected = reference(batch, clip, layout.get("tied", False))
     for rank, result in enumerate(per_rank):
         assert result["losses"] == per_rank[0]["losses"], f"{what}: rank {rank} reports another loss"
         assert result["eval"] == per_rank[0]["eval"], f"{what}: rank {rank} reports another evaluation loss"
@@ -323,9 +331,10 @@ CI_CASES = [
     (dict(pp=2, dp=2, zero=3, microbatches=4, schedule="dualpipev"), 16, None),
     (dict(pp=2, tp=2, microbatches=4, schedule="dualpipev"), 8, CLIP),
     (dict(pp=2, tp=2, microbatches=3, schedule="zb-v"), 12, None),
+    (dict(pp=2, microbatches=4, schedule="dualpipev", tied=True), 8, CLIP),  # both uses of the tie on rank 0
 ]
 """(layout, global batch, clip): each schedule at pp = 2 and 4, m = 2p and uneven m, clipped and not, with
-dp x ZeRO-3 and with tp (4 ranks each)."""
+dp x ZeRO-3 and with tp (4 ranks each), and tied embeddings (``tied``: one parameter on rank 0, no copy)."""
 LONG_CASES = [
     (dict(pp=2, microbatches=4, schedule="dualpipev"), 8, None),
     (dict(pp=2, microbatches=3, schedule="zb-v"), 12, CLIP),
