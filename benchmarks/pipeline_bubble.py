@@ -1,5 +1,6 @@
-"""``python -m benchmarks.pipeline_bubble [--p 4] [--m 8] [--unit-ms 20] [--steps 3] [--trace PREFIX]``: the
-pipeline runtime's measured bubble against the simulator's prediction, for every schedule, with equal-cost stages.
+"""``python -m benchmarks.pipeline_bubble [--p 4] [--m 8] [--unit-ms 20] [--steps 3] [--trace PREFIX] [--schedules
+1f1b,zb-v]``: the pipeline runtime's measured bubble against the simulator's prediction, for every schedule (the
+V-shaped zb-v and dualpipev with their two chunks per rank), with equal-cost stages.
 
 Each stage is one ``SleepStage``: its forward sleeps F units, its backward sleeps I units for the input gradient
 and W units for the weight gradient, on separate autograd nodes (so a zero-bubble schedule can run them apart).
@@ -180,6 +181,18 @@ def measure(
     )
 
 
+SCHEDULES = (
+    ("naive", 1),
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 2),
+    ("zero-bubble", 1),
+    ("zb-v", 2),
+    ("dualpipev", 2),
+)
+"""Each schedule and its chunks per rank v (each chunk F = I = W = 1/v units)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--p", type=int, default=4)
@@ -187,13 +200,20 @@ def main() -> None:
     parser.add_argument("--unit-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trace", default="", help="write each schedule's last step as PREFIX_<schedule>.json/.png")
+    parser.add_argument(
+        "--schedules", default=",".join(name for name, _ in SCHEDULES), help="comma-separated (default: all)"
+    )
     args = parser.parse_args()
+    chosen = args.schedules.split(",")
+    unknown = sorted(set(chosen) - {name for name, _ in SCHEDULES})
+    if unknown:
+        parser.error(f"unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(n for n, _ in SCHEDULES)}")
     print(f"p={args.p} m={args.m}, equal stages: F = I = W = {args.unit_ms:g} ms (B = 2 units)")
     print(
         f"{'schedule':<13}{'v':>2}{'measured':>10}{'simulated':>11}{'rel.':>8}{'calibrated':>12}{'rel.':>8}"
         f"{'replayed':>10}{'rel.':>8}   hop, overhead, mean F / B (ms)"
     )
-    for schedule, v in (("naive", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)):
+    for schedule, v in [(name, v) for name, v in SCHEDULES if name in chosen]:
         measured, *predictions, costs = measure(
             schedule, args.p, args.m, v, args.unit_ms / 1000, args.steps, args.trace
         )

@@ -52,6 +52,14 @@ class PipelineSchedule(Choice):
     INTERLEAVED = "interleaved"
     ZERO_BUBBLE = "zero-bubble"
     PIPEDREAM = "pipedream"
+    ZB_V = "zb-v"
+    DUALPIPEV = "dualpipev"
+
+
+V_SHAPED = (PipelineSchedule.ZB_V, PipelineSchedule.DUALPIPEV)
+"""Schedules whose 2 x pp stages are placed in a V (two chunks per rank; ``plait.parallel.pipeline.vshape``)."""
+SPLIT_BACKWARD = (PipelineSchedule.ZERO_BUBBLE, *V_SHAPED)
+"""Schedules that split a backward into I (input gradient) and W (weight gradient), at least for some actions."""
 
 
 class Precision(Choice):
@@ -135,7 +143,8 @@ class Layout:
         zero: ZeRO stage over the dp axis: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters.
         microbatches: micro-batches per step (gradient accumulation; pipeline micro-batches).
         schedule: pipeline schedule, one of ``SCHEDULES``.
-        virtual_stages: model chunks per pipeline rank (interleaved schedules).
+        virtual_stages: model chunks per pipeline rank (interleaved schedules; the V-shaped "zb-v" and "dualpipev"
+            run two, and a layout naming them with virtual_stages left at 1 gets 2).
         recompute: activation recomputation: "none", "selective" (the attention cores), "op" (per operator: the
             attention kernels' and every second matmul's outputs kept, the rest recomputed), "full", or a tuple of
             block indices to recompute whole.
@@ -193,6 +202,8 @@ class Layout:
         if isinstance(self.pipeline_cuts, list):
             object.__setattr__(self, "pipeline_cuts", tuple(self.pipeline_cuts))
         self._coerce_choices()
+        if self.schedule in V_SHAPED and self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)  # a V is two chunks per rank
         self._check_degrees()
         self._check_choices()
 
@@ -295,9 +306,9 @@ class Layout:
                 f"{self.virtual_stages} needs {self.pp * self.virtual_stages}. Fix: give "
                 f"{self.pp * self.virtual_stages - 1} cut(s), or drop pipeline_cuts for an even split."
             )
-        if self.recompute == Recompute.OP and self.schedule == PipelineSchedule.ZERO_BUBBLE and self.pp != 1:
+        if self.recompute == Recompute.OP and self.schedule in SPLIT_BACKWARD and self.pp != 1:
             raise LayoutError(
-                "recompute='op' cannot run under schedule='zero-bubble': its split backward (I, then W) runs two "
+                f"recompute='op' cannot run under schedule={self.schedule!r}: its split backward (I, then W) runs two "
                 "backward passes over each block, and torch's selective checkpointing allows one per region. Fix: "
                 "use recompute='full' or 'selective', or schedule='1f1b' or 'interleaved'."
             )
@@ -307,7 +318,13 @@ class Layout:
                 f"parity-tested with experts split over ranks. Fix: use a synchronous schedule (e.g. schedule='1f1b'), "
                 f"or ep=1."
             )
-        if self.virtual_stages > 1 and self.schedule != PipelineSchedule.INTERLEAVED:
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
+            raise LayoutError(
+                f"schedule={self.schedule!r} places two model chunks per rank in a V, but virtual_stages="
+                f"{self.virtual_stages}. Fix: set virtual_stages=2 (or leave it at 1: the layout then sets 2), or use "
+                f"schedule='interleaved' for {self.virtual_stages} chunks per rank."
+            )
+        if self.virtual_stages > 1 and self.schedule not in (PipelineSchedule.INTERLEAVED, *V_SHAPED):
             raise LayoutError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (got {self.schedule!r}). "
                 f"Fix: set schedule='interleaved' or virtual_stages=1."
@@ -481,6 +498,8 @@ __all__ = [
     "Layout",
     "Offload",
     "PipelineSchedule",
+    "SPLIT_BACKWARD",
+    "V_SHAPED",
     "Precision",
     "Recompute",
     "ReduceDtype",

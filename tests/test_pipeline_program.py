@@ -91,6 +91,8 @@ CASES = [
     for name, p, m in itertools.product(("naive", "gpipe", "1f1b", "zero-bubble", "pipedream"), (2, 3, 4), (1, 2, 5, 8))
     for v in (1,)
 ] + [("interleaved", p, m, 2) for p, m in ((2, 2), (2, 4), (4, 4), (4, 8), (3, 6))]
+CASES += [("zb-v", p, m, 2) for p, m in ((2, 1), (2, 3), (2, 4), (3, 5), (4, 2), (4, 8), (4, 11))]
+CASES += [("dualpipev", p, m, 2) for p, m in ((2, 4), (2, 5), (3, 6), (4, 8), (4, 11))]
 
 
 @pytest.mark.parametrize("lookahead", [None, 0, 1, 2, 5])
@@ -100,9 +102,9 @@ def test_every_schedule_completes_with_receives_posted_ahead(name, p, m, v, look
 
 
 @pytest.mark.parametrize("lookahead", [0, 1, 2, 5])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero-bubble"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero-bubble", "zb-v", "dualpipev"])
 def test_receives_move_ahead_in_order_and_sends_stay(name, lookahead):
-    schedule = lowered(name, 4, 8, 2 if name == "interleaved" else 1)
+    schedule = lowered(name, 4, 8, 2 if name in ("interleaved", "zb-v", "dualpipev") else 1)
     for actions in schedule.actions:
         items = program(actions, lookahead)
         flat = [a for item in items for a in (sum(item, ()) if isinstance(item, tuple) else (item,))]

@@ -231,6 +231,10 @@ def test_deepspeed_zero3_gathers_at_most_its_live_parameters():
         ("interleaved", 2, 8, 4),
         ("zero-bubble", 4, 12, 1),
         ("gpipe", 4, 8, 1),
+        ("zb-v", 4, 8, 2),
+        ("zb-v", 8, 32, 2),
+        ("dualpipev", 4, 8, 2),
+        ("dualpipev", 2, 8, 2),
     ],
 )
 def test_pipeline_closed_forms_match_the_simulator(schedule, p, m, v):

@@ -2,6 +2,7 @@
 
     plait schedule --schedule 1f1b --pp 4 --microbatches 8 --out 1f1b.png --trace 1f1b.json
     plait schedule --schedule interleaved --pp 4 --microbatches 8 --virtual-stages 2 --costs F=1,B=2,p2p=0.1
+    plait schedule --schedule zb-v --pp 4 --microbatches 8 --costs F=0.5,B=1   # two half-stage chunks per rank
     plait schedule --text mine.txt --out mine.png        # or --csv mine.csv: a hand-written schedule
 
 Costs are ``KEY=VALUE`` pairs separated by commas (F, B, I, W, p2p, overhead; F/B/I/W may be per stage, values
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
-from plait.layout import PipelineSchedule
+from plait.layout import V_SHAPED, PipelineSchedule
 
 
 def add_schedule_command(commands: Any) -> None:
@@ -31,11 +32,15 @@ def add_schedule_command(commands: Any) -> None:
         "per rank, draw the timeline (--out) and write a Chrome/Perfetto trace (--trace).",
     )
     parser.add_argument(
-        "--schedule", default="1f1b", help="naive, gpipe, 1f1b, interleaved, zero-bubble or pipedream (default 1f1b)"
+        "--schedule",
+        default="1f1b",
+        help="naive, gpipe, 1f1b, interleaved, zero-bubble, pipedream, zb-v or dualpipev (default 1f1b)",
     )
     parser.add_argument("--pp", type=int, help="pipeline ranks p (default 4; from the file with --text/--csv)")
     parser.add_argument("--microbatches", type=int, help="micro-batches m per step (default 8)")
-    parser.add_argument("--virtual-stages", type=int, help="model chunks per rank v (default 1; interleaved: 2)")
+    parser.add_argument(
+        "--virtual-stages", type=int, help="model chunks per rank v (default 1; interleaved, zb-v, dualpipev: 2)"
+    )
     parser.add_argument(
         "--costs",
         default="",
@@ -77,7 +82,8 @@ def _load(args: argparse.Namespace):
     sizes = {"p": args.pp, "m": args.microbatches, "v": args.virtual_stages}
     path = args.text or args.csv
     if path is None:
-        defaults = {"p": 4, "m": 8, "v": 2 if args.schedule == PipelineSchedule.INTERLEAVED else 1}
+        two = args.schedule == PipelineSchedule.INTERLEAVED or args.schedule in V_SHAPED
+        defaults = {"p": 4, "m": 8, "v": 2 if two else 1}
         p, m, v = (defaults[key] if sizes[key] is None else sizes[key] for key in ("p", "m", "v"))
         return build_schedule(args.schedule, p, m, v)
     try:

@@ -69,7 +69,8 @@ def draw_schedule(result: SimResult, path: str | Path, title: str | None = None,
         handles.append(Patch(color=_shade(COLORS["F"], 0.45), label="later model chunks: lighter"))
     legend_in = 0.3  # inches kept below the axes for the legend
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    heading = title or f"{schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v})"
+    where = "" if schedule.placement == "interleaved" else f", {schedule.placement.upper()} placement"
+    heading = title or f"{schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v}{where})"
     ax.set_title(f"{heading}: bubble {result.bubble_fraction:.1%}")
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     path = Path(path)

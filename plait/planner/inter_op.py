@@ -22,8 +22,9 @@ Its callers:
 - ``balanced_stages``: p stages of a chain, minimising the slowest. When every stage gets the same sub-mesh the
   sum in Alpa's objective is the same for every split, so Alpa's DP reduces to exactly this min-max problem:
   it is what ``plan()`` runs for each layout's stage boundaries.
-- ``rank_balanced_stages``: with an interleaved schedule rank r runs chunks r, r + p, ..., r + (v - 1) p, so what
-  must be balanced is each rank's total, not each chunk (a rank with two heavy chunks is the bottleneck of every
+- ``rank_balanced_stages``: with an interleaved schedule rank r runs chunks r, r + p, ..., r + (v - 1) p (in a V,
+  ZB-V and DualPipeV: r and 2p - 1 - r, so rank 0 holds both the embedding and the output layer), so what must be
+  balanced is each rank's total, not each chunk (a rank with two heavy chunks is the bottleneck of every
   steady-state cycle). Starting from the chunk-balanced cuts, single cuts move by one layer while the ranks'
   loads, sorted from the heaviest, decrease lexicographically.
 """
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.parallel.pipeline.schedule import Placement, rank_stages, stage_rank
 
 StageCost = Callable[[int, int], np.ndarray]
 """``(units used before the stage, units the stage takes) -> cost[i, j]`` of layers [i, j) as that stage."""
@@ -149,16 +151,21 @@ def balanced_stages(costs: Sequence[float], stages: int) -> list[tuple[int, int]
     return [(i, j) for i, j, _ in found[1]]
 
 
-def rank_loads(costs: Sequence[float], chunks: Sequence[tuple[int, int]], p: int) -> list[float]:
-    """Each rank's total cost when chunk c runs on rank c mod p (the interleaved placement)."""
+def rank_loads(
+    costs: Sequence[float], chunks: Sequence[tuple[int, int]], p: int, placement: str = Placement.INTERLEAVED
+) -> list[float]:
+    """Each rank's total cost when chunk c runs on rank ``stage_rank(c, p, placement)`` (c mod p interleaved)."""
     loads = [0.0] * p
     for c, (i, j) in enumerate(chunks):
-        loads[c % p] += sum(costs[i:j])
+        loads[stage_rank(c, p, placement)] += sum(costs[i:j])
     return loads
 
 
-def rank_balanced_stages(costs: Sequence[float], p: int, v: int = 1) -> list[tuple[int, int]]:
-    """``p x v`` contiguous chunks of ``costs``, chunk c on rank c mod p, balancing the ranks' totals (module
+def rank_balanced_stages(
+    costs: Sequence[float], p: int, v: int = 1, placement: str = Placement.INTERLEAVED
+) -> list[tuple[int, int]]:
+    """``p x v`` contiguous chunks of ``costs``, chunk c on rank ``stage_rank(c, p, placement)`` (c mod p when
+    interleaved), balancing the ranks' totals (module
     docstring); v = 1 is ``balanced_stages``. Equal layers with heavier ends (a transformer: the embedding on the
     first block, the output layer on the last) are split exactly by ``_equal_layers_split``; other costs by
     coordinate descent from the chunk-balanced cuts (each cut moved to its best place between its neighbours while
@@ -170,7 +177,7 @@ def rank_balanced_stages(costs: Sequence[float], p: int, v: int = 1) -> list[tup
     if not 1 <= p * v <= n:
         raise ConfigError(f"cannot cut {n} layers into {p * v} chunks. Fix: use pp x virtual_stages <= {n}.")
     if n > 2 and all(c == costs[1] for c in costs[1:-1]):
-        return _equal_layers_split(costs, p, v)
+        return _equal_layers_split(costs, p, v, placement)
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
@@ -179,7 +186,7 @@ def rank_balanced_stages(costs: Sequence[float], p: int, v: int = 1) -> list[tup
     def key(b: list[int]) -> list[float]:
         loads = [0.0] * p
         for c in range(len(b) - 1):
-            loads[c % p] += prefix[b[c + 1]] - prefix[b[c]]
+            loads[stage_rank(c, p, placement)] += prefix[b[c + 1]] - prefix[b[c]]
         return sorted(loads, reverse=True)
 
     current = key(bounds)
@@ -195,28 +202,30 @@ def rank_balanced_stages(costs: Sequence[float], p: int, v: int = 1) -> list[tup
     return list(zip(bounds, bounds[1:]))
 
 
-def _equal_layers_split(costs: Sequence[float], p: int, v: int) -> list[tuple[int, int]]:
+def _equal_layers_split(
+    costs: Sequence[float], p: int, v: int, placement: str = Placement.INTERLEAVED
+) -> list[tuple[int, int]]:
     """The exact rank balance when every layer but the first and last costs the same: a rank's load is its block
-    count times that cost plus its extras (rank 0 holds the first layer's, rank p - 1 the last's), so blocks are
-    handed out one at a time to the rank whose load stays lowest (optimal for a min-max of increasing loads), each
-    rank keeping at least v; within a rank the chunk that carries an extra gets the smaller share."""
+    count times that cost plus its extras (rank 0 holds the first layer's, the last chunk's rank the last's: rank
+    p - 1 interleaved, rank 0 in a V), so blocks are handed out one at a time to the rank whose load stays lowest
+    (optimal for a min-max of increasing loads), each rank keeping at least v; within a rank the chunk that carries
+    an extra gets the smaller share (in a V rank 0 carries both: chunk 0 gets it)."""
     n, base = len(costs), costs[1]
+    last = p * v - 1
     extra = [0.0] * p
     extra[0] += costs[0] - base
-    extra[(p * v - 1) % p] += costs[-1] - base
+    extra[stage_rank(last, p, placement)] += costs[-1] - base
     blocks = [v] * p
     for _ in range(n - p * v):
         r = min(range(p), key=lambda q: ((blocks[q] + 1) * base + extra[q], q))
         blocks[r] += 1
     sizes = [0] * (p * v)
-    for r in range(p):
-        share = [blocks[r] // v + (1 if q < blocks[r] % v else 0) for q in range(v)]
-        if r == 0:
-            share.sort()  # chunk 0 carries the embedding
-        elif r == (p * v - 1) % p:
-            share.sort(reverse=True)  # the last chunk carries the output layer
-        for q in range(v):
-            sizes[r + q * p] = share[q]
+    for r, chunks in enumerate(rank_stages(p, v, placement)):
+        share = [blocks[r] // v + (1 if q < blocks[r] % v else 0) for q in range(v)]  # larger first: the last
+        if 0 in chunks:  # chunk (with the output layer) gets the smaller share; chunk 0 (the embedding) too
+            share.sort()
+        for chunk, size in zip(chunks, share):
+            sizes[chunk] = size
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)

@@ -69,7 +69,7 @@ from torch import nn
 
 from plait.layout import Layout, Offload, Recompute
 from plait.models.spec import ModelSpec
-from plait.parallel.pipeline.schedule import Kind
+from plait.parallel.pipeline.schedule import Kind, placement_of, rank_stages
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes, positions_bytes
 from plait.planner.expert_activations import PLAIT_ROUTING, Routing, layer_bytes
 from plait.planner.experts import routed_layout, routed_parameters, stage_parameters
@@ -381,7 +381,7 @@ def _estimate_step(
     in_flight, ranges = rank_activations(spec, layout, fwd, ends=whole, routing=routing)
     best: MemoryEstimate | None = None
     for rank, saved in enumerate(in_flight):
-        owned = range(rank, stages, layout.pp)
+        owned = rank_stages(layout.pp, layout.virtual_stages, placement_of(layout.schedule))[rank]
         blocks = [i for s in owned for i in range(*ranges[s])]
         has_first, has_last = 0 in owned, stages - 1 in owned
         psi: float = psi_model - routed_model

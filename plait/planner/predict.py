@@ -29,8 +29,9 @@ from functools import lru_cache, partial
 from typing import Any
 
 from plait.errors import LayoutError
-from plait.layout import Layout, Offload, PipelineSchedule, Recompute
+from plait.layout import SPLIT_BACKWARD, V_SHAPED, Layout, Offload, PipelineSchedule, Recompute
 from plait.parallel.pipeline import build_schedule, simulate
+from plait.parallel.pipeline.schedule import placement_of, rank_stages, stage_rank
 from plait.parallel.pipeline.simulate import Costs
 from plait.planner.costs import (
     ADAM_BYTES_PER_PARAM,
@@ -161,6 +162,11 @@ def check_layout(spec: ModelSpec, layout: Layout, global_batch: int, impl: Imple
             f"the interleaved schedule needs microbatches ({layout.microbatches}) to be a multiple of "
             f"pp={layout.pp}. Fix: change microbatches or use schedule '1f1b'."
         )
+    if layout.schedule == PipelineSchedule.DUALPIPEV and layout.pp > 1 and layout.microbatches < 2 * layout.pp:
+        raise LayoutError(
+            f"dualpipev needs microbatches >= 2 x pp = {2 * layout.pp}, got {layout.microbatches}. Fix: use more "
+            f"micro-batches, or schedule 'zb-v' (any number)."
+        )
     if layout.zero and layout.dp * layout.cp == 1:
         raise LayoutError(f"zero={layout.zero} shards over dp x cp = 1 rank. Fix: use zero=0 or dp > 1.")
     if layout.pipeline_cuts and layout.pipeline_cuts[-1] >= spec.layers:
@@ -193,20 +199,18 @@ def _pipeline(
     replicas: int = 1,
 ) -> tuple[float, float, int]:
     """(makespan, slowest rank's busy time, peak in-flight chunk-micro-batches on any rank) for m micro-batches.
-    ``split``: zero-bubble's I + W over B (``Hardware.split_backward``); ``units`` > 0: the ``replicas`` x p ranks
-    share that many processors (``plait.planner.sharing``)."""
+    ``split``: a split backward's I + W over B (``Hardware.split_backward``; ZB-H1, ZB-V and DualPipeV's I + W
+    actions); ``units`` > 0: the ``replicas`` x p ranks share that many processors (``plait.planner.sharing``)."""
     if p == 1:
         return m * (forward[0] + backward[0]), m * (forward[0] + backward[0]), 1
-    sim_m = m if m <= 2 * p else 2 * p
+    sim_m = m if m <= 2 * p else 2 * p  # >= 2p - 1 fills a V: its idle time no longer grows with m either
     halves = [b / 2 * split for b in backward]
     costs = Costs(F=list(forward), B=list(backward), I=halves, W=halves, p2p=p2p)
     plan = build_schedule(schedule, p, sim_m, v)
     result = simulate(plan, costs)
     per_mb = max(
-        sum(
-            forward[s] + (backward[s] * split if schedule == "zero-bubble" else backward[s]) for s in range(r, p * v, p)
-        )
-        for r in range(p)
+        sum(forward[s] + (backward[s] * split if schedule in SPLIT_BACKWARD else backward[s]) for s in stages)
+        for stages in rank_stages(p, v, plan.placement)
     )
     extra = (m - sim_m) * per_mb
     makespan = result.makespan + extra
@@ -216,10 +220,10 @@ def _pipeline(
 
 
 @lru_cache(maxsize=4096)
-def _balanced(costs: tuple[float, ...], p: int, v: int) -> tuple[tuple[int, int], ...]:
+def _balanced(costs: tuple[float, ...], p: int, v: int, placement: str) -> tuple[tuple[int, int], ...]:
     """``rank_balanced_stages`` of rounded block costs (rounded by the caller, so that the search's many layouts
     share one partition)."""
-    return tuple(rank_balanced_stages(costs, p, v))
+    return tuple(rank_balanced_stages(costs, p, v, placement))
 
 
 def stage_chunks(
@@ -238,7 +242,8 @@ def stage_chunks(
     unit = blk.forward + blk.backward + blk.forward_comm + blk.backward_comm or 1.0
     costs = _layer_costs(spec, layout, blk, embed, head, moe)
     rounded = {c: round(c / unit, 2) for c in set(costs)}  # few distinct values: the blocks are equal but the ends
-    return list(_balanced(tuple(rounded[c] for c in costs), layout.pp, layout.virtual_stages))
+    placement = placement_of(layout.schedule)
+    return list(_balanced(tuple(rounded[c] for c in costs), layout.pp, layout.virtual_stages, placement))
 
 
 def pipeline_closed_form(
@@ -247,21 +252,31 @@ def pipeline_closed_form(
     """(makespan, busy, peak in-flight chunk-micro-batches) of a pipeline whose slowest rank spends ``rank_f`` and
     ``rank_b`` per micro-batch (over its v chunks): 1F1B and GPipe (m + p - 1)(F + B) (Narayanan et al. 2021,
     sec. 2.2), interleaved m (F + B) + (p - 1)(F + B) / v (their sec. 2.2.2), ZB-H1 m (F + B) + (p - 1) F when
-    I = W = B / 2 (Qi et al. 2023); plus 2 (p - 1) p2p transfers on the critical path. Used by the search;
+    I = W = B / 2 (Qi et al. 2023), ZB-V and DualPipeV m (F + B) + (p - 1) F / 2 (ZB-H1's on chunks of half a
+    rank's share, tests/test_pipeline_vshape.py; for m >= 2p - 1: below, the V never fills and this is low); plus
+    2 (p - 1) p2p transfers on the critical path (4 (p - 1) in a V: down and back up). In-flight
+    chunk activations: ZB-V min(2p, 2m) (1F1B's p whole stages), DualPipeV 2p + 1. Used by the search;
     ``predict(exact=True)`` runs the simulator instead (tests hold them to each other)."""
     busy = m * (rank_f + rank_b)
     if p == 1:
         return busy, busy, 1
     if schedule == "zero-bubble":
         bubble = (p - 1) * rank_f
+    elif schedule in V_SHAPED:
+        bubble = (p - 1) * rank_f / 2
     elif schedule == "interleaved":
         bubble = (p - 1) * (rank_f + rank_b) / v
     else:
         bubble = (p - 1) * (rank_f + rank_b)
-    in_flight = {"gpipe": m * v, "naive": 1, "interleaved": min(m * v, 2 * (p - 1) + (v - 1) * p + 1)}.get(
-        schedule, min(p, m)
-    )
-    return busy + bubble + 2 * (p - 1) * p2p, busy, in_flight
+    in_flight = {
+        "gpipe": m * v,
+        "naive": 1,
+        "interleaved": min(m * v, 2 * (p - 1) + (v - 1) * p + 1),
+        "zb-v": min(2 * p, 2 * m),
+        "dualpipev": 2 * p + 1,
+    }.get(schedule, min(p, m))
+    hops = 4 * (p - 1) if schedule in V_SHAPED else 2 * (p - 1)  # a V goes down and back up, both ways
+    return busy + bubble + hops * p2p, busy, in_flight
 
 
 def _rounded(values: list[float], unit: float) -> tuple[float, ...]:
@@ -330,11 +345,14 @@ def predict(
             + (head_f + head_b if end == spec.layers else 0)
         )
     # per rank: (blocks, dense parameters, routed expert parameters), before tp / ep split them
+    placement = placement_of(layout.schedule) if p > 1 else "interleaved"
+    held_chunks = rank_stages(p, v, placement)  # each rank's chunks: r, r + p, ... or, in a V, r and 2p - 1 - r
+    last = stage_rank(p * v - 1, p, placement)
     stage_params = []
     expert_ways = expert_split(layout, impl)
     for r in range(p):
-        indices = [i for c in range(r, p * v, p) for i in range(*chunks[c])]
-        dense, routed = stage_parameters(spec, indices, r == 0, r == (p * v - 1) % p)
+        indices = [i for c in held_chunks[r] for i in range(*chunks[c])]
+        dense, routed = stage_parameters(spec, indices, r == 0, r == last)
         stage_params.append((len(indices), dense, routed))
     fullest = max(stage_params, key=lambda item: item[1] / t + item[2] / expert_ways)
     psi_dense, psi_routed = fullest[1] / t, fullest[2] / expert_ways
@@ -359,8 +377,8 @@ def predict(
         # with pp > 1 every micro-batch's backward runs under no_sync: gradients accumulate unsharded and are
         # reduce-scattered once per step (plait.parallel.zero.fsdp_pipeline), charged with the dp reduction below
         scatter = over_data("reduce_scatter", impl.grad_bytes) if p == 1 else 0.0
-        rank_f = max(sum(fwd[c] for c in range(r, p * v, p)) for r in range(p))
-        rank_b = max(sum(bwd[c] for c in range(r, p * v, p)) for r in range(p))
+        rank_f = max(sum(fwd[c] for c in held_chunks[r]) for r in range(p))
+        rank_b = max(sum(bwd[c] for c in held_chunks[r]) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
         zero3 = max(0.0, gather - hide_f) + max(0.0, gather + regather + scatter - hide_b)
         fwd = [f * (1 + max(0.0, gather - hide_f) / rank_f) for f in fwd]
@@ -368,14 +386,20 @@ def predict(
 
     message = b * (s // layout.cp) * spec.hidden * e / (t if impl.scatter_gather else 1)
     p2p = collective("send_recv", message, 2, axis_span(layout, "pp")) if p > 1 else 0.0
-    if p > 1 and not impl.overlap_p2p:  # blocking p2p: a chunk also waits for its output's transfer
-        fwd = [f + (p2p if c < p * v - 1 else 0.0) for c, f in enumerate(fwd)]
-        bwd = [x + (p2p if c > 0 else 0.0) for c, x in enumerate(bwd)]
+    # (the simulator below charges ``p2p`` only between stages on two ranks: a V's turn is local)
+    if p > 1 and not impl.overlap_p2p:  # blocking p2p: a chunk also waits for its output's transfer (none at a
+        # V's turn, where chunks p - 1 and p share a rank)
+
+        def crosses(c: int, d: int) -> bool:
+            return 0 <= d < p * v and stage_rank(c, p, placement) != stage_rank(d, p, placement)
+
+        fwd = [f + (p2p if crosses(c, c + 1) else 0.0) for c, f in enumerate(fwd)]
+        bwd = [x + (p2p if crosses(c, c - 1) else 0.0) for c, x in enumerate(bwd)]
     unit = max(fwd) or 1.0
     schedule = layout.schedule if p > 1 else "1f1b"
-    split = hw.split_backward if schedule == "zero-bubble" else 1.0
+    split = hw.split_backward if schedule in SPLIT_BACKWARD else 1.0
     shared = hw.compute_units if hw.compute_units and layout.world_size > hw.compute_units else 0.0
-    slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in range(r, p * v, p)))
+    slow = max(range(p), key=lambda r: sum(fwd[c] + bwd[c] for c in held_chunks[r]))
     if exact:
         makespan, busy, in_flight = _pipeline(
             schedule,
@@ -391,10 +415,10 @@ def predict(
         )
         makespan, busy = makespan * unit, busy * unit
     else:
-        rank_fwd = sum(fwd[c] for c in range(slow, p * v, p))
-        rank_bwd = sum(bwd[c] for c in range(slow, p * v, p))
+        rank_fwd = sum(fwd[c] for c in held_chunks[slow])
+        rank_bwd = sum(bwd[c] for c in held_chunks[slow])
         makespan, busy, in_flight = pipeline_closed_form(schedule, p, m, v, rank_fwd, rank_bwd * split, p2p)
-    slow_chunks = range(slow, p * v, p)
+    slow_chunks = held_chunks[slow]
     counts = [_block_counts(spec, layout, *chunks[c]) for c in slow_chunks]
     rank_dense, rank_moe = sum(c[0] for c in counts), sum(c[1] for c in counts)
     full = recompute_mode(layout) in ("full", "blocks")
@@ -462,7 +486,6 @@ def predict(
     )
 
     worst: MemoryBreakdown | None = None
-    last = (p * v - 1) % p
     # every rank holds ``held`` micro-batches at the peak here, so the fullest is one of: the most blocks, the most
     # parameters, or the last (fp32 logits)
     candidates = {
@@ -476,7 +499,7 @@ def predict(
         held = in_flight if p > 1 else 1
         if p > 1 and layout.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.NAIVE):
             held = m * v if layout.schedule == PipelineSchedule.GPIPE else 1
-        moe_blocks = sum(spec.is_moe_block(i) for c in range(r, p * v, p) for i in range(*chunks[c]))
+        moe_blocks = sum(spec.is_moe_block(i) for c in held_chunks[r] for i in range(*chunks[c]))
         mem = stage_memory(
             spec, layout, impl, b, s, dense, blocks, held, r == last, gathered,
             routed_params=routed, moe_blocks=moe_blocks,

@@ -4,7 +4,8 @@
 Enumerated: tp and cp in powers of two (tp within a node and dividing the heads; cp dividing the sequence),
 pp over the divisors of what is left (at most the layer count), dp the rest (dividing the global batch);
 micro-batch size in powers of two; the schedule when pp > 1: 1F1B, ZB-H1 (the zero-bubble schedule plait's
-runtime runs) and interleaved 1F1B with v = 2, 3, 4, 6 or 8 chunks per rank; ZeRO stage; recomputation
+runtime runs), interleaved 1F1B with v = 2, 3, 4, 6 or 8 chunks per rank, and the V-shaped ZB-V and DualPipeV
+(two chunks per rank); ZeRO stage; recomputation
 (selective where the runtime has it, full); CPU offload; for a Mixture-of-Experts model, expert parallelism ep: 1 and
 every power of two dividing both the experts and the data ranks dp x cp (``experts.ep_options``; ep folds into the
 data ranks, so it multiplies the layouts timed, not the shapes).
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.errors import ConfigError, LayoutError
-from plait.layout import RECOMPUTE_MODES, Layout, PipelineSchedule
+from plait.layout import RECOMPUTE_MODES, SPLIT_BACKWARD, Layout
 from plait.logging import get_logger
 from plait.planner.costs import IMPLEMENTATIONS, Implementation, act_bytes
 from plait.planner.experts import ep_options, expert_split, routed_layout, routed_parameters
@@ -173,7 +174,7 @@ def plan(
     precision: str = "bf16",
     implementation: str | Implementation = "plait",
     max_micro_batch: int = 8,
-    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble"),
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble", "zb-v", "dualpipev"),
     max_cp: int = 16,
     interleave_depths: tuple[int, ...] = (2, 3, 4, 6, 8),
 ) -> PlanResult:
@@ -241,8 +242,8 @@ def plan(
                     for option in options:
                         if "offload" in option and not zero:
                             continue
-                        if option.get("recompute") == "op" and base.schedule == PipelineSchedule.ZERO_BUBBLE and pp > 1:
-                            continue  # one backward per selective-checkpoint region: not zero-bubble's I and W
+                        if option.get("recompute") == "op" and base.schedule in SPLIT_BACKWARD and pp > 1:
+                            continue  # one backward per selective-checkpoint region: not a split backward's I and W
                         layout = dataclasses.replace(base, **option)
                         try:
                             prediction = predict(spec, layout, hw, batch, implementation=impl, exact=False)
@@ -378,14 +379,17 @@ def _more_devices(least_states: float, memory: float, world_size: int) -> str:
 def _schedules(
     pp: int, m: int, layers: int, allowed: tuple[str, ...], depths: tuple[int, ...]
 ) -> list[tuple[str, int]]:
-    """(schedule, chunks per rank) to try for pp stages and m micro-batches: the allowed one-chunk schedules, and
+    """(schedule, chunks per rank) to try for pp stages and m micro-batches: the allowed one-chunk schedules,
     interleaved with each depth v of ``depths`` that leaves every chunk a block (layers >= v x pp) when m is a
-    multiple of pp (Megatron-LM's interleaved schedule needs it)."""
+    multiple of pp (Megatron-LM's interleaved schedule needs it), and the V-shaped ZB-V (any m) and DualPipeV
+    (m >= 2 pp) with their two chunks per rank when layers >= 2 pp."""
     if pp == 1:
         return [("1f1b", 1)]
     options = [(name, 1) for name in allowed if name in ("1f1b", "zero-bubble", "gpipe")]
     if "interleaved" in allowed and m % pp == 0:
         options += [("interleaved", v) for v in depths if v >= 2 and layers >= v * pp]
+    if layers >= 2 * pp:
+        options += [(name, 2) for name in allowed if name == "zb-v" or (name == "dualpipev" and m >= 2 * pp)]
     return options
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from plait.layout import Layout, Offload, PipelineSchedule
+from plait.layout import SPLIT_BACKWARD, Layout, Offload, PipelineSchedule
 from plait.models.spec import ModelSpec
 from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buffer_bytes
 from plait.planner.costs import Implementation, act_bytes
@@ -207,7 +207,7 @@ def stage_memory(
     if layout.zero == 3:  # the gathered block being used and the one prefetched (or, module by module, at most
         gathered = min(2 * block_params, max(impl.zero3_live_limit, _largest_matrix(spec)))  # the live limit)
         buffers = gathered / layout.tp * e
-        if layout.pp > 1 and layout.schedule == PipelineSchedule.ZERO_BUBBLE:  # I and W gather the whole stage chunk
+        if layout.pp > 1 and layout.schedule in SPLIT_BACKWARD:  # I and W gather the whole stage chunk
             buffers = max(buffers, psi / layout.virtual_stages * e)
     allocated = params + grads + states - host + activations + buffers
     reserved = impl.reserved_bytes + (CUDA_CACHING_OVERHEAD * allocated if impl.reserved_bytes > 0 else 0.0)

@@ -1,7 +1,9 @@
 """How ``plait.parallelize`` sets up pipeline parallelism: check the layout and the schedule before any
 communication (``plan_pipeline``), then keep this rank's stages (``place_pipeline``).
 
-Rank with pp index r holds stages r, r + p, ... (``Schedule.stages_on``). With one stage its local model is
+Rank with pp index r holds the stages its schedule's placement gives it (``Schedule.stages_on``: r, r + p, ...
+interleaved; r and 2p - 1 - r in a V, so rank 0 holds both ends and a tie between them stays one parameter on
+one rank). With one stage its local model is
 that stage; with v > 1 it is one pruned copy of the model holding all of them (what the data-parallel strategy
 and the optimizer see, with the full model's parameter names), and each stage runs as a view sharing its
 parameters (``split.local_model``).

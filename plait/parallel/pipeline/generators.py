@@ -1,7 +1,8 @@
-"""The schedule generators: naive, GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H1) and PipeDream.
+"""The schedule generators: naive, GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H1), PipeDream, and the
+V-shaped ZB-V and DualPipeV (``vshape.py``).
 
 Each is ``(p, m, v=1) -> Schedule``: the per-rank action lists of ``p`` ranks, ``m`` micro-batches and ``v``
-model chunks per rank (stage s on rank s % p). ``GENERATORS`` maps a ``Layout.schedule`` name to its
+model chunks per rank (stage s on rank s % p; the V-shaped ones place 2p stages in a V, ``Placement.V``). ``GENERATORS`` maps a ``Layout.schedule`` name to its
 generator; ``schedule.build_schedule(name, p, m, v)`` looks it up. The bubbles and in-flight activations of
 each are derived in docs/pipeline.md and checked against the simulator in tests/test_pipeline_schedule.py.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 from plait.errors import ScheduleError
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule
+from plait.parallel.pipeline.vshape import dualpipev, zb_v
 
 
 def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
@@ -148,8 +150,20 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "interleaved": interleaved,
     "zero-bubble": zero_bubble,
     "pipedream": pipedream,
+    "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
 """Schedule generators by their ``Layout.schedule`` name: each is ``(p, m, v=1) -> Schedule``."""
 
 
-__all__ = ["GENERATORS", "gpipe", "interleaved", "naive", "one_f_one_b", "pipedream", "zero_bubble"]
+__all__ = [
+    "GENERATORS",
+    "dualpipev",
+    "gpipe",
+    "interleaved",
+    "naive",
+    "one_f_one_b",
+    "pipedream",
+    "zb_v",
+    "zero_bubble",
+]

@@ -108,7 +108,8 @@ def check_schedule(schedule: Schedule) -> Schedule:
 
 
 class PipelineRunner:
-    """Runs ``schedule`` on this pp rank's ``stages`` (stage s on pp index s % p), sending through ``comm``."""
+    """Runs ``schedule`` on this pp rank's ``stages`` (``Schedule.stages_on``: stage s on pp index s % p, or in a
+    V), sending through ``comm``; a hand-over between two stages of this rank is local."""
 
     owns_updates = False
     """True for a runner that applies optimizer updates itself during the step (PipeDream); the Engine then
@@ -159,7 +160,7 @@ class PipelineRunner:
         if sorted(self.stages) != expected:
             raise ScheduleError(
                 f"pp rank {index} holds stages {sorted(self.stages)}, but the schedule places "
-                f"{expected} there (stage s on rank s % p)."
+                f"{expected} there ({schedule.placement_rule})."
             )
         self.actions = self.lowered.actions[index]
         self.recv_lookahead = self.RECV_LOOKAHEAD if comm.p2p_progresses_independently(AXIS) else None
@@ -236,15 +237,21 @@ class PipelineRunner:
 
     def _chain(self, inputs: Inputs, with_data: bool) -> tuple[torch.Tensor | None, dict[int, TensorMeta]]:
         """The stages one after another (no grad): each receives its input's metadata (and, ``with_data``, the
-        tensor; else it runs on zeros), runs, and passes its output on. Returns the last stage's output (on its
-        rank) and the metadata of every local stage's input (key s - 1) and output (key s)."""
+        tensor; else it runs on zeros), runs, and passes its output on; a neighbour on this rank (a V's stages
+        p - 1 and p) takes it directly. Returns the last stage's output (on its rank) and the metadata of every
+        local stage's input (key s - 1) and output (key s)."""
         metas: dict[int, TensorMeta] = {}
         output: torch.Tensor | None = None
+        local: dict[int, torch.Tensor] = {}  # an output whose next stage is on this rank
         tokens, positions = split(inputs)
         with torch.no_grad():
             for s in sorted(self.stages):
                 if s == 0:
                     x = tokens
+                elif s in local:
+                    x = local.pop(s)
+                    if not with_data:
+                        x = torch.zeros_like(x)
                 else:
                     metas[s - 1] = self._recv_meta(self._peer(s - 1))
                     x = metas[s - 1].empty(self.device)
@@ -260,7 +267,9 @@ class PipelineRunner:
                         f"Fix: make each chunk's forward return a single tensor."
                     )
                 metas[s] = TensorMeta.of(out)
-                if s + 1 < self.num_stages:
+                if s + 1 in self.stages:
+                    local[s + 1] = out
+                elif s + 1 < self.num_stages:
                     self._send_meta_and(out if with_data else None, metas[s], self._peer(s + 1))
                 else:
                     output = out
@@ -486,7 +495,7 @@ class PipelineRunner:
         outbox: dict[tuple[str, int, int], torch.Tensor],
     ) -> None:
         """Queue a stage's output ("F") or input gradient ("B") for its neighbour: directly when the neighbour
-        is on this rank (p = 1), else for the send action that follows."""
+        is on this rank (p = 1, or stages p - 1 and p of a V), else for the send action that follows."""
         neighbour = stage + 1 if kind == Kind.FORWARD else stage - 1
         if neighbour in self.stages:
             inbox[(kind, neighbour, microbatch)] = (tensor, None)

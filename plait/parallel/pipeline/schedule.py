@@ -4,9 +4,14 @@ A schedule prints as text, one line per rank ("0F0 0F1 0B0 ..."), is checked str
 simulated in one process (``simulate.py``), drawn (``draw.py``) and executed by the pipeline runtime. The
 generators of the named schedules (GPipe, 1F1B, ...) are in ``generators.py``.
 
-Placement: ``p`` ranks, ``v`` virtual stages (model chunks) per rank, ``p * v`` stages; stage ``s`` lives on
-rank ``s % p`` (Megatron's interleaved placement: rank r holds stages r, r + p, r + 2p, ...). With v = 1,
-stage s is rank s.
+Placement (``Placement``, part of the schedule's data and of its text header): ``p`` ranks, ``v`` virtual stages
+(model chunks) per rank, ``p * v`` stages. Chunk ``c = s // p`` of stage ``s`` covers ranks 0..p-1 in order:
+- "interleaved" (Megatron's): every chunk goes down the ranks, stage ``s`` on rank ``s % p`` (rank r holds
+  r, r + p, r + 2p, ...);
+- "v" (ZB-V, DualPipeV): even chunks go down, odd chunks come back up, stage ``s`` on rank ``s % p`` when ``c``
+  is even, else ``p - 1 - s % p``. With v = 2 rank r holds stages r and 2p - 1 - r: rank 0 the first and the
+  last stage (the loss), and rank p - 1 both stages p - 1 and p, whose hand-over is local (no message).
+With v = 1 both are the same: stage s is rank s.
 
 Action kinds (text ``<stage><kind><microbatch>``):
     F  forward                          B  full backward (input and weight gradients)
@@ -25,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ScheduleError
-from plait.layout import Choice
+from plait.layout import V_SHAPED, Choice
 
 
 class Kind(Choice):
@@ -47,6 +52,33 @@ KINDS = COMPUTE_KINDS + COMM_KINDS
 _ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W)(\d+)$")
 _RANK_PREFIX = re.compile(r"^(\d+)\s*:\s*(.*)$")
 HEADER = "# plait pipeline schedule"
+
+
+class Placement(Choice):
+    """Where each stage lives (module doc): its value is the ``placement=`` field of a schedule's header."""
+
+    INTERLEAVED = "interleaved"
+    V = "v"
+
+
+def placement_of(schedule: str) -> Placement:
+    """The placement of a named schedule (``Layout.schedule``): a V for the V-shaped ones, else interleaved."""
+    return Placement.V if schedule in V_SHAPED else Placement.INTERLEAVED
+
+
+def stage_rank(stage: int, p: int, placement: str = Placement.INTERLEAVED) -> int:
+    """The rank of ``p`` that holds ``stage`` under ``placement`` (module doc): ``s % p`` interleaved; on a V the
+    same for even chunks ``s // p`` and ``p - 1 - s % p`` for odd ones."""
+    chunk, offset = divmod(stage, p)
+    return p - 1 - offset if placement == Placement.V and chunk % 2 else offset
+
+
+def rank_stages(p: int, v: int, placement: str = Placement.INTERLEAVED) -> list[list[int]]:
+    """Per rank of ``p``, the stages of ``p x v`` it holds under ``placement``, in increasing order."""
+    out: list[list[int]] = [[] for _ in range(p)]
+    for stage in range(p * v):
+        out[stage_rank(stage, p, placement)].append(stage)
+    return out
 
 
 @dataclass(frozen=True, order=True, repr=False)
@@ -98,17 +130,35 @@ class Schedule:
     actions: list[list[Action]]
     v: int = 1
     name: str = field(default="custom", compare=False)
+    placement: str = Placement.INTERLEAVED
+    """A ``Placement`` (its text is accepted and converted): which rank holds each stage (``rank_of``)."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in Placement.values():
+            raise ScheduleError(
+                f"unknown placement {self.placement!r}. Fix: use one of {', '.join(map(repr, Placement.values()))}."
+            )
+        self.placement = Placement(self.placement)
 
     @property
     def num_stages(self) -> int:
         return self.p * self.v
 
     def rank_of(self, stage: int) -> int:
-        """The rank that holds ``stage`` (stage s lives on rank s % p)."""
-        return stage % self.p
+        """The rank that holds ``stage``: ``s % p`` on an interleaved placement; on a V, the same for even
+        chunks and ``p - 1 - s % p`` for odd ones (module doc)."""
+        return stage_rank(stage, self.p, self.placement)
 
     def stages_on(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.p))
+        """The stages ``rank`` holds, in increasing order."""
+        return rank_stages(self.p, self.v, self.placement)[rank]
+
+    @property
+    def placement_rule(self) -> str:
+        """The placement in words, for messages."""
+        if self.placement == Placement.V:
+            return "stage s lives on rank s % p for even chunks s // p, p - 1 - s % p for odd ones (a V)"
+        return "stage s lives on rank s % p"
 
     @property
     def is_lowered(self) -> bool:
@@ -120,7 +170,9 @@ class Schedule:
 
     # ------------------------------------------------------------------ text and CSV
     def header(self) -> str:
-        return f"{HEADER} name={self.name} p={self.p} v={self.v} m={self.m}"
+        """The first line of the text and CSV forms; ``placement=`` is written when it is not the default."""
+        where = "" if self.placement == Placement.INTERLEAVED else f" placement={self.placement}"
+        return f"{HEADER} name={self.name} p={self.p} v={self.v} m={self.m}{where}"
 
     def to_text(self) -> str:
         """A header comment, then one line per rank: its actions separated by spaces."""
@@ -128,11 +180,17 @@ class Schedule:
 
     @classmethod
     def from_text(
-        cls, text: str, p: int | None = None, m: int | None = None, v: int | None = None, name: str | None = None
+        cls,
+        text: str,
+        p: int | None = None,
+        m: int | None = None,
+        v: int | None = None,
+        name: str | None = None,
+        placement: str | None = None,
     ) -> Schedule:
         """Parse ``to_text`` output or a hand-written schedule: one line per rank (optionally "3: ..."),
-        '#' lines are comments; p, m, v come from the arguments, the header, or are inferred (p = number of
-        rank lines, m = largest micro-batch + 1, v = stages / p)."""
+        '#' lines are comments; p, m, v and the placement come from the arguments, the header, or are inferred
+        (p = number of rank lines, m = largest micro-batch + 1, v = stages / p, placement interleaved)."""
         rows: list[tuple[int | None, list[str]]] = []
         meta: dict[str, str] = {}
         for line in text.splitlines():
@@ -143,7 +201,7 @@ class Schedule:
                 prefix = _RANK_PREFIX.match(line)
                 rank, body = (int(prefix.group(1)), prefix.group(2)) if prefix else (None, line)
                 rows.append((rank, body.replace(",", " ").split()))
-        return cls._build(rows, meta, p, m, v, name)
+        return cls._build(rows, meta, p, m, v, name, placement)
 
     def to_csv(self, path: str | Path) -> Path:
         """Write ``rank,action,action,...`` rows (after a '#' header line), readable by ``from_csv``."""
@@ -157,7 +215,13 @@ class Schedule:
 
     @classmethod
     def from_csv(
-        cls, path: str | Path, p: int | None = None, m: int | None = None, v: int | None = None, name: str | None = None
+        cls,
+        path: str | Path,
+        p: int | None = None,
+        m: int | None = None,
+        v: int | None = None,
+        name: str | None = None,
+        placement: str | None = None,
     ) -> Schedule:
         """Read ``rank,action,...`` rows (any order; '#' lines and a 'rank,...' title row are skipped)."""
         rows: list[tuple[int | None, list[str]]] = []
@@ -173,7 +237,7 @@ class Schedule:
                 if not cells[0].isdigit():
                     raise ScheduleError(f"{path}: row {cells} must start with the rank number, e.g. '0,0F0,0F1'.")
                 rows.append((int(cells[0]), cells[1:]))
-        return cls._build(rows, meta, p, m, v, name or meta.get("name") or Path(path).stem)
+        return cls._build(rows, meta, p, m, v, name or meta.get("name") or Path(path).stem, placement)
 
     @classmethod
     def _build(
@@ -184,6 +248,7 @@ class Schedule:
         m: int | None,
         v: int | None,
         name: str | None,
+        placement: str | None = None,
     ) -> Schedule:
         parsed = [(rank, [Action.parse(t) for t in tokens]) for rank, tokens in rows]
         if p is None:
@@ -199,7 +264,8 @@ class Schedule:
             m = int(meta["m"]) if "m" in meta else max((a.microbatch for a in every), default=0) + 1
         if v is None:
             v = int(meta["v"]) if "v" in meta else -(-(max((a.stage for a in every), default=0) + 1) // p)
-        return cls(p, m, actions, v, name or meta.get("name", "custom"))
+        where = placement or meta.get("placement", Placement.INTERLEAVED)
+        return cls(p, m, actions, v, name or meta.get("name", "custom"), where)
 
     # ------------------------------------------------------------------ structure
     def validate(self) -> Schedule:
@@ -224,7 +290,7 @@ class Schedule:
                 if self.rank_of(a.stage) != rank:
                     raise ScheduleError(
                         f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
-                        f"{self.rank_of(a.stage)} (stage s lives on rank s % p)."
+                        f"{self.rank_of(a.stage)} ({self.placement_rule})."
                     )
                 if a in where:
                     raise ScheduleError(f"rank {rank}: {a} appears twice. Fix: run each action exactly once.")
@@ -315,14 +381,15 @@ def _header_fields(line: str) -> dict[str, str]:
     return fields
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called ``name`` (a ``Layout.schedule`` value) for p ranks, m micro-batches, v chunks;
-    the generators live in ``generators.py`` (imported here, late: they build on ``Schedule``)."""
+def build_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """The schedule called ``name`` (a ``Layout.schedule`` value) for p ranks, m micro-batches, v chunks per rank
+    (None: the generator's default, 1, or 2 for the V-shaped ones); the generators live in ``generators.py``
+    (imported here, late: they build on ``Schedule``)."""
     from plait.parallel.pipeline.generators import GENERATORS
 
     if name not in GENERATORS:
         raise ScheduleError(f"unknown pipeline schedule {name!r}. Fix: use one of {', '.join(GENERATORS)}.")
-    return GENERATORS[name](p, m, v)
+    return GENERATORS[name](p, m) if v is None else GENERATORS[name](p, m, v)
 
 
 def lower(schedule: Schedule, costs: Any = None) -> Schedule:
@@ -379,7 +446,7 @@ def lower(schedule: Schedule, costs: Any = None) -> Schedule:
             )
     if nxt != [len(a) for a in acts]:  # pragma: no cover - simulate() has rejected such a schedule
         raise ScheduleError(f"cannot lower schedule {schedule.name!r}: no consistent send/recv order exists.")
-    return Schedule(p, schedule.m, out, schedule.v, schedule.name)
+    return Schedule(p, schedule.m, out, schedule.v, schedule.name, schedule.placement)
 
 
 _MOVED_TO_GENERATORS = ("GENERATORS", "gpipe", "interleaved", "naive", "one_f_one_b", "pipedream", "zero_bubble")
@@ -395,4 +462,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "KINDS", "Action", "Schedule", "ScheduleError", "build_schedule", "lower"]
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "KINDS",
+    "Action",
+    "Placement",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "lower",
+    "placement_of",
+    "rank_stages",
+    "stage_rank",
+]

@@ -191,8 +191,8 @@ def build_stage(
     part = copy.deepcopy(model, memo)
     for path in drop:
         _remove(part, path, plan.container)
-    if plan.num_stages - 1 in stages and 0 not in stages:
-        for _, name in plan.tied:
+    if plan.num_stages - 1 in stages and 0 not in stages and not share:  # a view shares its rank's model, whose
+        for _, name in plan.tied:  # tie was cut when it was built (or kept: a V holds both ends on rank 0)
             tie_copy(part, name)
     if is_hf_model(part):
         make_stage_forward(part)
