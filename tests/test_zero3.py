@@ -140,6 +140,7 @@ def _train(
         "eval_loss": engine.evaluate([evaluation]).loss,
         "held_after_eval": storage_bytes(model) + shard_bytes,
         "mlp_forwards": len(mlp_forwards),
+        "counts": (strategy.parameter_count(), strategy.held_parameter_count()),
     }
 
 
@@ -255,6 +256,9 @@ def test_parameters_held_between_steps_are_one_nth(world, request):
         for measured, reported in run["held"]:
             assert measured == reported == at_rest, f"held {measured} B between steps, theory P/N = {at_rest} B"
         assert run["held_after_eval"] == at_rest
+        # what plait train logs: the whole model's count, and the rank's shards (issue 37: it said "24.12M on this
+        # rank" where each of 4 ranks held 6.03M)
+        assert run["counts"] == (sum(sizes.values()), at_rest // 4)
 
 
 @pytest.mark.distributed

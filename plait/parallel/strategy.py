@@ -342,6 +342,11 @@ class DataParallelStrategy:
         with tensor or pipeline parallelism: this rank's slices and stages)."""
         return sum(p.numel() for p in self.model.parameters())
 
+    def held_parameter_count(self) -> int:
+        """How many parameters this rank stores between steps: ``parameter_count`` unless the parameters are
+        sharded over the data ranks (ZeRO-3 holds 1/dp of each unit)."""
+        return self.parameter_count()
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, by name (a copy; sharded strategies gather it)."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}

@@ -357,9 +357,10 @@ def _run(
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
         log.info(
-            "%s | model %.2fM parameters on this rank | %s",
+            "%s | %.2fM parameters in this rank's layers, %.2fM stored on it | %s",
             engine.mesh,
             engine.strategy.parameter_count() / 1e6,  # whole, also under ZeRO-3 (its module tensors are empty)
+            engine.strategy.held_parameter_count() / 1e6,  # ZeRO-3: this rank's shards
             run_dir,
         )
     dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")

@@ -401,6 +401,11 @@ class FullyShardedStrategy(ShardedStrategy):
         frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
         return sum(unit.layout.numel for unit in self.units) + frozen
 
+    def held_parameter_count(self) -> int:
+        """This rank's shards of the units plus the frozen parameters (not sharded)."""
+        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        return sum(unit.shard.numel() for unit in self.units) + frozen
+
     def held_bytes(self) -> int:
         """Bytes of model weights this rank holds now: its shards plus gathered units and gathers in flight."""
         return sum(unit.shard.numel() * unit.element_size + unit.gathered_bytes() for unit in self.units)
