@@ -132,7 +132,7 @@ def _train(fields: dict, clip: float | None) -> dict:
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     stats = [engine.train_step(loader.batch_at(step)) for step in range(STEPS)]
     strategy = engine.strategy
-    flats = getattr(strategy, "units", None) or getattr(strategy, "buckets", [])
+    flats = (getattr(strategy, "units", None) or strategy.buckets) if strategy.sharded else []
     out = {
         "losses": [s.loss for s in stats],
         "grad_norms": [s.grad_norm for s in stats],
