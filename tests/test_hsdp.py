@@ -360,3 +360,52 @@ def test_checkpoints_move_between_hsdp_zero3_and_one_process(runs: list[dict], t
     assert engine.load(root / "hsdp") == 3
     engine.save(tmp_path / "one")
     assert_same_state(root / "hsdp", tmp_path / "one")
+
+
+# ----------------------------------------------------------------- estimate_memory and the planner (no processes)
+def test_estimate_memory_shards_over_one_replica_group() -> None:
+    """Model states under HSDP at dp=8, R=2 are those of plain ZeRO at dp=4 (shards over dp/R); zero=0 ignores R."""
+    from plait.planner.memory import estimate_memory
+
+    fields = ("parameters", "gradients", "optimizer_states", "master_weights", "gradients_at_step")
+    for zero in (1, 2, 3):
+        hsdp = estimate_memory(10**6, Layout(dp=8, zero=zero, dp_replicate=2))
+        plain = estimate_memory(10**6, Layout(dp=4, zero=zero))
+        assert all(getattr(hsdp, f) == getattr(plain, f) for f in fields), zero
+        assert hsdp.optimizer_states > estimate_memory(10**6, Layout(dp=8, zero=zero)).optimizer_states
+    ddp = estimate_memory(10**6, Layout(dp=8, dp_replicate=2))
+    assert all(getattr(ddp, f) == getattr(estimate_memory(10**6, Layout(dp=8)), f) for f in fields)
+
+
+def test_predict_prices_the_replica_all_reduce_on_the_links_it_crosses() -> None:
+    """dp=32 on 4 nodes of 8 H100s with R=4: ZeRO works inside a node (8 ranks); each rank's gradient shard (Psi/8)
+    is all-reduced over one rank per node. The step's data-parallel time is plain ZeRO's at dp=8 (the same per-rank
+    batch) plus exactly that all-reduce, priced on the inter-node links (dearer than within a node)."""
+    from plait.planner import IMPLEMENTATIONS, get_hardware, predict, resolve_model
+    from plait.planner.costs import collective_time
+    from plait.planner.experts import gradient_groups, replica_group, stage_parameters
+
+    hw, impl = get_hardware("h100"), IMPLEMENTATIONS["plait"]
+    layout = Layout(dp=32, zero=1, dp_replicate=4, microbatches=2)
+    assert gradient_groups(layout)[0] == (8, 8) and replica_group(layout) == (4, 32)
+    assert replica_group(Layout(dp=32, dp_replicate=4)) == (1, 1)  # zero=0: one all-reduce over dp
+    spec = resolve_model("llama-7b", 2048)
+    psi = stage_parameters(spec, range(spec.layers), True, True)[0]
+    hsdp = predict(spec, layout, hw, global_batch=64)
+    zero = predict(spec, Layout(dp=8, zero=1, microbatches=2), hw, global_batch=16)
+    price = functools.partial(collective_time, hw, comm_efficiency=impl.comm_efficiency, rails=impl.rail_collectives)
+    across = price("all_reduce", psi / 8 * impl.grad_bytes, 4, 32)
+    assert hsdp.time["dp_comm"] - zero.time["dp_comm"] == pytest.approx(across, rel=1e-9)
+    assert across > price("all_reduce", psi / 8 * impl.grad_bytes, 4, 4)
+    assert hsdp.memory.optimizer_states == zero.memory.optimizer_states
+
+
+def test_the_search_includes_replica_groups() -> None:
+    """R runs over the divisors of dp that leave ZeRO more than one rank (and an ep group inside a group)."""
+    from plait.planner import plan
+    from plait.planner.search import replica_options
+
+    assert replica_options(8, 1, 3, 1) == [1, 2, 4] and replica_options(8, 2, 1, 1) == [1, 2, 4, 8]
+    assert replica_options(8, 1, 0, 1) == [1] and replica_options(8, 1, 3, 4) == [1, 2]
+    result = plan("llama-7b", 32, "a100-40gb", seq=2048, global_batch=64, top=30)
+    assert any(c.layout.dp_replicate > 1 for c in result.candidates)
