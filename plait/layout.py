@@ -172,6 +172,12 @@ class Layout:
             data-parallel ranks (dp x cp), which stay data-parallel (context-parallel) ranks for the rest of the
             model. Not a factor of the world size: ``Layout(dp=4, ep=2)`` runs on 4 ranks. ep must divide dp x cp
             (the mesh folds the data ranks into ``ep`` x ``edp``: docs/expert_parallel.md).
+        dp_replicate: HSDP (hybrid sharded data parallelism): the data ranks form ``dp_replicate`` = R replica
+            groups of dp/R x cp ranks each; ZeRO-1/2/3 shard inside a group (mesh axis ``shard``) and each reduced
+            shard's gradient is then all-reduced over the R groups (mesh axis ``replicate``, outer: across nodes).
+            R must divide dp; 1 (the default) is plain ZeRO over every data rank. With zero=0 nothing is sharded
+            and the step is plain data parallelism (one all-reduce over dp x cp), whatever R
+            (docs/zero.md, HSDP).
     """
 
     dp: int = -1
@@ -195,6 +201,7 @@ class Layout:
     pipeline_cuts: tuple[int, ...] = ()
     compile: bool | str = False
     ep: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, list):
@@ -232,6 +239,7 @@ class Layout:
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise LayoutError(f"ep={self.ep!r} must be an integer >= 1. Fix: ep=1 (no expert parallelism) or more.")
         self._check_expert_degree()
+        self._check_replicas()
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r} is not a ZeRO stage. Fix: use 0 (off), 1, 2 or 3.")
         if (
@@ -252,6 +260,33 @@ class Layout:
                 f"ep={self.ep} must divide the data-parallel ranks dp x cp = {self.dp} x {self.cp} = {data}: expert "
                 f"parallelism splits the experts over ep of them. Fix: use ep in {divisors}, or make dp x cp a "
                 f"multiple of {self.ep}."
+            )
+
+    def _check_replicas(self) -> None:
+        """HSDP: R = dp_replicate replica groups split dp; under expert parallelism an ep group (the ranks that
+        exchange tokens) must lie inside one replica group, so that the expert slices a rank holds are sharded over
+        its group and all-reduced over the groups like every other parameter."""
+        value = self.dp_replicate
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutError(
+                f"dp_replicate={value!r} must be an integer >= 1. Fix: dp_replicate=1 (plain ZeRO over every data "
+                f"rank) or the number of replica groups of HSDP, a divisor of dp."
+            )
+        if value == 1 or self.dp == -1:
+            return
+        if self.dp % value:
+            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise LayoutError(
+                f"dp_replicate={value} must divide dp={self.dp}: HSDP splits the dp ranks into dp_replicate replica "
+                f"groups of equal size. Fix: use dp_replicate in {divisors}, or a dp that is a multiple of {value}."
+            )
+        if self.ep > 1 and self.cp != -1 and (self.dp // value * self.cp) % self.ep:
+            group = self.dp // value * self.cp
+            raise LayoutError(
+                f"ep={self.ep} must divide the ranks of one HSDP replica group, dp/dp_replicate x cp = "
+                f"{self.dp // value} x {self.cp} = {group}: the ranks that exchange tokens hold the experts that one "
+                f"replica group shards, and the groups all-reduce each shard. Fix: use ep in "
+                f"{[d for d in range(1, group + 1) if group % d == 0]}, or a smaller dp_replicate."
             )
 
     def _coerce_choices(self) -> None:
@@ -416,6 +451,7 @@ class Layout:
     def short(self) -> str:
         """A compact description such as ``dp2 tp2 pp1 cp1 zero1 mb4``."""
         parts = [f"{axis}{getattr(self, axis)}" for axis in AXES] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        parts += [f"replicate{self.dp_replicate}"] if self.dp_replicate > 1 else []
         compiled = [] if self.compile is False else ["compiled" if self.compile is True else f"compiled:{self.compile}"]
         return " ".join(parts + [f"zero{self.zero}", f"mb{self.microbatches}", self.precision, *compiled])
 

@@ -22,7 +22,20 @@ Expert parallelism (``Layout.ep``) folds the data ranks the same way: a rank's i
 
 so an ``ep`` group (the ranks that split one layer's experts and exchange tokens all-to-all) is consecutive data
 ranks, and ``edp`` links the ranks holding the same experts (their gradients are reduced over it). With ep = 1,
-``ep`` has one rank and ``edp`` is ``dp_cp`` (the same process group). The grid arithmetic (``RankGrid``)
+``ep`` has one rank and ``edp`` is ``dp_cp`` (the same process group).
+
+HSDP (``Layout.dp_replicate`` = R) folds the same index j into ``HSDP_SUB_AXES``, ``shard`` innermost::
+
+    j = replicate_i * S + shard_i        S = DP x CP / R
+
+so a ``shard`` group (the dp/R x cp ranks that ZeRO shards over: one replica group) is consecutive data ranks, and
+a ``replicate`` group links the ranks at the same place of every replica group (they hold equal shards; each
+shard's gradient is all-reduced over it). dp is outside cp and tp in the rank order, so replica groups are the
+largest blocks of data ranks: across nodes on a cluster. With ep > 1 an ep group lies inside one replica group
+(``Layout`` checks that ep divides S) and ``edp_shard``, the ranks of one replica group holding the same experts
+(j = replicate_i * S + edp_shard_i * EP + ep_i), is what ZeRO shards expert slices over. The sub-axes exist only
+with R > 1; ``Mesh.group`` then answers ``shard`` with the ``dp_cp`` group, ``edp_shard`` with ``edp`` and
+``replicate`` with none (one rank). The grid arithmetic (``RankGrid``)
 is pure; ``Mesh.build`` creates the process groups once, on every rank in the same order, and the Mesh is
 then passed explicitly to whatever needs it.
 """
@@ -50,14 +63,23 @@ TP_SUB_AXES: tuple[str, ...] = ("tp_dep", "tp_row", "tp_col")
 EP_SUB_AXES: tuple[str, ...] = ("edp", "ep")
 """The sub-axes that split the data ranks (dp x cp) for expert parallelism, outermost first."""
 
+HSDP_SUB_AXES: tuple[str, ...] = ("replicate", "shard")
+"""The sub-axes that split the data ranks (dp x cp) into HSDP replica groups, outermost first."""
+
+EXPERT_SHARD_AXIS = "edp_shard"
+"""Under HSDP with expert parallelism: the ranks of one replica group that hold the same experts."""
+
+DATA_SUB_AXES: tuple[str, ...] = EP_SUB_AXES + HSDP_SUB_AXES + (EXPERT_SHARD_AXIS,)
+"""Every sub-axis of the data ranks j = dp x CP + cp (expert parallelism's and HSDP's)."""
+
 
 def axis_members(axis: str) -> tuple[str, ...]:
     """The mesh axes that ``axis`` spans (itself for a plain axis or a tp / ep sub-axis)."""
-    if axis in AXES or axis in TP_SUB_AXES or axis in EP_SUB_AXES:
+    if axis in AXES or axis in TP_SUB_AXES or axis in DATA_SUB_AXES:
         return (axis,)
     if axis in COMBINED_AXES:
         return COMBINED_AXES[axis]
-    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES + EP_SUB_AXES + TP_SUB_AXES)}")
+    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(ALL_AXES + DATA_SUB_AXES + TP_SUB_AXES)}")
 
 
 @dataclass(frozen=True)
@@ -65,18 +87,26 @@ class RankGrid:
     """Pure rank arithmetic for degrees in ``AXES`` order (no processes needed).
 
     ``tp_split`` = (depth, rows, cols) splits tp into ``TP_SUB_AXES`` (None: 1D tensor parallelism, no sub-axes);
-    ``ep`` splits the data ranks into ``EP_SUB_AXES`` (module docstring).
+    ``ep`` splits the data ranks into ``EP_SUB_AXES``, ``replicate`` (HSDP's R) into ``HSDP_SUB_AXES`` (module
+    docstring).
     """
 
     sizes: tuple[int, ...]
     tp_split: tuple[int, int, int] | None = None
     ep: int = 1
+    replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_split is not None and math.prod(self.tp_split) != self.sizes[AXES.index("tp")]:
             raise LayoutError(f"tp sub-axes {self.tp_split} do not multiply to tp={self.sizes[AXES.index('tp')]}.")
         if self.ep < 1 or self._data_size % self.ep:
             raise LayoutError(f"ep={self.ep} does not divide the data ranks dp x cp = {self._data_size}.")
+        if self.replicate < 1 or self.sizes[AXES.index("dp")] % self.replicate:
+            raise LayoutError(f"dp_replicate={self.replicate} does not divide dp={self.sizes[AXES.index('dp')]}.")
+        if (self._data_size // self.replicate) % self.ep:
+            raise LayoutError(
+                f"ep={self.ep} does not divide the {self._data_size // self.replicate} data ranks of a replica group."
+            )
 
     @property
     def _data_size(self) -> int:
@@ -89,7 +119,7 @@ class RankGrid:
         if dims:
             depth, rows, cols = (dims[a] for a in TP_SUB_AXES)
             split = (depth, rows, cols)
-        return cls(tuple(layout.degrees[axis] for axis in AXES), split, layout.ep)
+        return cls(tuple(layout.degrees[axis] for axis in AXES), split, layout.ep, layout.dp_replicate)
 
     @property
     def world_size(self) -> int:
@@ -97,15 +127,25 @@ class RankGrid:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every axis this grid has groups for: ``ALL_AXES``, plus ``EP_SUB_AXES`` under expert parallelism and
-        ``TP_SUB_AXES`` under nD tensor parallelism."""
-        return ALL_AXES + (EP_SUB_AXES if self.ep > 1 else ()) + (TP_SUB_AXES if self.tp_split is not None else ())
+        """Every axis this grid has groups for: ``ALL_AXES``, plus ``EP_SUB_AXES`` under expert parallelism,
+        ``HSDP_SUB_AXES`` under HSDP (and ``EXPERT_SHARD_AXIS`` with both) and ``TP_SUB_AXES`` under nD tensor
+        parallelism."""
+        hsdp = HSDP_SUB_AXES + ((EXPERT_SHARD_AXIS,) if self.ep > 1 else ()) if self.replicate > 1 else ()
+        return (
+            ALL_AXES + (EP_SUB_AXES if self.ep > 1 else ()) + hsdp + (TP_SUB_AXES if self.tp_split is not None else ())
+        )
 
     def _axis_size(self, axis: str) -> int:
         if axis == "ep":
             return self.ep
         if axis == "edp":
             return self._data_size // self.ep
+        if axis == "replicate":
+            return self.replicate
+        if axis == "shard":
+            return self._data_size // self.replicate
+        if axis == EXPERT_SHARD_AXIS:
+            return self._data_size // self.replicate // self.ep
         if axis in TP_SUB_AXES:
             if self.tp_split is None:
                 raise KeyError(f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d'")
@@ -133,12 +173,34 @@ class RankGrid:
             ordered.update({axis: sub[axis] for axis in TP_SUB_AXES})
         if self.ep > 1:
             ordered.update(zip(EP_SUB_AXES, self._ep_coords(ordered)))
+        if self.replicate > 1:
+            j = self._data_index(ordered)
+            ordered.update(zip(HSDP_SUB_AXES, divmod(j, self._axis_size("shard"))))
+            if self.ep > 1:
+                ordered[EXPERT_SHARD_AXIS] = j % self._axis_size("shard") // self.ep
         return ordered
+
+    def _data_index(self, coords: dict[str, int]) -> int:
+        """j = dp x CP + cp: a rank's index in its ``dp_cp`` group."""
+        return coords["dp"] * self.sizes[AXES.index("cp")] + coords["cp"]
 
     def _ep_coords(self, coords: dict[str, int]) -> tuple[int, int]:
         """(edp, ep) of a rank at ``coords``: its data index j = dp x CP + cp split as j = edp x EP + ep."""
-        edp, ep = divmod(coords["dp"] * self.sizes[AXES.index("cp")] + coords["cp"], self.ep)
+        edp, ep = divmod(self._data_index(coords), self.ep)
         return edp, ep
+
+    def _data_key(self, axis: str, j: int) -> tuple[int, ...]:
+        """What the data ranks of one ``axis`` group (a sub-axis of the data ranks) share: j and j' are in one
+        group when their keys are equal (module docstring's folds of j)."""
+        shard = self._data_size // self.replicate
+        keys = {
+            "ep": (j // self.ep,),  # the same edp index
+            "edp": (j % self.ep,),  # the same ep index
+            "replicate": (j % shard,),  # the same place in its replica group
+            "shard": (j // shard,),  # the same replica group
+            EXPERT_SHARD_AXIS: (j // shard, j % self.ep),  # the same replica group and experts
+        }
+        return keys[axis]
 
     def rank_of(self, coords: dict[str, int]) -> int:
         """The rank at ``coords`` (``AXES``; under a tp split, tp is taken from the sub-axes when they are given)."""
@@ -157,14 +219,11 @@ class RankGrid:
         """The ranks that share ``rank``'s coordinates on every axis outside ``axis``, in mesh order."""
         varying = axis_members(axis)
         base = self.coords(rank)
-        if axis in EP_SUB_AXES:  # data ranks j = edp * EP + ep, j = dp * CP + cp
+        if axis in DATA_SUB_AXES:  # data ranks j = dp * CP + cp that share this rank's key along ``axis``
             cp = self.sizes[AXES.index("cp")]
-            edp, ep = self._ep_coords(base)
-            ranks = []
-            for index in range(self._axis_size(axis)):
-                j = edp * self.ep + index if axis == "ep" else index * self.ep + ep
-                ranks.append(self.rank_of({**{a: base[a] for a in AXES}, "dp": j // cp, "cp": j % cp}))
-            return sorted(ranks)
+            key = self._data_key(axis, self._data_index(base))
+            members = [j for j in range(self._data_size) if self._data_key(axis, j) == key]
+            return sorted(self.rank_of({**{a: base[a] for a in AXES}, "dp": j // cp, "cp": j % cp}) for j in members)
         if self.tp_split is not None and "tp" in varying:  # the sub-axes follow tp
             base = {a: c for a, c in base.items() if a not in TP_SUB_AXES}
         ranks = []
@@ -254,6 +313,10 @@ class Mesh:
         axis_members(axis)
         if axis in EP_SUB_AXES and axis not in self._groups:  # ep = 1: one rank, and edp is dp_cp
             return None if axis == "ep" else self._groups["dp_cp"]
+        if axis in HSDP_SUB_AXES + (EXPERT_SHARD_AXIS,) and axis not in self._groups:  # no HSDP: one replica group
+            if axis == EXPERT_SHARD_AXIS:  # ep = 1: the replica group; no HSDP: edp
+                return self.group("shard" if self.grid.replicate > 1 else "edp")
+            return None if axis == "replicate" else self._groups["dp_cp"]
         if axis not in self._groups:
             raise KeyError(
                 f"mesh axis {axis!r} exists only with tp_mode '2d', '2.5d' or '3d' (this mesh: {self.layout.tp_mode!r})"

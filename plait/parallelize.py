@@ -40,7 +40,7 @@ from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.runner import PlainRunner, StepRunner
-from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory
+from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, data_axes
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
 from plait.parallel.tensor.sequence import hand_stage_positions
@@ -78,17 +78,26 @@ def make_strategy(
     init_shards: Callable[[list[Any]], None] | None = None,
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
-    gradients), 3 -> fully sharded parameters (FSDP-style; ``init_shards`` fills a meta-built model's shards)."""
+    gradients), 3 -> fully sharded parameters (FSDP-style; ``init_shards`` fills a meta-built model's shards);
+    ZeRO over the data axis of ``data_axes`` (HSDP: one replica group's ``shard``)."""
     if layout.zero == 0:
         return DistributedDataParallel(
             model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters, param_groups=param_groups
         )
+    axis, _ = data_axes(layout)  # HSDP: ZeRO shards over one replica group (each shard then averaged over R)
     if layout.zero in (1, 2):
         return ShardedOptimizerStrategy(
-            model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups
+            model, comm, optimizer, layout, axis, offload_dir=offload_dir, param_groups=param_groups
         )
     return FullyShardedStrategy(
-        model, comm, optimizer, layout, offload_dir=offload_dir, param_groups=param_groups, init_shards=init_shards
+        model,
+        comm,
+        optimizer,
+        layout,
+        axis,
+        offload_dir=offload_dir,
+        param_groups=param_groups,
+        init_shards=init_shards,
     )
 
 

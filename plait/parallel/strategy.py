@@ -26,6 +26,7 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.layout import Layout
+from plait.mesh import EXPERT_SHARD_AXIS
 from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
 from plait.parallel.precision import cast_for_reduction, gradient_reduce_dtype
 from plait.parallel.tensor.sequence import sum_over_tp
@@ -37,6 +38,15 @@ GRAD_AXIS = "dp_cp"
 EXPERT_AXIS = "edp"
 """Expert weights split over ``ep`` (``plait.parallel.expert``) are held alike by the ``edp`` ranks only: their
 gradients are reduced (and under ZeRO sharded) over it."""
+
+SHARD_AXIS = "shard"
+"""HSDP (``Layout.dp_replicate`` > 1): ZeRO shards over one replica group, the dp/R x cp ranks of this axis."""
+
+REPLICATE_AXIS = "replicate"
+"""HSDP: the R ranks at the same place of every replica group; each reduced shard's gradient is all-reduced over it."""
+
+EXPERT_AXES = {GRAD_AXIS: EXPERT_AXIS, SHARD_AXIS: EXPERT_SHARD_AXIS}
+"""A strategy's data axis -> the axis expert slices are reduced (and sharded) over in its place."""
 
 MODEL_PARALLEL_AXES = ("pp", "tp")
 """Axes over which ranks hold different parameters (pipeline stages, tensor shards): a global gradient norm or
@@ -51,18 +61,36 @@ def is_expert_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_sharded", False))
 
 
+def data_axes(layout: Layout) -> tuple[str, str | None]:
+    """(the axis a strategy reduces gradients over, and ZeRO shards over; the axis each reduced shard is then
+    all-reduced over, or None): (``dp_cp``, None), or under HSDP with ZeRO (``SHARD_AXIS``, ``REPLICATE_AXIS``).
+    With zero=0 nothing is sharded, and one all-reduce over ``dp_cp`` is the whole of HSDP's reduction."""
+    if layout.dp_replicate > 1 and layout.zero >= 1:
+        return SHARD_AXIS, REPLICATE_AXIS
+    return GRAD_AXIS, None
+
+
 def reduce_axis(param: torch.Tensor, axis: str = GRAD_AXIS) -> str:
     """The per-parameter gradient table: the mesh axis ``param``'s gradient is reduced (and under ZeRO sharded)
-    over: the strategy's ``axis`` (dp_cp), or ``EXPERT_AXIS`` for an expert slice. Every gradient is then divided
-    by the size of ``axis`` (G = dp x cp): an expert slice's gradient arrives on its owner as the sum over the
-    ep group's tokens already (the token exchange's backward), so sum over edp / G is the single-device gradient,
-    as avg over dp_cp is for the others (``reduce_scale``)."""
-    return EXPERT_AXIS if is_expert_sharded(param) else axis
+    over: the strategy's ``axis`` (dp_cp, or HSDP's shard), or its expert counterpart ``EXPERT_AXES[axis]`` (edp,
+    edp_shard) for an expert slice. Every gradient is then divided by the size of the data ranks (G = dp x cp): an
+    expert slice's gradient arrives on its owner as the sum over the ep group's tokens already (the token
+    exchange's backward), so sum over edp / G is the single-device gradient, as avg over dp_cp is for the others
+    (``reduce_scale``). Under HSDP every parameter's reduced shard is then averaged over ``REPLICATE_AXIS`` too
+    (``replica_axis``): avg over shard then over replicate is avg over dp_cp."""
+    return EXPERT_AXES.get(axis, EXPERT_AXIS) if is_expert_sharded(param) else axis
+
+
+def replica_axis(axis: str) -> str | None:
+    """The axis each reduced shard of a strategy over ``axis`` is all-reduced (averaged) over next: HSDP's
+    ``REPLICATE_AXIS`` for ``SHARD_AXIS``, else None. The same for every parameter, expert slices included (an ep
+    group lies inside one replica group, so the replica groups hold the same experts at the same places)."""
+    return REPLICATE_AXIS if axis == SHARD_AXIS else None
 
 
 def reduce_scale(comm: Comm, param_axis: str, axis: str = GRAD_AXIS) -> float:
     """What an average over ``param_axis`` is multiplied by to be the sum over it divided by the size of ``axis``:
-    1 for ``axis`` itself, 1/ep for ``EXPERT_AXIS``."""
+    1 for ``axis`` itself, 1/ep for its expert axis (edp over dp_cp, edp_shard over shard: both are 1/ep of it)."""
     return comm.size(param_axis) / comm.size(axis)
 
 

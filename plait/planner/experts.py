@@ -233,10 +233,22 @@ def block_times(
 
 def gradient_groups(layout: Layout) -> tuple[tuple[int, int], tuple[int, int]]:
     """((ranks, span) of the dense parameters' data-parallel group dp x cp, (ranks, span) of the routed experts'
-    edp group): the spans in consecutive ranks of plait's order (an edp group is every ep-th data rank)."""
-    data = layout.dp * layout.cp
-    span = axis_span(layout, "dp_cp")
+    edp group): the spans in consecutive ranks of plait's order (an edp group is every ep-th data rank). Under
+    HSDP with ZeRO (``Layout.dp_replicate`` = R) the groups ZeRO works in are one replica group's: dp x cp / R
+    consecutive data ranks (and every ep-th of them); ``replica_group`` links the R groups."""
+    replicas = replica_group(layout)[0]
+    data = layout.dp * layout.cp // replicas
+    span = axis_span(layout, "dp_cp") // replicas
     return (data, span), (data // layout.ep, span)
+
+
+def replica_group(layout: Layout) -> tuple[int, int]:
+    """(ranks, span) of HSDP's ``replicate`` group, over which each rank's reduced gradient shard is all-reduced:
+    R ranks, one per replica group, spanning every data rank (the outermost fold of dp: across nodes once a
+    replica group fills one). (1, 1) without HSDP, or with zero=0 (one all-reduce over dp x cp)."""
+    if layout.dp_replicate == 1 or layout.zero == 0:
+        return 1, 1
+    return layout.dp_replicate, axis_span(layout, "dp_cp")
 
 
 def check_experts(spec: ModelSpec, layout: Layout, impl: Implementation | None = None) -> str | None:
@@ -289,6 +301,7 @@ __all__ = [
     "exchange_time",
     "expert_split",
     "gradient_groups",
+    "replica_group",
     "moe_block_time",
     "moe_traffic",
     "routed_layout",

@@ -2,7 +2,8 @@
 planner's per-stage model, ``plait.planner.stage_memory``, uses the same formulas.
 
 **Model states.** ``zero_paper_bytes`` (Rajbhandari et al. 2020, Figure 1): for Psi parameters on N = dp x cp
-data-parallel ranks, mixed-precision Adam (2 bytes params + 2 bytes grads + K = 12 bytes of fp32 master, momentum,
+data-parallel ranks (under HSDP, ``Layout.dp_replicate`` = R, N = dp x cp / R: ZeRO shards inside a replica group,
+``shard_ranks``), mixed-precision Adam (2 bytes params + 2 bytes grads + K = 12 bytes of fp32 master, momentum,
 variance)
 
     stage 0: (2 + 2 + K) Psi      stage 1: (2 + 2) Psi + K Psi / N
@@ -127,8 +128,14 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------- model states
+def shard_ranks(layout: Layout) -> int:
+    """N, the ranks ZeRO shards over: dp x cp, or under HSDP (``Layout.dp_replicate`` = R, zero >= 1) one replica
+    group's dp x cp / R (the R groups hold the same shards)."""
+    return layout.dp * layout.cp // (layout.dp_replicate if layout.zero >= 1 else 1)
+
+
 def _states(psi: float, layout: Layout, kind: str) -> MemoryEstimate:
-    n, stage = layout.dp * layout.cp, layout.zero
+    n, stage = shard_ranks(layout), layout.zero
     states = STATE_FLOATS[kind] * 4 * psi
     offloaded = layout.offload != Offload.NONE and stage >= 1
     estimate = MemoryEstimate(
@@ -414,7 +421,7 @@ def _rank_peak(
     """The phases of one rank's step (module docstring) and their maximum; ``routed``: this rank's routed expert
     parameters besides ``psi``."""
     estimate = _with_experts(psi, routed, layout, kind)
-    n = layout.dp * layout.cp
+    n = shard_ranks(layout)
     if _accumulates(layout) and layout.zero >= 2:  # no_sync: the full local gradient beside the shard
         estimate.gradients = 4 * psi + 4 * psi / n + (4 * routed + 4 * routed * layout.ep / n if routed else 0.0)
     estimate.activations = saved
@@ -492,5 +499,6 @@ __all__ = [
     "estimate_memory",
     "rank_activations",
     "rank_in_flight_peaks",
+    "shard_ranks",
     "zero_paper_bytes",
 ]

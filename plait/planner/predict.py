@@ -49,6 +49,7 @@ from plait.planner.experts import (
     check_experts,
     expert_split,
     gradient_groups,
+    replica_group,
     routed_parameters,
     stage_parameters,
 )
@@ -360,13 +361,14 @@ def predict(
     (n_dense, dense_span), (n_routed, routed_span) = gradient_groups(layout)
 
     def over_data(op: str, bytes_per_parameter: float) -> float:
-        """``op`` on the dense parameters over dp x cp and on the routed experts over edp."""
+        """``op`` on the dense parameters over dp x cp and on the routed experts over edp (HSDP: inside one replica
+        group, ``gradient_groups``)."""
         return collective(op, psi_dense * bytes_per_parameter, n_dense, dense_span) + collective(
             op, psi_routed * bytes_per_parameter, n_routed, routed_span
         )
 
     # ZeRO-3: each micro-batch gathers this rank's parameters forward and backward and reduce-scatters gradients
-    zero3 = 0.0
+    zero3 = slack = 0.0  # slack: backward time left after ZeRO-3's own traffic (hides HSDP's all-reduce)
     if layout.zero == 3:
         gather = over_data("all_gather", e)
         # a block recomputed under ZeRO-3 is gathered for the recomputation; one too big to be kept until its backward
@@ -381,6 +383,7 @@ def predict(
         rank_b = max(sum(bwd[c] for c in held_chunks[r]) for r in range(p))
         hide_f, hide_b = (rank_f, rank_b) if impl.overlap_dp else (0.0, 0.0)  # prefetch behind compute, or not
         zero3 = max(0.0, gather - hide_f) + max(0.0, gather + regather + scatter - hide_b)
+        slack = max(0.0, hide_b - gather - regather - scatter) if p == 1 else 0.0
         fwd = [f * (1 + max(0.0, gather - hide_f) / rank_f) for f in fwd]
         bwd = [x * (1 + max(0.0, gather + regather + scatter - hide_b) / rank_b) for x in bwd]
 
@@ -443,6 +446,11 @@ def predict(
         gather = over_data("all_gather", e) if layout.zero else 0.0
         dp_time = reduce + gather
     owned = (psi_dense / n_dense + psi_routed / n_routed) if layout.zero >= 1 else psi_max
+    # HSDP: each rank's reduced gradient shard all-reduced over the R replica groups, on the links that group
+    # crosses (between nodes once a replica group fills a node). ZeRO-3 issues it unit by unit during the backward
+    # (hidden behind what the backward leaves after its own traffic); ZeRO-1/2 after the reduce-scatters
+    replicas, replica_span = replica_group(layout)
+    dp_time += max(0.0, collective("all_reduce", owned * impl.grad_bytes, replicas, replica_span) - slack)
     optimizer, offload = owned * ADAM_BYTES_PER_PARAM / (hw.memory_bandwidth * impl.memory_efficiency), 0.0
     if layout.offload != Offload.NONE and layout.zero >= 1:
         optimizer = owned * ADAM_BYTES_PER_PARAM / hw.host_memory_bandwidth

@@ -164,6 +164,15 @@ def _no_shape_error(spec: ModelSpec, hw: Hardware, world_size: int, batch: int, 
     )
 
 
+def replica_options(dp: int, cp: int, zero: int, ep: int) -> list[int]:
+    """HSDP's replica-group counts R to try (``Layout.dp_replicate``): every divisor of dp that leaves ZeRO more
+    than one rank to shard over (dp x cp / R > 1) and an ep group inside a replica group; just 1 with zero=0,
+    where nothing is sharded and R changes nothing."""
+    if zero == 0:
+        return [1]
+    return [r for r in _divisors(dp) if r == 1 or (dp * cp // r > 1 and dp * cp // r % ep == 0)]
+
+
 def plan(
     model: Any,
     world_size: int,
@@ -213,7 +222,8 @@ def plan(
                 # with pp > 1 plait accumulates unsharded gradients under ZeRO-2 (one reduce-scatter per step), so
                 # ZeRO-2 holds and sends what ZeRO-1 does: timing it again would only duplicate ZeRO-1
                 zeros = (0, 1, 2, 3) if pp == 1 else (0, 1, 3)
-                for zero, ep in [(z, ep) for z in (zeros if dp * cp > 1 else (0,)) for ep in ep_options(spec, dp * cp)]:
+                choices = [(z, ep) for z in (zeros if dp * cp > 1 else (0,)) for ep in ep_options(spec, dp * cp)]
+                for zero, ep, replicas in [(z, e, r) for z, e in choices for r in replica_options(dp, cp, z, e)]:
                     base = Layout(
                         dp=dp,
                         tp=tp,
@@ -226,6 +236,7 @@ def plan(
                         precision=precision,
                         sequence_parallel=sequence_parallel,
                         ep=ep,
+                        dp_replicate=replicas,
                     )
                     params, grads, states, host = model_state_bytes(stage_psi, base, impl)
                     if routed:  # the routed experts: split over ep (and tp), their states sharded over edp

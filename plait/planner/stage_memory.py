@@ -18,7 +18,7 @@ from plait.planner.activations import Forward, block_bytes, ends_bytes, loss_buf
 from plait.planner.costs import Implementation, act_bytes
 from plait.planner.expert_activations import layer_bytes
 from plait.planner.experts import expert_split, routed_layout
-from plait.planner.memory import CUDA_CACHING_OVERHEAD, _states
+from plait.planner.memory import CUDA_CACHING_OVERHEAD, _states, shard_ranks
 from plait.planner.model_states import zero_paper_bytes
 
 
@@ -64,8 +64,8 @@ def _states_of(psi: float, layout: Layout, impl: Implementation) -> tuple[float,
 
 def model_state_bytes(psi: float, layout: Layout, impl: Implementation) -> tuple[float, float, float, float]:
     """(parameters, gradients, optimizer states, host) bytes per rank for ``psi`` parameters on this rank
-    before ZeRO sharding, split over N = dp x cp ranks by ``layout.zero``."""
-    n, stage = layout.dp * layout.cp, layout.zero
+    before ZeRO sharding, split over N = dp x cp ranks (HSDP: dp x cp / R, ``shard_ranks``) by ``layout.zero``."""
+    n, stage = shard_ranks(layout), layout.zero
     if impl.state_accounting == "plait":
         est = _states(psi, layout, "adamw")
         params, grads, states = est.parameters, est.gradients, est.optimizer_states + est.master_weights

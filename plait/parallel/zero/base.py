@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
+from plait.comm.collectives import Done, Pending
 from plait.errors import LayoutError
 from plait.layout import Layout
 from plait.parallel.param_groups import GroupOf, assign_groups, torch_groups
@@ -35,6 +36,7 @@ from plait.parallel.strategy import (
     OptimizerFactory,
     check_steps_without_closure,
     is_expert_sharded,
+    replica_axis,
 )
 from plait.parallel.whole_tensor import SlotFlat, WholeSlot, WholeTensorOptimizer, build_hybrid, make_slot, slot_flats
 from plait.parallel.zero.flat import FlatLayout, GroupLayout, OwnedLayout
@@ -158,6 +160,8 @@ class ShardedStrategy(DataParallelStrategy):
         """The parameters this rank owns in ``OwnedLayout`` buffers, each stepped whole (``plait.parallel.whole_tensor``)."""
         self.model, self.comm, self.layout, self.axis = model, comm, layout, axis
         self.stage = layout.zero
+        self.replica_axis = replica_axis(axis)
+        """HSDP: the axis each reduced shard is averaged over after the reduce-scatter (``all_reduce_replicas``)."""
         self.world = comm.size(axis)
         self.index = comm.mesh.index(axis)
         self._sync = True
@@ -251,6 +255,15 @@ class ShardedStrategy(DataParallelStrategy):
     def whole_flats(self) -> list[SlotFlat]:
         """The tensors stepped whole, one flat each, for checkpoints (``plait.checkpoint.canonical``)."""
         return slot_flats(self.whole_slots)
+
+    def all_reduce_replicas(self, shard: torch.Tensor) -> Pending:
+        """HSDP: average a reduce-scattered gradient shard over the replica groups, in place and asynchronously
+        (the replicas hold the same shard of the same flat buffer, so after it every replica steps alike and
+        stays bitwise equal). Avg over ``shard`` (S ranks) then avg over ``replicate`` (R) is the sum over the
+        S x R data ranks / (dp x cp): plain ZeRO's average. Without HSDP: nothing to do (already finished)."""
+        if self.replica_axis is None:
+            return Done(shard)
+        return self.comm.all_reduce(shard, self.replica_axis, op="avg", async_op=True)
 
     def _receive_grad(self, master: nn.Parameter, reduced: torch.Tensor) -> None:
         """Hand a reduced gradient shard to its master: moved to the master's place (non-blocking into pinned

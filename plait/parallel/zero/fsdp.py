@@ -28,6 +28,11 @@ locally (P extra values per rank during accumulation, as in PyTorch FSDP's no_sy
 reduced by the next synchronised backward. Activation recomputation may re-run a unit's forward during backward:
 the pre-hook is then idempotent and the unit stays gathered until its gradients are reduced.
 
+HSDP (``Layout.dp_replicate`` = R > 1, docs/zero.md): ``axis`` is ``shard``, one replica group of N = dp/R x cp
+ranks, so units are gathered and reduce-scattered inside the group, and each reduced shard is averaged over
+``replicate`` (asynchronously, finished at the end of the backward): 3 (N-1)/N x P x b + 2 (R-1)/R x P/N x b
+per step, the all-reduce crossing the replica groups' (inter-node) links with 1/N of the gradient.
+
 Expert parallelism (``plait.parallel.expert``): a module holding expert slices (an MoE layer's ``experts``) is a
 unit of its own inside its block, sharded over ``edp`` (the ranks holding the same experts) and reduced there
 (``plait.parallel.strategy.reduce_axis``); the block's other parameters stay in the block's unit over ``dp_cp``.
@@ -55,7 +60,14 @@ from plait.logging import get_logger
 from plait.parallel.blocks import find_blocks
 from plait.parallel.param_groups import GroupOf, order_by_group
 from plait.parallel.precision import cast_for_reduction
-from plait.parallel.strategy import EXPERT_AXIS, GRAD_AXIS, OptimizerFactory, is_expert_sharded, reduce_scale
+from plait.parallel.strategy import (
+    EXPERT_AXES,
+    EXPERT_AXIS,
+    GRAD_AXIS,
+    OptimizerFactory,
+    is_expert_sharded,
+    reduce_scale,
+)
 from plait.parallel.zero.base import FlatBuffer, ShardedStrategy
 from plait.parallel.zero.flat import OwnedLayout, owned_layout
 from plait.parallel.zero.fsdp_pipeline import StageScopes
@@ -172,7 +184,7 @@ class FullyShardedStrategy(ShardedStrategy):
                 modules[name],
                 params,
                 comm,
-                EXPERT_AXIS if name in expert_names else axis,
+                EXPERT_AXES.get(axis, EXPERT_AXIS) if name in expert_names else axis,
                 self._record,
                 self._unit_layout(params),
             )
@@ -196,6 +208,8 @@ class FullyShardedStrategy(ShardedStrategy):
         self._post_record: list[FlatUnit] = []
         self._backward_active = False
         self._inflight: tuple[FlatUnit, Pending] | None = None
+        self._replicating: list[tuple[FlatUnit, Pending]] = []
+        """HSDP: reduced shards whose average over the replica groups is in flight (finished by ``_settle``)."""
         self._handles: list[Any] = []
         self._stages: StageScopes | None = None
         """Set under pipeline parallelism (``attach_pipeline``): the runner's scopes gather, the hooks stand by."""
@@ -307,13 +321,23 @@ class FullyShardedStrategy(ShardedStrategy):
         self._record("reduce_scatter", unit.name)
 
     def _drain(self) -> None:
+        """Wait for the reduce-scatter in flight; hand its shard to the master (under HSDP: issue the shard's
+        average over the replica groups, finished by ``_settle``)."""
         if self._inflight is not None:
             unit, pending = self._inflight
             self._inflight = None
+            self._replicating.append((unit, self.all_reduce_replicas(pending.wait())))
+            if self.replica_axis is None:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Finish every shard's average over the replica groups (HSDP; already done without) and hand it over."""
+        for unit, pending in self._replicating:
             reduced = pending.wait()
             if unit.axis != self.axis:  # an expert unit: sum over edp / dp_cp (strategy.reduce_axis)
                 reduced = reduced * reduce_scale(self.comm, unit.axis, self.axis)
             self._receive_grad(unit.master, reduced)
+        self._replicating = []
 
     def _finish_backward_pass(self) -> None:
         """End of a backward (autograd engine callback): finish every unit, free everything gathered."""
@@ -322,6 +346,7 @@ class FullyShardedStrategy(ShardedStrategy):
             if unreduced and not unit.empty and not unit.grads_done:
                 self._reduce(unit)
         self._drain()
+        self._settle()
         for unit in self.units:
             unit.end_backward()
         self._backward_active = False
@@ -339,6 +364,7 @@ class FullyShardedStrategy(ShardedStrategy):
                     self._inflight = (unit, self.comm.reduce_scatter(flat, unit.axis, op="avg", async_op=True))
                     self._record("reduce_scatter", unit.name)
         self._drain()
+        self._settle()
         self.placement.synchronize()
 
     # ----------------------------------------------------------------- pipeline

@@ -40,6 +40,10 @@ reduce-scatter per micro-batch), so the full-gradient memory is held until the s
 After ``finish_backward`` no ``param.grad`` of the model is held under either stage; the reduced shard
 gradients are the master shards' ``.grad`` (``owned_grads``).
 
+HSDP (``Layout.dp_replicate`` = R > 1, docs/zero.md): ``axis`` is ``shard``, one replica group of N = dp/R x cp
+ranks; each reduced shard is then averaged over ``replicate`` (R ranks), so a rank sends (N-1)/N x P x b
+(reduce-scatter) + 2(R-1)/R x P/N x b (all-reduce of its shard) + (N-1)/N x P x b (all-gather) per step.
+
 Offload ("cpu"/"nvme", ``plait.parallel.zero.offload``): master shards and optimizer states live in host memory
 or in memory-mapped files; the step runs on the CPU.
 
@@ -162,17 +166,21 @@ class ShardedOptimizerStrategy(ShardedStrategy):
         self._next = bucket.index + 1
 
     def finish_backward(self) -> None:
-        """Reduce-scatter (average) every bucket not yet issued, wait for all, and hand each rank its shard's
-        gradient as the master shard's ``.grad``. Parameters without a gradient contribute zeros."""
+        """Reduce-scatter (average) every bucket not yet issued, wait for all (under HSDP average each shard over
+        the replica groups too), and hand each rank its shard's gradient as the master shard's ``.grad``.
+        Parameters without a gradient contribute zeros."""
         for bucket in self.buckets[self._next :]:
             for position, param in enumerate(bucket.params):
                 if param.grad is not None and position not in bucket.arrived:
                     bucket.add_grad(position, param.grad)
                     param.grad = None
             self._launch(bucket)
-        for bucket in self.buckets:
+        replicas = []
+        for bucket in self.buckets:  # HSDP: each shard averaged over the replica groups as soon as it is reduced
             assert bucket.pending is not None
-            reduced = bucket.pending.wait()
+            replicas.append(self.all_reduce_replicas(bucket.pending.wait()))
+        for bucket, pending in zip(self.buckets, replicas):
+            reduced = pending.wait()
             if bucket.axis not in (None, self.axis):  # expert slices: sum over edp / dp_cp (strategy.reduce_axis)
                 reduced = reduced * reduce_scale(self.comm, bucket.axis, self.axis)
             self._receive_grad(bucket.master, reduced)
