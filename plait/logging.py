@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any
 
 _FORMAT = "[%(asctime)s rank %(rank)s %(levelname)s %(name)s] %(message)s"
 
@@ -23,6 +25,23 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = self.rank
         return True
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes, not the stream it was when ``configure`` ran: a
+    stream replaced since (a test's capture that has been closed, a redirection) would otherwise fail every
+    record with "I/O operation on closed file" and a logging traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # logging.StreamHandler sets it; the current one is always used
+        pass
 
 
 _rank = 0
@@ -41,7 +60,7 @@ def configure(rank: int = 0, level: int | str | None = None) -> None:
     for handler in list(root.handlers):
         if getattr(handler, "_plait", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler()
+    handler = _CurrentStderr()
     handler._plait = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter(rank))
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))

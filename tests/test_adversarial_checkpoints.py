@@ -655,8 +655,8 @@ def test_a_resumed_root_without_a_run_id_keeps_the_run_it_resumed(tmp_path):
 
 
 def _resume_over_copies(out: str, key: str) -> dict[str, object]:
-    """Train 6 steps (saving at 2, 4, 6), copy step 2 as step 8 and another run's step 10 in, resume to step 7:
-    which step it resumed from and the records before and after."""
+    """Train 6 steps (saving at 2, 4, 6), copy step 2 as step 8 and another run's step 10 in, resume to step 7 (saved
+    as the last step): which step it resumed from and the records before and after."""
     from plait.train.config import load_config
     from plait.train.loop import run
 
@@ -687,7 +687,7 @@ def test_plait_train_resumes_from_its_own_newest_step_and_keeps_the_records(tmp_
     assert result["after"][: len(result["before"])] == result["before"]  # steps 1-6: kept, not written again
     assert [json.loads(line)["step"] for line in result["after"]] == [1, 2, 3, 4, 5, 6, 6, 7, 7]
     folder, skipped = catalog.choose(tmp_path / "run" / "ckpt")
-    assert folder.name == "step-00000006", skipped
+    assert folder.name == "step-00000007", skipped  # the resumed run's last step, saved (and nothing newer taken)
     assert "step-00000010 is damaged: it is from another run" in skipped[0]
     assert "step-00000008 is damaged: recorded step 2 in folder step-00000008" in skipped[1]
 

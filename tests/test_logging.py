@@ -64,3 +64,20 @@ def test_the_missing_validation_split_warning_comes_from_rank_zero_only(records,
         logging.getLogger("plait").removeHandler(keep)
         calls.append((rank, sum("no validation split" in r.getMessage() for r in seen)))
     assert calls == [(1, 0), (0, 1)]
+
+
+def test_records_go_to_the_current_stderr_even_after_the_first_was_closed(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """configure() bound the handler to the stderr of its moment; once that stream closed (a finished test's
+    capture), every record failed with a logging traceback, which the next command printed among its output."""
+    import io
+    import sys
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    plait_logging.configure(0)
+    first.close()
+    monkeypatch.undo()
+    plait_logging.get_logger("plait.test").warning("still said")
+    err = capsys.readouterr().err
+    assert "still said" in err and "Logging error" not in err
+    plait_logging.configure(0)
