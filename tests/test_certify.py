@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from plait.certification import BITWISE, DIFFERS, EQUAL, CertifyJob, certify, parse_layout
-from plait.certification.budget import Budget, budget_for, reordered_terms
+from plait.certification.budget import budget_for, reordered_terms
 from plait.certification.compare import diff_tensor
 from plait.certification.tape import ROOT, ModuleTape
 from plait.cli.main import main
@@ -77,7 +77,7 @@ def test_budget_is_computed_from_the_layout_and_dtype():
     assert reordered_terms(Layout(dp=1)) == 1
     assert reordered_terms(Layout(dp=2, tp=2, microbatches=2).resolve(4)) == 8
     fp32 = budget_for(Layout(dp=4).resolve(4), reference, muon=False)
-    assert fp32.rel(0) == pytest.approx(2**9 * 4 * 2**-24) and fp32.rel(2) == pytest.approx(3 * fp32.rel(0))
+    assert fp32.rel(0) == pytest.approx(2**11 * 4 * 2**-24) and fp32.rel(2) == pytest.approx(3 * fp32.rel(0))
     bf16 = budget_for(Layout(dp=2, precision="bf16").resolve(2), reference, muon=True)
     assert bf16.dtype == "bf16" and bf16.rel(0) == pytest.approx(8 * 2**-8) and bf16.update_rel > 0
     assert "k = 4" in fp32.describe() and "Muon" in bf16.describe()
@@ -109,7 +109,7 @@ def test_tape_records_modules_innermost_first_and_output_gradients():
     assert torch.equal(logits_grad, torch.ones(2, 8, 12))
     assert tape.grouped("lm_head", False, 2) is None  # one call does not split into two micro-batches
     model(tokens[1:]).sum().backward()  # a second "micro-batch": rows concatenated after the first call's
-    assert tape.grouped("lm_head", False, 3)[0].shape == (5, 8, 12)
+    assert tape.grouped("lm_head", False, 2)[0].shape == (3, 8, 12)
 
 
 # ----------------------------------------------------------------- certified equal (processes)
@@ -157,7 +157,6 @@ def test_a_mutant_differs_at_the_right_module(mutant, layout, module, direction)
 
 
 @pytest.mark.distributed
-@pytest.mark.cli
 def test_cli_writes_the_certificate_and_exits_1_on_a_divergence(tmp_path, capsys):
     out = tmp_path / "cert"
     argv = ["certify", *sum((["--set", item] for item in JOB), []), "--steps", "2", "--out", str(out)]
@@ -166,7 +165,9 @@ def test_cli_writes_the_certificate_and_exits_1_on_a_divergence(tmp_path, capsys
     assert code == 1 and "DIFFERS" in printed and "blocks.0.attn.o (forward)" in printed, printed
     data = json.loads((out / "certificate.json").read_text())
     assert data["equal"] is False and data["differs"] == ["tp=2"]
-    assert [layout["verdict"] for layout in data["layouts"]] == [EQUAL, DIFFERS] or data["layouts"][0]["verdict"] == BITWISE
+    assert [layout["verdict"] for layout in data["layouts"]] == [EQUAL, DIFFERS] or data["layouts"][0][
+        "verdict"
+    ] == BITWISE
     assert data["layouts"][1]["divergence"]["module"] == "blocks.0.attn.o"
     summary = (out / "summary.md").read_text()
     assert "first module blocks.0.attn.o (forward)" in summary and "Budget: fp32" in summary

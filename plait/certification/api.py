@@ -71,7 +71,7 @@ def certify(
         raise ValueError("overrides and preset apply to a TOML configuration; pass a RunConfig without them")
     job = CertifyJob(config, list(layouts), steps, nproc, model, layers).check()
     started = time.perf_counter()
-    launch = {"timeout": timeout_s, "comm_timeout_s": comm_timeout_s, "backend": backend}
+    launch: dict[str, Any] = {"timeout": timeout_s, "comm_timeout_s": comm_timeout_s, "backend": backend}
     reference_run = reference_layout(job.config.layout)
     muon = job.config.train.optimizer == "muon"
     with tempfile.TemporaryDirectory(prefix="plait-certify-") as folder:

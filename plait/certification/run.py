@@ -114,7 +114,7 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
         for name, value in params.items():
             wanted = reference["params"][name]
             largest_step = float((wanted - previous[name]).abs().max()) if wanted.numel() else 0.0
-            extra = budget.update_rel * (1 + step) * largest_step
+            extra: torch.Tensor | float = budget.update_rel * (1 + step) * largest_step
             if name in noise:
                 extra = extra + noise[name].double() * 2 * (1 + step) * largest_step
             param_diffs[name] = diff_tensor(name, value, wanted, rel, extra)
@@ -173,11 +173,14 @@ def _locate(engine: Any, dataset: Any, loader: Any, layout: Any, budget: Budget,
             if wanted is None or local is None or len(local) != len(wanted):
                 found[kind].append({"module": name, "diff": None})
                 continue
-            diffs = []
+            diffs: list[TensorDiff] = []
+            comparable = True
             for mine, theirs in zip(local, wanted):
                 whole = whole_activation(engine, mine, theirs.shape, dataset.seq_len, _fused(engine.model, name))
-                diffs.append(None if whole is None else diff_tensor(name, whole, theirs, rel))
-            worst = None if any(d is None for d in diffs) else max(diffs, key=lambda d: d.ratio)
+                comparable = comparable and whole is not None
+                if whole is not None:
+                    diffs.append(diff_tensor(name, whole, theirs, rel))
+            worst = max(diffs, key=lambda d: d.ratio) if comparable and diffs else None
             found[kind].append({"module": name, "diff": worst})
     return {"modules": found, "order": {k: reference[f"{k}_order"] for k in ("forward", "backward")}}
 

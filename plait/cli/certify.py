@@ -11,7 +11,6 @@ launcher (``plait.launch.run_local``), one layout after another.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from plait.errors import PlaitError
@@ -83,8 +82,8 @@ def run_certify(args: argparse.Namespace) -> int:
     paths = certificate.write(args.out)
     for result in certificate.layouts:
         where = f": {result.divergence.describe()}" if result.divergence else ""
-        print(f"{result.layout:<28} {result.short:<36} {result.verdict}{where}")  # noqa: T201 - CLI output
-    print(f"budget: {certificate.layouts[0].budget.describe()}" if certificate.layouts else "")  # noqa: T201
+        budget = f"(budget {result.budget.rel(0):.3g} x (1+step), {result.budget.dtype})"
+        print(f"{result.layout:<28} {result.short:<36} {budget:<28} {result.verdict}{where}")  # noqa: T201 - CLI output
     print(f"{len(certificate.layouts)} layout(s) in {certificate.seconds:.0f} s -> {', '.join(map(str, paths))}")  # noqa: T201
     return 0 if certificate.equal else 1
 
