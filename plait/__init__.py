@@ -6,6 +6,7 @@ engine = plait.parallelize(model, plait.Layout(dp=2), optimizer=lambda p: torch.
 stats = engine.train_step((inputs, targets))
 """
 
+from plait.certification import Certificate, certify
 from plait.comm import Comm, CommStats
 from plait.distributed import World, init, shutdown
 from plait.engine import Engine, EvalStats, StepStats
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "Certificate",
     "CheckpointError",
     "Comm",
     "CommError",
@@ -41,6 +43,7 @@ __all__ = [
     "WholeTensorOptimizer",
     "World",
     "__version__",
+    "certify",
     "deferred_init",
     "estimate_memory",
     "init",

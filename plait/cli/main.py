@@ -1,6 +1,7 @@
 """The ``plait`` command: one parser, one module per subcommand.
 
-``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait schedule`` simulates
+``plait train`` trains (``train.py``: local launch, or the worker under torchrun); ``plait certify`` proves a job
+equal under layouts to one process (``certify.py``); ``plait schedule`` simulates
 and draws a pipeline schedule in this process (``schedule.py``); ``plait ps`` trains with parameter servers
 (``ps.py``); ``plait convert`` moves weights between checkpoints and safetensors (``convert.py``); ``plait
 checkpoint verify|list`` checks checkpoints and lists those of a run (``checkpoint.py``); ``plait runs``
@@ -17,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from plait.cli.certify import add_certify_command, run_certify
 from plait.cli.checkpoint import add_checkpoint_command, run_checkpoint
 from plait.cli.convert import add_convert_command, run_convert
 from plait.cli.data import add_data_command, run_data
@@ -33,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="Parallel training with every paradigm, in one place.")
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_command(commands)
+    add_certify_command(commands)
     add_schedule_command(commands)
     add_ps_command(commands)
     add_convert_command(commands)
@@ -64,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "certify":
+            return run_certify(args)
         if args.command == "schedule":
             return run_schedule(args)
         if args.command == "ps":

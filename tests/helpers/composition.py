@@ -25,6 +25,7 @@ from helpers.reference import Trajectory, UnevenMasks, assert_tensors_close, tra
 
 import plait
 from plait import Layout
+from plait.certification import gather
 from plait.data import AdditionTask, ShardedBatches
 from plait.models import GPT, GPTConfig
 from plait.models.loss import apply_loss
@@ -162,37 +163,16 @@ def reference_trajectory() -> Trajectory:
 
 
 # ----------------------------------------------------------------- one rank's run
-def _whole_tensors(engine: plait.Engine, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``local`` (this rank's tensors by parameter name) with tensor-parallel slices all-gathered over tp (and the
-    expert slices of expert parallelism over ep)."""
-    out = {}
-    for name, param in engine.model.named_parameters():
-        if name not in local:
-            continue
-        tensor = local[name].detach().contiguous()
-        if getattr(param, "tp_sharded", False):
-            tensor = engine.comm.all_gather(tensor, "tp", dim=param.tp_shard_dim)
-        if getattr(param, "ep_slice", None) is not None:
-            tensor = engine.comm.all_gather(tensor, "ep", dim=param.ep_slice[0])
-        out[name] = tensor.cpu().clone()
-    return out
-
-
 def whole_gradients(engine: plait.Engine) -> dict[str, torch.Tensor]:
     """The synchronised gradients of this rank's parameters, whole (ZeRO shards over dp_cp, tp slices over tp,
-    expert slices over ep)."""
-    strategy = engine.strategy
-    if hasattr(strategy, "full_gradients"):
-        local = strategy.full_gradients()
-    else:
-        local = {name: p.grad for name, p in engine.model.named_parameters() if p.grad is not None}
-    return _whole_tensors(engine, local)
+    expert slices over ep): the library's gather, which ``plait certify`` uses (``plait.certification.gather``)."""
+    return gather.whole_gradients(engine)
 
 
 def whole_parameters(engine: plait.Engine) -> dict[str, torch.Tensor]:
-    """This rank's parameters, whole: the strategy's full parameters (ZeRO-3 gathers its flat shards over dp_cp),
-    tensor-parallel slices all-gathered over tp."""
-    return _whole_tensors(engine, engine.strategy.full_parameters())
+    """This rank's parameters, whole (ZeRO-3's flat shards gathered, tp and ep slices placed as checkpoints place
+    them): ``plait.certification.gather``."""
+    return gather.whole_parameters(engine)
 
 
 def train_combo(combo: Combo) -> dict:

@@ -1,0 +1,98 @@
+"""Deliberately broken plait, for ``plait certify`` to catch and locate (tests/test_certify.py).
+
+Each is a model factory (``--model helpers.certify_mutants:NAME``) that breaks one piece of plait in the process
+that calls it (every rank builds its model through it, the one-process reference too, where the broken piece does
+nothing) and returns the tiny GPT (``tiny_gpt``, whose data rows score uneven numbers of tokens):
+
+- ``cp_gradients_summed``: gradients summed over the context-parallel replicas instead of averaged (a missing
+  1/cp scale on one axis) -> the gradient synchronisation of the first parameter backward reaches;
+- ``micro_batch_mean``: each micro-batch normalised by its own scored tokens (a mean of micro-batch means, not the
+  global token mean) -> the gradient of the model's output (the loss's backward);
+- ``tp_without_all_reduce``: a row-parallel linear layer that never all-reduces its partial sums -> that layer's
+  output, the first row-parallel layer in forward order (``blocks.0.attn.o``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.models import GPT, GPTConfig
+
+
+def uneven_rows() -> None:
+    """Make the addition task's rows score uneven numbers of tokens (``reference.uneven_mask``, by sample index),
+    as real batches do: a batch whose rows all score alike hides a mean of micro-batch means."""
+    from helpers.reference import uneven_mask
+
+    from plait.data.synthetic import AdditionTask
+
+    batch = AdditionTask.batch
+    if getattr(batch, "uneven", False):
+        return
+
+    def uneven(self: AdditionTask, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch(self, indices)
+        return inputs, uneven_mask(targets, [int(i) for i in indices])
+
+    uneven.uneven = True  # type: ignore[attr-defined]
+    AdditionTask.batch = uneven  # type: ignore[method-assign]
+
+
+def tiny_gpt() -> GPT:
+    """The certify tests' model: the addition task's vocabulary (12) and sequence (8), 2 blocks, no biases; its
+    data with uneven rows (``uneven_rows``)."""
+    uneven_rows()
+    return GPT(GPTConfig(vocab_size=12, seq_len=8, n_layer=2, n_head=4, d_model=16, bias=False))
+
+
+def cp_gradients_summed() -> GPT:
+    from plait.parallel.ddp import DistributedDataParallel
+
+    finish = DistributedDataParallel.finish_backward
+
+    def summing(self: DistributedDataParallel) -> None:
+        finish(self)
+        torch._foreach_mul_([g for g in self.owned_grads() if g is not None], float(self.comm.size("cp")))
+
+    DistributedDataParallel.finish_backward = summing  # type: ignore[method-assign]
+    return tiny_gpt()
+
+
+def micro_batch_mean() -> GPT:
+    from plait.parallel import loss_normalization as normalization
+
+    def to_backward(self: normalization.TokenMeanStep, k: int, value: torch.Tensor) -> torch.Tensor:
+        own = self.counts[k].clamp_min(1).to(value.dtype) * self.window
+        return normalization._Scale.apply(value, self.replicas / own)
+
+    normalization.TokenMeanStep.to_backward = to_backward  # type: ignore[method-assign]
+    return tiny_gpt()
+
+
+def tp_without_all_reduce() -> GPT:
+    from plait.parallel.tensor import layers
+
+    def forward(self: layers.RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        y = layers._matmul(x, self.weight, None, self.transposed)
+        return y + self.bias if self.bias is not None else y
+
+    layers.RowParallelLinear.forward = forward  # type: ignore[method-assign]
+    return tiny_gpt()
+
+
+def tiny_moe() -> GPT:
+    """A Mixture-of-Experts GPT (4 routed experts, top-2, a shared expert, the balance loss), RoPE and RMSNorm."""
+    uneven_rows()
+    config = GPTConfig(
+        vocab_size=12,
+        seq_len=8,
+        n_layer=2,
+        n_head=4,
+        d_model=16,
+        bias=False,
+        position="rope",
+        norm="rmsnorm",
+        n_experts=4,
+        n_shared_experts=1,
+    )
+    return GPT(config)
