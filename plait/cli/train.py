@@ -142,6 +142,7 @@ def _launch(args: argparse.Namespace) -> int:
     import shlex
 
     from plait.launch import LAUNCHER_PID_ENV
+    from plait.train.announce import JOB_STARTED_ENV
     from plait.train.fault import RunFolderLock
     from plait.train.stop import RESUME_COMMAND_ENV
 
@@ -151,6 +152,7 @@ def _launch(args: argparse.Namespace) -> int:
     env = {
         LAUNCHER_PID_ENV: str(os.getpid()),  # the workers' parent: they die with it
         RESUME_COMMAND_ENV: shlex.join(resume_args(args, out)),  # what rank 0 names when a signal stops the run
+        JOB_STARTED_ENV: str(time.time()),  # a restarted attempt reports the job's whole time too
     }
     previous = {name: os.environ.get(name) for name in env}
     os.environ.update(env)

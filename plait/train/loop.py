@@ -27,12 +27,13 @@ from plait.data import ShardedBatches, make_dataset
 from plait.distributed import World, init
 from plait.engine import Engine, StepStats
 from plait.errors import ConfigError
-from plait.logging import get_logger
+from plait.logging import get_logger, job_warning
 from plait.models import lm_loss
 from plait.models.build import build_model
 from plait.models.loss import ChunkedCrossEntropy
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
+from plait.train import announce
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import (
     EVAL_OFFSET,
@@ -148,6 +149,7 @@ def build_on_meta(config: RunConfig, vocab_size: int, seq_len: int) -> tuple[Any
         source, meta = open_weights(config.train.init_from)
         where = f"train.init_from={config.train.init_from!r}"
         check_fits(model, source.shapes(), where)
+        announce.starting_weights(source.description, "train.init_from")
         differences = config_differences(meta.get("model"), describe_model(model)) if isinstance(meta, dict) else []
         if differences:  # same names and shapes, another model (e.g. n_head): its weights would compute otherwise
             raise ConfigError(
@@ -157,9 +159,10 @@ def build_on_meta(config: RunConfig, vocab_size: int, seq_len: int) -> tuple[Any
     elif "hf" in config.model:
         source, _meta = open_weights(str(config.model["hf"]))
         found = check_fits(model, source.shapes(), source.description, strict=False)
+        announce.starting_weights(source.description, "model.hf")
         missing = [name for name in model.state_dict() if name not in found]
         if missing:
-            log.warning("%s has no %s: initialised as the model's own code does", source.description, missing[:5])
+            job_warning(log, "%s has no %s: initialised as the model's own code does", source.description, missing[:5])
     return model, source
 
 
@@ -193,6 +196,24 @@ def _note_restart(attempt: int, step: int, save_every: int) -> None:
         )
 
 
+def progress_bar(console: Any) -> Any:
+    """rich's Progress for the training loop: a short bar, the step counter and the time never cut, and the
+    step's figures (loss, tok/s, the last evaluation) wrapped onto more lines rather than cut at the terminal's
+    width (at 80 columns they were cut mid-word)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    return Progress(
+        TextColumn("[bold]train", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+        TextColumn("{task.fields[info]}", table_column=Column(ratio=1, overflow="fold")),
+        console=console,
+        expand=True,
+    )
+
+
 class _Progress:
     """A rich progress bar in a terminal; periodic log lines otherwise (CI, files). Rank 0 only."""
 
@@ -203,16 +224,7 @@ class _Progress:
 
             console = Console(stderr=True)
             if console.is_terminal:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-                self.bar = Progress(
-                    TextColumn("[bold]train"),
-                    BarColumn(),
-                    MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(),
-                    console=console,
-                )
+                self.bar = progress_bar(console)
                 self.task = self.bar.add_task("train", total=total, completed=start, info="")
                 self.bar.start()
 
@@ -343,9 +355,12 @@ def _run(
     train = config.train
     run_dir = Path(train.out) if train.out else default_run_dir()
     ckpt = run_dir / "ckpt"
+    previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
     if has_checkpoints(ckpt):  # the newest intact checkpoint; refuses (deleting nothing) when none is intact
         guard.beat("loading the checkpoint", timed=False)
         engine.load(ckpt)
+        if world.rank == 0:
+            announce.resumed(run_dir, engine.step, train.steps, previous, config.to_dict())
     saver = Checkpointer(
         engine, ckpt, train.keep_checkpoints, train.keep_every, train.async_save and train.save_every > 0
     )
@@ -464,13 +479,16 @@ def _run(
         plot_metrics(
             writer.path, run_dir / "loss.png", f"plait train: {engine.layout.short()}, {world.world_size} ranks"
         )
+        job = announce.job_seconds() if guard.attempt else None  # restarted: this attempt is not the whole job
         log.info(
-            "done: %d steps in %.1f s, final loss %.4f, %s, %s tok/s -> %s",
+            "done: %d steps in %.1f s%s, final loss %.4f, %s, %s tok/s -> %s",
             engine.step,
             seconds,
+            f" (this attempt; {job:.1f} s since the job started, {guard.attempt} restart(s))" if job else "",
             summary.final_loss,
             eval_text(result, held_out, final=True),
             f"{summary.tokens_per_s:,.0f}",
             run_dir,
         )
+        announce.next_steps(run_dir, saved=bool(train.save_every))
     return summary
