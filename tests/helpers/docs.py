@@ -50,7 +50,15 @@ FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:(.*?)-->\s*$")
 SCALE = os.environ.get("PLAIT_DOCS_SCALE", "ci")
 """``ci`` (default): long runs scaled down as ``scaled_train`` says; ``full``: every block as written."""
-LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "console", "python": "python", "toml": "toml", "": "text"}
+LANGUAGES = {
+    "bash": "bash",
+    "sh": "bash",
+    "shell": "bash",
+    "console": "console",
+    "python": "python",
+    "toml": "toml",
+    "": "text",
+}
 SHELL_PROGRAMS = {"export", "cd", "mkdir", "ls", "cat", "echo", "tensorboard"}
 """Programs a shell block may run besides plait, torchrun, python and make (not checked further)."""
 MARKER_WORDS = {"ci", "skip", "needs", "given", "ranks", "file", "hardware", "scale", "unscaled"}
@@ -143,7 +151,9 @@ def page_blocks(path: Path) -> list[Block]:
             raise DocsError(f"{page}:{i + 1}: a fence that is never closed")
         lang = opening.group(2)
         if lang not in LANGUAGES:
-            raise DocsError(f"{page}:{i + 1}: fence language {lang!r} is not one the docs test knows: {sorted(LANGUAGES)}")
+            raise DocsError(
+                f"{page}:{i + 1}: fence language {lang!r} is not one the docs test knows: {sorted(LANGUAGES)}"
+            )
         comment = MARKER.match(lines[i - 1]) if i else None
         marker = Marker.parse(comment.group(1), f"{page}:{i + 1}") if comment else Marker()
         text = textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n"
@@ -469,7 +479,9 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
     "web.jsonl": lambda path: _jsonl(path, "logging"),
     "books.jsonl": lambda path: _jsonl(path, "logging"),
     "chats.jsonl": _chats,
-    "run.toml": lambda path: path.write_text('[model]\nn_layer = 2\nn_head = 4\nd_model = 64\n\n[train]\nsteps = 100\n'),
+    "run.toml": lambda path: path.write_text(
+        "[model]\nn_layer = 2\nn_head = 4\nd_model = 64\n\n[train]\nsteps = 100\n"
+    ),
     "models/my-llama": lambda path: _hf_model(path, "llama"),
     "path/to/mixtral/config.json": lambda path: _hf_config(path, "mixtral"),
     "path/to/bloom/config.json": lambda path: _hf_config(path, "bloom"),
@@ -499,13 +511,12 @@ GIVEN: dict[str, str] = {
     "gpt": """
 import torch, plait
 from plait.models import GPT, GPTConfig, lm_loss
-from plait.data import AdditionTask, ShardedBatches
-task = AdditionTask(digits=2)
-config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=4, n_head=4, d_model=64)
+plait.init()
+config = GPTConfig(n_layer=4, n_head=4, d_model=64)    # GPTConfig's vocabulary (16) and context (32)
 model = GPT(config)
-loader = batches = [ShardedBatches(task, global_batch=8, dp_rank=0, dp_size=1).batch_at(step) for step in range(3)]
-batch = loader[0]
-inputs, targets = batch
+tokens = torch.randint(16, (8, 33), generator=torch.Generator().manual_seed(0))
+inputs, targets = batch = (tokens[:, :-1], tokens[:, 1:])   # one dp rank's batch: 8 rows of 32 tokens
+loader = batches = [batch] * 3
 """,
     "engine": """
 import torch, plait
@@ -519,11 +530,13 @@ engine.train_step(batches[0])
 """,
     "llama-batch": """
 import torch, plait
+plait.init()
 tokens = torch.randint(64, (8, 17), generator=torch.Generator().manual_seed(0))
 input_ids, next_token_ids = tokens[:, :-1], tokens[:, 1:]
 """,
 }
-"""Preludes of Python fragments (marker ``given=NAME``): the names a page says its fragment assumes."""
+"""Preludes of Python fragments (marker ``given=NAME``): the names a page says its fragment assumes, after
+``plait.init()`` (idempotent: a fragment may call it again)."""
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -531,7 +544,7 @@ input_ids, next_token_ids = tokens[:, :-1], tokens[:, 1:]
 
 @dataclass
 class Ran:
-    """A block's run: its output and seconds."""
+    """A block's run: its standard output and seconds."""
 
     block: Block
     output: str
@@ -563,6 +576,15 @@ def python_program(block: Block) -> str:
     return GIVEN.get(block.marker.given, "") + text
 
 
+def _failure_output(output: str) -> str:
+    """What a failed block printed, shortened: its first traceback (a rank's, under torchrun) and its last lines."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if "Traceback" in line), len(lines))
+    end = next((i + 1 for i in range(first + 1, len(lines)) if lines[i] and not lines[i].startswith(" ")), len(lines))
+    head = lines[first : min(end, first + 60)] if first < len(lines) - 30 else []
+    return "\n".join([*head, *(["..."] if head else []), *lines[-30:]])
+
+
 def run_block(block: Block, folder: Path, env: dict[str, str], epilogue: str = "", timeout: float = 1200) -> Ran:
     """Run one bash or Python block in ``folder``; ``DocsError`` naming the block (and its output) if it fails."""
     env = {**env, "HOME": str(folder)} | ({"PLAIT_DOCS_SCALE": "full"} if block.marker.unscaled else {})
@@ -579,13 +601,11 @@ def run_block(block: Block, folder: Path, env: dict[str, str], epilogue: str = "
         shown = block.text.strip()
     start = time.monotonic()
     try:
-        done = subprocess.run(
-            argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-        )
+        done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise DocsError(f"{block.where}: ran past {timeout:.0f} s:\n{shown}") from error
     if done.returncode:
-        tail = "\n".join(done.stdout.splitlines()[-40:])
+        tail = _failure_output(done.stdout + done.stderr)
         raise DocsError(f"{block.where}: exit {done.returncode} in {folder}:\n{shown}\n--- output (end) ---\n{tail}")
     return Ran(block, done.stdout, time.monotonic() - start)
 
