@@ -381,7 +381,8 @@ def write_shims(folder: Path) -> Path:
     plait = folder / "plait"
     plait.write_text(
         f"#!{sys.executable}\nimport sys\nsys.path[:0] = [{str(ROOT)!r}, {str(TESTS)!r}]\n"
-        "from helpers.docs import shim_main\nsys.exit(shim_main())\n"
+        "from helpers.docs import shim_main\n\nif __name__ == '__main__':  # the job's processes may import this file\n"
+        "    sys.exit(shim_main())\n"
     )
     python = folder / "python"
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
@@ -411,16 +412,18 @@ def _jsonl(path: Path, package: str) -> None:
 
 
 def _chats(path: Path) -> None:
-    """A jsonl of chats (``{"messages": [...]}``), 40 conversations."""
+    """A jsonl of chats (``{"messages": [...]}``): 100 conversations of about 100 tokens."""
+    explain = "Adding counts one number on from the other: start at the first, step forward once per unit. "
     chats = [
         {
             "messages": [
-                {"role": "user", "content": f"What is {a} + {b}?"},
-                {"role": "assistant", "content": f"{a} + {b} = {a + b}."},
+                {"role": "system", "content": "You answer arithmetic questions and explain the answer."},
+                {"role": "user", "content": f"What is {a} + {b}? Please explain how you got it."},
+                {"role": "assistant", "content": f"{a} + {b} = {a + b}. {explain * 2}"},
             ]
         }
-        for a in range(8)
-        for b in range(5)
+        for a in range(10)
+        for b in range(10)
     ]
     path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
 
@@ -576,13 +579,23 @@ def python_program(block: Block) -> str:
     return GIVEN.get(block.marker.given, "") + text
 
 
+RANKS_EPILOGUE = """
+import torch.distributed
+if torch.distributed.is_initialized():  # every rank has finished before any exits (a program's clean end)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+"""
+"""Appended to a Python block run in several processes (marker ``ranks``)."""
+
+
 def _failure_output(output: str) -> str:
     """What a failed block printed, shortened: its first traceback (a rank's, under torchrun) and its last lines."""
     lines = output.splitlines()
     first = next((i for i, line in enumerate(lines) if "Traceback" in line), len(lines))
     end = next((i + 1 for i in range(first + 1, len(lines)) if lines[i] and not lines[i].startswith(" ")), len(lines))
     head = lines[first : min(end, first + 60)] if first < len(lines) - 30 else []
-    return "\n".join([*head, *(["..."] if head else []), *lines[-30:]])
+    native = [line for line in lines if re.search(r"terminate called|what\(\):|Fatal Python error", line)][:10]
+    return "\n".join([*native, *head, *(["..."] if native or head else []), *lines[-30:]])
 
 
 def run_block(block: Block, folder: Path, env: dict[str, str], epilogue: str = "", timeout: float = 1200) -> Ran:
@@ -596,6 +609,7 @@ def run_block(block: Block, folder: Path, env: dict[str, str], epilogue: str = "
         program.write_text(python_program(block) + epilogue)
         argv = [sys.executable, str(program)]
         if block.marker.ranks > 1:
+            program.write_text(python_program(block) + epilogue + RANKS_EPILOGUE)
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             argv += [f"--nproc-per-node={block.marker.ranks}", str(program)]
         shown = block.text.strip()
