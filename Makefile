@@ -4,6 +4,8 @@
 # make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
 # make test-long: the long sweeps (marker long: randomised parity, the slow adversarial cases) that CI leaves out;
 #   make parity-fuzz and make test-adversarial run one family each (docs/testing.md).
+# make test-docs: every block of README.md and docs/ run page by page (tests/test_docs.py, marker docs), scaled down
+#   (PLAIT_DOCS_SCALE=ci, the default; PLAIT_DOCS_SCALE=full runs them as written); CI runs their checks and quick blocks.
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
 # make test-min-torch: a fast subset on the lowest supported torch (MIN_TORCH) in its own venv, where that torch
 #   installs (PyPI has no CPU build of it: its CUDA wheel and nvidia-* dependencies, 3.4 GB, run on CPU too; docs/testing.md).
@@ -22,7 +24,7 @@ MAX_VENV := .venv-max-torch
 MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
 	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test test-long parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
+.PHONY: setup demo test test-long test-docs parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -41,7 +43,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not long"
 
 test-long: $(STAMP)
-	$(BIN)/python -m pytest -q -m long
+	$(BIN)/python -m pytest -q -m "long and not docs"
+
+PLAIT_DOCS_SCALE ?= ci
+test-docs: $(STAMP)
+	PLAIT_DOCS_SCALE=$(PLAIT_DOCS_SCALE) $(BIN)/python -m pytest -q -m docs tests/test_docs.py
 
 parity-fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -m long tests/test_parity_fuzz.py
