@@ -132,6 +132,17 @@ def test_plait_gpt_is_equal_under_six_layouts():
 
 
 @pytest.mark.distributed
+def test_the_docs_job_is_equal_under_zero3_with_context_parallelism():
+    """docs/certify.md's first command: plait's GPT with biases, whose key biases' gradients are pure rounding
+    noise (a constant added to every key leaves softmax unchanged); Adam turns that noise into steps that differ
+    between the runs by up to a full step. Their allowance was the tensor's own largest step, itself noise: the
+    job was said to DIFFER at blocks.1.attn.k.bias."""
+    job = ["model.n_layer=2", "model.n_head=4", "model.d_model=64"]
+    certificate = certify(None, ["dp=2,zero=3,cp=2"], steps=2, overrides=job)
+    assert certificate.equal, [(r.layout, r.verdict, r.divergence) for r in certificate.layouts]
+
+
+@pytest.mark.distributed
 def test_moe_gpt_is_equal_under_expert_parallelism():
     certificate = certify(None, ["dp=2,ep=2", "dp=2,ep=2,zero=3"], steps=2, overrides=JOB, model=f"{MUTANTS}:tiny_moe")
     assert certificate.equal, [(r.layout, r.verdict, r.divergence) for r in certificate.layouts]

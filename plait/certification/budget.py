@@ -25,8 +25,10 @@ tests/test_certify.py stay 380x and more outside it. The dtypes:
 - bf16 / fp16 autocast (u = 2^-8 / 2^-11): both runs round every matmul's output to 16 bits; a reordered fp32
   accumulator flips such a rounding by one 16-bit ulp, so rel = 2^3 * u * (1 + s) (a few ulps), whatever k is.
 - Parameters after an optimizer step: as above, and coordinates whose reference gradient is within the gradient
-  budget of zero (pure rounding noise: Adam normalises it to a full step of either sign) may move by up to
-  2 (1 + s) times the largest step the reference took on that tensor. Muon orthogonalises its update with a bf16
+  budget of zero (pure rounding noise: Adam divides it by its own size plus eps, so the step it takes depends on
+  the noise and can be anything up to a full step of either sign) may move by up to 2 (1 + s) times the largest
+  step the reference took on any parameter (the optimizer's step size at s; the tensor's own largest step is not
+  a bound: a key bias whose every gradient is noise took a tiny step in the reference and a different one here). Muon orthogonalises its update with a bf16
   Newton-Schulz iteration: 2^3 bf16 ulps of the update are added for every parameter when Muon steps.
 
 k = 1 (one process, one micro-batch) reorders nothing: the runs must then be **bitwise** equal, and certify says

@@ -111,12 +111,16 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
             quiet = wanted.abs() <= 2 * rel * max(rms(wanted), floor)  # rounding noise: Adam steps it either way
             noise[name] = quiet | noise[name] if name in noise else quiet
         param_diffs: dict[str, TensorDiff] = {}
+        steps_taken = {
+            name: float((reference["params"][name] - previous[name]).abs().max()) if value.numel() else 0.0
+            for name, value in params.items()
+        }
+        any_step = max(steps_taken.values(), default=0.0)  # the optimizer's step size: what noise may be turned into
         for name, value in params.items():
             wanted = reference["params"][name]
-            largest_step = float((wanted - previous[name]).abs().max()) if wanted.numel() else 0.0
-            extra: torch.Tensor | float = budget.update_rel * (1 + step) * largest_step
-            if name in noise:
-                extra = extra + noise[name].double() * 2 * (1 + step) * largest_step
+            extra: torch.Tensor | float = budget.update_rel * (1 + step) * steps_taken[name]
+            if name in noise:  # a key bias's gradient: how far Adam moves it depends on the noise, up to a full step
+                extra = extra + noise[name].double() * 2 * (1 + step) * any_step
             param_diffs[name] = diff_tensor(name, value, wanted, rel, extra)
         norm, squares = _norm(stats, grads)
         out["losses"].append(stats.loss)

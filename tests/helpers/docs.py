@@ -18,7 +18,8 @@ Words of a marker (``KEY=VALUE`` or a flag; a value may be quoted):
 - ``file=NAME``: a toml block is also written to NAME in the page's folder before the page's blocks run;
 - ``hardware``: a toml block is a planner hardware file (``--hardware``), not a run configuration;
 - ``scale="OLD => NEW"``: a Python block's text OLD becomes NEW when runs are scaled (``PLAIT_DOCS_SCALE``);
-- ``unscaled``: the block runs as written even when runs are scaled (it is quick, and what follows needs it so).
+- ``unscaled``: the block runs as written even when runs are scaled (it is quick, and what follows needs it so);
+- ``exit=N``: the block ends with status N when it works as the page says (``plait certify`` finding a DIFFERS).
 
 Languages: ``console`` blocks are a transcript: their ``$ `` lines are the commands, the rest is output.
 
@@ -61,7 +62,7 @@ LANGUAGES = {
 }
 SHELL_PROGRAMS = {"export", "cd", "mkdir", "ls", "cat", "echo", "tensorboard"}
 """Programs a shell block may run besides plait, torchrun, python and make (not checked further)."""
-MARKER_WORDS = {"ci", "skip", "needs", "given", "ranks", "file", "hardware", "scale", "unscaled"}
+MARKER_WORDS = {"ci", "skip", "needs", "given", "ranks", "file", "hardware", "scale", "unscaled", "exit"}
 
 
 class DocsError(AssertionError):
@@ -81,6 +82,8 @@ class Marker:
     hardware: bool = False
     scale: tuple[str, str] | None = None
     unscaled: bool = False
+    exit: int = 0
+    """The exit status the block's last command ends with when it works as the page says (``plait certify``'s 1)."""
 
     @classmethod
     def parse(cls, text: str, where: str) -> Marker:
@@ -100,8 +103,8 @@ class Marker:
                     raise DocsError(f"{where}: a docs-test skip must give its reason: skip (why it cannot run here)")
             elif key == "needs":
                 fields["needs"] = tuple(name for name in value.split(",") if name)
-            elif key == "ranks":
-                fields["ranks"] = int(value)
+            elif key in ("ranks", "exit"):
+                fields[key] = int(value)
             elif key == "scale":
                 old, sep, new = value.partition("=>")
                 if not sep:
@@ -486,6 +489,7 @@ FIXTURES: dict[str, Callable[[Path], None]] = {
         "[model]\nn_layer = 2\nn_head = 4\nd_model = 64\n\n[train]\nsteps = 100\n"
     ),
     "models/my-llama": lambda path: _hf_model(path, "llama"),
+    "tests/helpers/certify_mutants.py": lambda path: shutil.copy(TESTS / "helpers" / "certify_mutants.py", path),
     "path/to/mixtral/config.json": lambda path: _hf_config(path, "mixtral"),
     "path/to/bloom/config.json": lambda path: _hf_config(path, "bloom"),
 }
@@ -618,7 +622,7 @@ def run_block(block: Block, folder: Path, env: dict[str, str], epilogue: str = "
         done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as error:
         raise DocsError(f"{block.where}: ran past {timeout:.0f} s:\n{shown}") from error
-    if done.returncode:
+    if done.returncode != block.marker.exit:
         tail = _failure_output(done.stdout + done.stderr)
         raise DocsError(f"{block.where}: exit {done.returncode} in {folder}:\n{shown}\n--- output (end) ---\n{tail}")
     return Ran(block, done.stdout, time.monotonic() - start)
