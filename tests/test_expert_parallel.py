@@ -39,6 +39,8 @@ CELLS = [
     Cell("dp2-tp2-sp-ep2-zero1", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 1}),
     Cell("dp2-pp2-ep2", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}, {"moe_balance": "aux_free"}, CLIP, True),
     Cell("dp2-cp2-ep4-ulysses", {"dp": 2, "cp": 2, "ep": 4, "cp_mode": "ulysses"}),
+    # a V: 4 stages of one block, each rank one dense and one MoE block (rank 0: blocks 0 and 3; rank 1: 1 and 2)
+    Cell("dp2-pp2-ep2-dualpipev", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev"}),
     # world 8
     Cell("dp2-tp2-pp2-ep2", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
 ]
@@ -54,6 +56,17 @@ LONG_CELLS = [
     ),
     Cell("dp2-pp2-ep2-zero-bubble", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zero-bubble"}),
     Cell("dp2-pp2-ep2-zero3", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "zero": 3}),
+    Cell(
+        "dp2-pp2-ep2-zb-v-starved",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zb-v"},
+        {"moe_balance": "aux_free"},
+        CLIP,
+        True,
+    ),
+    Cell(
+        "dp2-pp2-ep2-dualpipev-zero3",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "zero": 3},
+    ),
     Cell("dp2-cp2-ep2-ring-zero3", {"dp": 2, "cp": 2, "ep": 2, "zero": 3}),
     Cell("ep2-recompute-selective", {"dp": 2, "ep": 2, "recompute": "selective"}),
     Cell("ep2-recompute-op", {"dp": 2, "ep": 2, "recompute": "op"}),
