@@ -12,6 +12,10 @@ sends rank j the contiguous rows of j's experts:
 3. combine: the outputs regrouped source-major and sent back by the reverse uneven all-to-all, so each rank gets
    its rows' outputs in the order it sent them (the MoE then weighs and adds them per token).
 
+Overlap (DeepSeek-V3, sec. 3.2.2, the shared expert computed while the routed tokens travel): the dispatch exchange
+of step 2 is issued asynchronously and the caller's ``in_flight`` work runs before it is waited for; ``MoE`` passes
+its shared experts' MLP there, so on a rank whose peers are slower to send, that time is computed, not waited.
+
 Backward runs the same exchanges in reverse (``plait.comm.all_to_all_v``'s autograd). Under mixed precision the
 rows travel in the compute dtype (the experts' matmuls would cast them to it anyway: the same values, half the
 bytes of the fp32 residual stream). Per MoE layer and micro-batch a rank sends, in wire bytes: 8 (P-1) L for the
@@ -21,7 +25,7 @@ and backward (docs/expert_parallel.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -49,7 +53,11 @@ class ExpertParallelDispatch:
     def __init__(self, comm: Comm, axis: str = AXIS) -> None:
         self.comm, self.axis = comm, axis
 
-    def __call__(self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor:
+    def __call__(
+        self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup, in_flight: Callable[[], None] | None = None
+    ) -> Tensor:
+        """The rows to their experts' ranks and back; ``in_flight`` (``MoE``'s shared experts) runs while the
+        rows travel to the experts (the exchange issued asynchronously through ``plait.comm``)."""
         ranks, local = self.comm.size(self.axis), experts.local_experts
         send_counts = counts.to(torch.int64).reshape(ranks * local)
         received = self.comm.all_to_all(send_counts.contiguous(), self.axis, scatter_dim=0, gather_dim=0)
@@ -60,7 +68,7 @@ class ExpertParallelDispatch:
         recv_splits = [sum(row) for row in recv]
         if torch.is_autocast_enabled(x_perm.device.type):  # what the experts' matmuls cast the rows to anyway
             x_perm = x_perm.to(torch.get_autocast_dtype(x_perm.device.type))
-        arrived = all_to_all_v(x_perm, self.comm, self.axis, send_splits, recv_splits)
+        arrived = all_to_all_v(x_perm, self.comm, self.axis, send_splits, recv_splits, in_flight)
         grouped = _regroup(arrived, recv, by_expert=True)
         per_expert = [sum(recv[s][e] for s in range(ranks)) for e in range(local)]
         outputs = _regroup(experts(grouped, per_expert), recv, by_expert=False)
