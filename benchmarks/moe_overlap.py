@@ -11,8 +11,10 @@ step and rank:
 - *hidden*: exchange - exposed, the time the exchanges travelled while the rank computed something else.
 
 Two variants per schedule: ``overlap`` (plait's default: the dispatch exchange is issued asynchronously and the
-shared experts' MLP runs while the rows travel, ``plait.parallel.expert.dispatch``) and ``serial`` (the same
-exchange with the shared experts computed before it is issued: every exchange blocks). On a CPU machine whose
+shared experts' MLP runs while the rows travel, ``plait.parallel.expert.dispatch``; under DualPipeV the
+steady-state pairs also run overlapped, ``plait.parallel.pipeline.overlap``: every exchange of a pair in flight
+while the other chunk computes) and ``serial`` (the shared experts computed before the exchange is issued and the
+pairs run in order: every exchange blocks). On a CPU machine whose
 cores all compute, "exposed" also holds the time the exchange's own copies take from the compute, so the figures
 are a reading of this run, not of the wire; a loaded machine's figures say so in the output.
 """
@@ -94,6 +96,8 @@ def run_rank(schedule: str, microbatches: int, serial: bool, steps: int, text: s
     if serial:
         for layer in moe_layers(engine.model):
             layer.dispatch = Serial(layer.dispatch)
+        if engine.pipeline is not None:
+            engine.pipeline.overlap_pairs = False
     data = ByteTextDataset(text, seq_len=MODEL["seq_len"])
     loader = ShardedBatches(data, 16, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
     for step in range(2):

@@ -130,7 +130,12 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         send, recv = ctx.splits
-        return ctx.comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send), None, None, None, None, None
+        comm, overlap = ctx.comm, ctx.comm.overlap
+        if overlap is None:
+            return comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send), None, None, None, None, None
+        pending = comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send, async_op=True)
+        overlap()  # an overlapped pipeline pair: the other chunk computes while the gradients travel
+        return pending.wait(), None, None, None, None, None
 
 
 def copy_to(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
@@ -181,7 +186,8 @@ def all_to_all_v(
     ``in_flight``: work to run while the rows travel (forward): the exchange is issued asynchronously, the
     callable runs (with autograd recording, as the caller's forward would), then the exchange is waited for; with
     one rank it runs at once. The bytes are counted as for the blocking call; a tracer shows the launch-to-wait
-    flight and, as blocking, only the wait."""
+    flight and, as blocking, only the wait. Backward: asynchronous too while ``comm.overlap`` is set (an overlapped
+    pipeline pair), which runs before the wait."""
     if comm.size(axis) == 1:
         if in_flight is not None:
             in_flight()
