@@ -7,7 +7,7 @@ plait first and its torch-native peer (the baseline of the ratios) second, and h
 
 Pairs: plait DDP vs ``DistributedDataParallel`` (``ddp``), plait ZeRO-1 vs DDP + ``ZeroRedundancyOptimizer``
 (``zero1``), plait ZeRO-3 vs ``fully_shard`` (FSDP2, ``zero3``), plait's pipeline vs ``torch.distributed.pipelining``
-(GPipe and 1F1B, ``pp``), plait TP vs ``parallelize_module`` (``tp``), ring vs Ulysses vs no context parallelism
+(GPipe and 1F1B, ``pp``; ZB-V and DualPipeV, ``ppv``, on an 8-block GPT: 2p = 8 chunks at 4 ranks), plait TP vs ``parallelize_module`` (``tp``), ring vs Ulysses vs no context parallelism
 (``cp``; torch's ``context_parallel`` does not run on CPU), plait's engine vs a plain loop (``overhead``). The
 model-parallel builders are in ``model_parallel.py``.
 Every trainer also reports its *model-state bytes* at the optimizer step of one extra, untimed step: the
@@ -31,9 +31,10 @@ import plait
 from benchmarks import model_parallel as mp
 from benchmarks.trainer import Builder, Contender, Probe, StepOut, Trainer, plait_trainer, torch_held  # noqa: F401
 from benchmarks.workload import Batch, Workload
-from plait.models import lm_loss
+from plait.models import GPTConfig, lm_loss
 
 PP_THEORY = "G T d x 4 B (rank 0: each micro-batch's activation)"
+PPV_THEORY = "2 G T d x 4 B (rank 0: each micro-batch's activation and, holding the last stage, its gradient)"
 TP_THEORY = "2(t-1)/t x ((4L+2) G T d x 4 + 12 G T) B"
 
 
@@ -212,6 +213,23 @@ CONTENDERS: dict[str, Contender] = {
             mp.pipeline_bytes,
             PP_THEORY,
         ),
+        *(
+            Contender(
+                f"{side} {label}",
+                (mp.build_plait_pp if side == "plait" else mp.build_torch_pp)(schedule),
+                f"plait.parallelize(model, Layout(pp=N, schedule={schedule!r}, microbatches=m)): 2 chunks per rank"
+                if side == "plait"
+                else f"2 PipelineStages per rank (stages r and 2N-1-r of the GPT cut by hand) + {torch_class}",
+                "whole",
+                mp.pipeline_v_bytes,
+                PPV_THEORY,
+            )
+            for schedule, label, torch_class in (
+                ("zb-v", "ZB-V", "ScheduleZBVZeroBubble"),
+                ("dualpipev", "DualPipeV", "ScheduleDualPipeV"),
+            )
+            for side in ("plait", "torch")
+        ),
         Contender(
             "plait TP",
             mp.build_plait_tp,
@@ -353,6 +371,22 @@ SUITES: dict[str, Suite] = {
             rounds=4,
             workload=Workload(global_batch=16, microbatches=8),
             baselines=(("plait GPipe", "torch GPipe"), ("plait 1F1B", "torch 1F1B")),
+        ),
+        Suite(
+            "ppv",
+            ("plait ZB-V", "torch ZB-V", "plait DualPipeV", "torch DualPipeV"),
+            "V-shaped pipelines: plait vs torch.distributed.pipelining (ZB-V and DualPipeV)",
+            min_world=2,
+            interleave="process",
+            steps=10,
+            warmup=3,
+            rounds=4,
+            workload=Workload(
+                model=GPTConfig(vocab_size=256, seq_len=128, n_layer=8, n_head=4, d_model=128),
+                global_batch=16,
+                microbatches=8,
+            ),
+            baselines=(("plait ZB-V", "torch ZB-V"), ("plait DualPipeV", "torch DualPipeV")),
         ),
         Suite(
             "tp",

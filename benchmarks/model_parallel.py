@@ -6,7 +6,9 @@ no-cp baseline, plain data parallelism over the same ranks. The torch peers:
 - pipeline: the reference GPT cut by hand into ``world`` stages of n_layer/world blocks (the embeddings go with
   the first, the final norm and the LM head with the last; the same even split as plait's default), each a
   ``torch.distributed.pipelining.PipelineStage``, run by ``ScheduleGPipe`` or ``Schedule1F1B`` with ``lm_loss``
-  per micro-batch (torch scales the gradients by 1/m, plait the loss: the same batch-mean gradients).
+  per micro-batch (torch scales the gradients by 1/m, plait the loss: the same batch-mean gradients). The
+  V-shaped schedules (``ppv``: ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) cut it into 2 x ``world``
+  stages, two per rank placed in a V (rank r: stages r and 2p - 1 - r, both ends on rank 0), as plait's.
 - tensor: ``parallelize_module`` with ``ColwiseParallel`` for q/k/v/up, ``RowwiseParallel`` for o/down,
   ``RowwiseParallel`` on the token embedding (split by vocabulary rows, as plait's ``VocabParallelEmbedding``)
   and a ``ColwiseParallel`` LM head whose logits stay sharded over the vocabulary for ``loss_parallel()``, the
@@ -18,6 +20,7 @@ tp slices' gradients are summed over the ranks, the replicated gradients counted
 
 from __future__ import annotations
 
+import copy
 import statistics
 from typing import Any
 
@@ -30,7 +33,12 @@ from benchmarks.trainer import Batch, Probe, StepOut, Trainer, clip_global_, gat
 from benchmarks.workload import Workload
 from plait.models import lm_loss
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 """plait's ``Layout.schedule`` name -> the class of ``torch.distributed.pipelining`` that runs the same order."""
 
 
@@ -47,63 +55,85 @@ def build_plait_pp(schedule: str):  # noqa: ANN201 - a Builder
     return build
 
 
-def stage_of(model: nn.Module, rank: int, world: int) -> nn.Module:
-    """The reference GPT cut by hand for pipeline stage ``rank`` of ``world``: an even run of its blocks, the
+def stage_of(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """The reference GPT cut by hand for pipeline stage ``stage`` of ``stages``: an even run of its blocks, the
     embeddings on the first stage, the final norm and LM head on the last (the model returns hidden states where
     its head is missing and takes them where its embedding is)."""
     layers = len(model.blocks)
-    if layers % world:
-        raise ValueError(f"{layers} blocks do not split evenly over {world} stages; use a divisor of {layers}")
-    per = layers // world
+    if layers % stages:
+        raise ValueError(f"{layers} blocks do not split evenly over {stages} stages; use a divisor of {layers}")
+    per = layers // stages
     for key in list(model.blocks.keys()):
-        if not rank * per <= int(key) < (rank + 1) * per:
+        if not stage * per <= int(key) < (stage + 1) * per:
             del model.blocks[key]
-    if rank != 0:
+    if stage != 0:
         model.tok_embed, model.pos_embed = None, None
-    if rank != world - 1:
+    if stage != stages - 1:
         model.norm_f, model.lm_head = None, None
     return model
 
 
+V_SCHEDULES = frozenset({"zb-v", "dualpipev"})
+"""Schedules whose 2p stages sit in a V: rank r holds stages r and 2p - 1 - r (both ends on rank 0)."""
+
+
+def stages_on(rank: int, world: int, schedule: str) -> tuple[int, ...]:
+    """The stage indices rank ``rank`` holds: its own (one stage per rank), or r and 2p - 1 - r in a V (torch's
+    ``generate_rank_to_stage_mapping(style="v")``, plait's ``Placement.V``)."""
+    return (rank, 2 * world - 1 - rank) if schedule in V_SCHEDULES else (rank,)
+
+
 def build_torch_pp(schedule: str):  # noqa: ANN201 - a Builder
-    """``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` from ``torch.distributed.pipelining``."""
+    """``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` from ``torch.distributed.pipelining``; for a V
+    (``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``), two ``PipelineStage``s per rank, stages r and 2p - 1 - r
+    of 2p, each its own copy of the model cut by hand (the list the multi-stage schedules take)."""
 
     def build(model: nn.Module, workload: Workload, rank: int, world: int) -> Trainer:
         from torch.distributed import pipelining
 
         order = [name for name, _ in model.named_parameters()]
-        module = stage_of(model, rank, world)
-        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+        indices = stages_on(rank, world, schedule)
+        num_stages = world * len(indices)
+        if len(indices) == 1:
+            modules = [stage_of(model, rank, num_stages)]
+        else:
+            modules = [stage_of(copy.deepcopy(model), s, num_stages) for s in indices]
+        stages = [
+            pipelining.PipelineStage(module, s, num_stages, torch.device("cpu")) for s, module in zip(indices, modules)
+        ]
         runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(
-            stage, n_microbatches=workload.microbatches, loss_fn=lm_loss
+            stages[0] if len(stages) == 1 else stages, n_microbatches=workload.microbatches, loss_fn=lm_loss
         )
-        params = [p for p in module.parameters() if p.requires_grad]
+        holder = nn.ModuleList(modules)
+        params = [p for p in holder.parameters() if p.requires_grad]
         optimizer = workload.optimizer(params)
         probe = Probe()
-        first, last = rank == 0, rank == world - 1
+        first, last = 0 in indices, num_stages - 1 in indices
+        loss_rank = 0 if len(indices) == 2 else world - 1  # the rank holding the last stage
 
         def step(batch: Batch) -> StepOut:
             inputs, targets = batch
             losses: list[torch.Tensor] = []
-            if first:
-                runner.step(inputs)
-            elif last:
-                runner.step(target=targets, losses=losses)
+            args = (inputs,) if first else ()
+            if last:
+                runner.step(*args, target=targets, losses=losses)
             else:
-                runner.step()
+                runner.step(*args)
             if workload.max_grad_norm:
                 clip_global_([p.grad for p in params if p.grad is not None], [], workload.max_grad_norm)
             probe.take(lambda: torch_held(params, optimizer))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss = torch.tensor(statistics.fmean(float(x.detach()) for x in losses) if last else 0.0)
-            dist.broadcast(loss, src=world - 1)  # the batch mean on every rank, as plait reports it
+            dist.broadcast(loss, src=loss_rank)  # the batch mean on every rank, as plait reports it
             return loss.item(), None
 
-        def info() -> dict[str, Any]:  # modelled: stage 0 sends each micro-batch's activation once
-            return {"wire_bytes_per_step": pipeline_bytes(workload, world)}
+        def info() -> dict[str, Any]:  # modelled: what rank 0 sends (activations; in a V also gradients), once
+            bytes_of = pipeline_v_bytes if len(indices) == 2 else pipeline_bytes
+            return {"wire_bytes_per_step": bytes_of(workload, world)}
 
-        return Trainer(step, module, info, probe, lambda: gather_named(dict(module.named_parameters()), order))
+        named = {name: p for module in modules for name, p in module.named_parameters()}
+        return Trainer(step, holder, info, probe, lambda: gather_named(named, order))
 
     return build
 
@@ -112,6 +142,12 @@ def pipeline_bytes(workload: Workload, world: int) -> float:
     """Bytes pipeline rank 0 sends per step: the fp32 activation [G/m, T, d] of each of m micro-batches, once
     (it receives the gradients; it has none to send): G x T x d x 4."""
     return float(workload.global_batch * workload.model.seq_len * workload.model.d_model * 4)
+
+
+def pipeline_v_bytes(workload: Workload, world: int) -> float:
+    """Bytes rank 0 of a V sends per step: stage 0's activations forward and, since it holds the last stage too,
+    the gradient of stage 2p - 1's input back to stage 2p - 2, once per micro-batch each: 2 G x T x d x 4."""
+    return 2.0 * pipeline_bytes(workload, world)
 
 
 # ----------------------------------------------------------------------------------------------- tensor

@@ -1,6 +1,6 @@
 """The benchmark runner works end to end (a few steps; the figures themselves live in BENCHMARKS.md): every pair
 runs, its contenders train the same thing (same losses, same parameters), bytes and model-state memory are
-reported, and ``--suite all`` covers every pair (data parallel and ZeRO and pipeline at 2 and 4 ranks, tensor
+reported, and ``--suite all`` covers every pair (data parallel and ZeRO and pipeline, V-shaped included, at 2 and 4 ranks, tensor
 parallel at 2, context parallel at 4; the smoke test runs each at 2)."""
 
 import pytest
@@ -16,10 +16,14 @@ SAME_PARAMS_CP = 1e-4
 normalised update (up to lr = 1e-3 per step) can turn that into ~1e-5 in a parameter whose gradient is near
 zero; 1e-4 is a tenth of one step."""
 
-ROLES = {"pp": ["plait", "baseline", "plait", "baseline"], "cp": ["plait", "plait", "baseline"]}
+ROLES = {
+    "pp": ["plait", "baseline", "plait", "baseline"],
+    "ppv": ["plait", "baseline", "plait", "baseline"],
+    "cp": ["plait", "plait", "baseline"],
+}
 
 
-@pytest.mark.parametrize("suite", ["overhead", "ddp", "zero1", "zero3", "pp", "tp", "cp"])
+@pytest.mark.parametrize("suite", ["overhead", "ddp", "zero1", "zero3", "pp", "ppv", "tp", "cp"])
 def test_benchmark_suite_runs_and_contenders_agree(suite, tmp_path):
     from benchmarks.report import write_markdown
     from benchmarks.run import QUICK, run_suite
@@ -34,7 +38,7 @@ def test_benchmark_suite_runs_and_contenders_agree(suite, tmp_path):
         if suite != "overhead":  # plait sends its theory, padding and the 4-12 bytes of loss and norm aside
             assert plait_row["wire_vs_theory"] == pytest.approx(1.0, rel=1e-4), plait_row
     plait_row = rows[0]
-    if suite in ("zero3", "pp"):  # both hold 1/N of parameters, gradients and AdamW state (pp: the same stages)
+    if suite in ("zero3", "pp", "ppv"):  # both hold 1/N of parameters, gradients and AdamW state (pp: the same stages)
         assert plait_row["model_state_vs_baseline"] == pytest.approx(1.0, rel=0.01), plait_row
     if suite == "tp":  # the same slices; torch's gradients hold 64 KiB more (one [V/t, d] fp32 storage), ~1%
         assert plait_row["model_state_vs_baseline"] == pytest.approx(1.0, rel=0.02), plait_row
@@ -61,7 +65,7 @@ def test_suite_all_covers_every_pair_at_two_and_four_ranks():
 
     covered = {(name, world) for name, suite in SUITES.items() for world in worlds_of(suite, None)}
     assert covered >= (
-        {(name, world) for name in ("ddp", "zero1", "zero3", "pp") for world in (2, 4)}
+        {(name, world) for name in ("ddp", "zero1", "zero3", "pp", "ppv") for world in (2, 4)}
         | {("overhead", 1), ("tp", 2), ("cp", 4)}
     )
     assert worlds_of(SUITES["zero3"], 4) == [4] and worlds_of(SUITES["overhead"], 4) == [1]

@@ -1,6 +1,9 @@
 """Checkpoints reshard: saved under one layout, loaded under another (other dp / tp / pp degrees, ZeRO stage,
 world size, or one process without a process group), training continues as if uninterrupted.
 
+A V-shaped pipeline (DualPipeV: rank 0 holds the first and the last of 2p stages) saves stage-placed parameters
+under their whole-model names; 1F1B (another placement) and one process load them bitwise (issue 36).
+
 The "done when" of issue 8: train 5 steps at layout A, save, load at layout B, train 5 more; the loss curve
 equals 10 uninterrupted steps at A. Each A run trains 10 steps and saves at step 5 (its curve is the reference),
 so 4 process starts serve 6 (A, B) pairs. Also: the pieces each rank holds map to whole tensors exactly
@@ -47,14 +50,17 @@ LAYOUTS = {
     "dp4-zero1": Layout(dp=4, zero=1),
     "dp2-zero1": Layout(dp=2, zero=1),
     "tp2-dp2-zero3": Layout(tp=2, dp=2, zero=3),
+    "pp2-dualpipev": Layout(dp=1, pp=2, schedule="dualpipev", microbatches=4),
 }
-PAIRS = [  # (saved at A, loaded at B): world size changes in 4, pp in 3, tp in 4, ZeRO stage in 5
+PAIRS = [  # (saved at A, loaded at B): world size changes in 5, pp in 5, tp in 4, ZeRO stage in 6, placement in 2
     ("dp2-tp2-zero1", "pp2-dp2-zero0"),
     ("dp2-zero3", "single"),
     ("pp2-zero1", "dp4-zero3"),
     ("tp2-zero0", "tp2-dp2-zero1"),
     ("dp4-zero1", "dp2-zero1"),
     ("tp2-dp2-zero3", "pp2-zero1"),  # ZeRO-3 flat shards of tp slices -> whole parameters on pipeline stages
+    ("pp2-dualpipev", "pp2-zero1"),  # a V (rank 0: stages 0 and 3) -> 1F1B (rank 0: stages 0 and 1)
+    ("pp2-dualpipev", "single"),
 ]
 
 

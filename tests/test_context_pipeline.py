@@ -6,7 +6,8 @@ Parity against single-device training of a Llama-style GPT (RoPE, so every stage
 global positions; grouped-query attention; targets partly ignored, more of them late in the sequence, so cp
 ranks score different numbers of tokens): losses, step-0 gradients and final parameters after 3 AdamW steps with
 global-norm clipping, and the evaluation loss of the trained model, under pp2 x cp2 with ring attention (1F1B,
-interleaved with 2 virtual stages, zero-bubble) and Ulysses (GPipe, ZeRO-1). The composition matrix adds dp and
+interleaved with 2 virtual stages, zero-bubble, ZB-V) and Ulysses (GPipe, ZeRO-1); under ``long``, DualPipeV with
+both modes and ZB-V with Ulysses and recomputation. The composition matrix adds dp and
 tp (tests/composition.py: pp2 x cp2 with dp2 and/or tp2, ZeRO 0 and 1, learned positions).
 """
 
@@ -52,8 +53,20 @@ CASES = {
     "tp2-pp2-sp": Layout(dp=1, tp=2, pp=2, sequence_parallel=True, microbatches=2),
     "dp2-pp2-cp2-ring-zero1": Layout(dp=2, pp=2, cp=2, zero=1, microbatches=2),
     "tp2-pp2-cp2-sp-ring": Layout(dp=1, tp=2, pp=2, cp=2, sequence_parallel=True, microbatches=2),
+    "pp2-cp2-ring-zb-v": Layout(dp=1, pp=2, cp=2, schedule="zb-v", microbatches=2),
 }
-"""Interleaved puts one of the 4 blocks on each of the 4 stages. "sp": Megatron sequence parallelism, whose
+LONG_CASES = {
+    "pp2-cp2-ulysses-dualpipev": Layout(dp=1, pp=2, cp=2, cp_mode="ulysses", schedule="dualpipev", microbatches=4),
+    "pp2-cp2-ring-dualpipev-zero1": Layout(dp=1, pp=2, cp=2, schedule="dualpipev", microbatches=4, zero=1),
+    "pp2-cp2-ulysses-zb-v-recompute": Layout(
+        dp=1, pp=2, cp=2, cp_mode="ulysses", schedule="zb-v", microbatches=4, recompute="full"
+    ),
+}
+"""Behind marker ``long``: the V schedules with Ulysses, ZeRO-1 and recomputation. A V (ZB-V, DualPipeV: 2p = 4
+stages, rank 0 holds the first and the last, docs/pipeline.md) runs its later stages' RoPE at the cp shard's global
+positions on both ranks, and turns at rank 1 without a message."""
+ALL_CASES = {**CASES, **LONG_CASES}
+"""Interleaved and the V put one of the 4 blocks on each of the 4 stages. "sp": Megatron sequence parallelism, whose
 stage boundaries carry [B, T/(cp tp), d] chunks (tp2-pp2-sp: SP x pp without cp)."""
 
 
@@ -77,15 +90,16 @@ def global_batch(step: int, length: int = LENGTH) -> tuple[torch.Tensor, torch.T
 def _train_on_rank(names: list[str]) -> dict:
     results = {}
     for name in names:
-        if CASES[name].world_size != torch.distributed.get_world_size():
+        layout = ALL_CASES[name]
+        if layout.world_size != torch.distributed.get_world_size():
             continue
-        engine = plait.parallelize(make_model(), CASES[name], optimizer=optimizer, max_grad_norm=CLIP)
+        engine = plait.parallelize(make_model(), layout, optimizer=optimizer, max_grad_norm=CLIP)
         grads: list[dict[str, torch.Tensor]] = []  # step 0's synchronised gradients, whole (tp slices gathered)
         engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)  # noqa: B023 - called within this iteration
         dp_index, dp = engine.mesh.index("dp"), engine.mesh.size("dp")
         rows = slice(dp_index * GLOBAL_BATCH // dp, (dp_index + 1) * GLOBAL_BATCH // dp)
         losses = [engine.train_step(tuple(t[rows] for t in global_batch(step))).loss for step in range(STEPS)]
-        result = {"losses": losses, "grads": grads[0], "params": whole_parameters(engine), "layout": CASES[name]}
+        result = {"losses": losses, "grads": grads[0], "params": whole_parameters(engine), "layout": layout}
         # the metric counts the positions of the output it is given: the last stage's, gathered over cp
         evaluation = engine.evaluate(
             [tuple(t[rows] for t in global_batch(STEPS))], metric=lambda output, target: (0, output.shape[1])
@@ -98,13 +112,22 @@ def _train_on_rank(names: list[str]) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def _train(cases: dict[str, Layout]) -> dict[str, list[dict]]:
     out = {}
-    for world in sorted({layout.world_size for layout in CASES.values()}):  # one process start-up per size
-        per_rank = run_distributed(_train_on_rank, world, list(CASES), timeout=300)
+    for world in sorted({layout.world_size for layout in cases.values()}):  # one process start-up per size
+        per_rank = run_distributed(_train_on_rank, world, list(cases), timeout=300)
         out.update({name: [result[name] for result in per_rank] for name in per_rank[0]})
     return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    return _train(CASES)
+
+
+@pytest.fixture(scope="module")
+def long_runs() -> dict[str, list[dict]]:
+    return _train(LONG_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +144,17 @@ def reference():
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_with_context_parallel_matches_single_device(name, runs, reference):
-    per_rank = runs[name]
+    _assert_matches(name, runs[name], reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.long
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_pipeline_with_context_parallel_matches_single_device_long(name, long_runs, reference):
+    _assert_matches(name, long_runs[name], reference)
+
+
+def _assert_matches(name: str, per_rank: list[dict], reference) -> None:  # noqa: ANN001 - the fixture's trajectory
     for rank, result in enumerate(per_rank):
         assert result["losses"] == per_rank[0]["losses"], f"{name}: rank {rank} reports another loss"
         assert result["eval"] == per_rank[0]["eval"], f"{name}: rank {rank} reports another evaluation loss"
@@ -162,10 +195,13 @@ def test_context_parallel_with_pipedream_or_hugging_face_stages_is_refused_with_
 
 
 def test_the_cases_hold_every_schedule_family_both_modes_and_every_partner_axis():
-    """1F1B, GPipe, interleaved (virtual stages) and zero-bubble (split backward); ring and Ulysses; dp (ZeRO-1)
-    and tp (with Megatron-SP) next to pp x cp; at most 8 ranks."""
-    assert {layout.schedule for layout in CASES.values()} == {"1f1b", "gpipe", "interleaved", "zero-bubble"}
+    """1F1B, GPipe, interleaved (virtual stages), zero-bubble (split backward) and ZB-V (a V) in the default
+    suite, DualPipeV under ``long``; ring and Ulysses; dp (ZeRO-1) and tp (with Megatron-SP) next to pp x cp; at
+    most 8 ranks."""
+    assert {layout.schedule for layout in CASES.values()} == {"1f1b", "gpipe", "interleaved", "zero-bubble", "zb-v"}
+    assert {layout.schedule for layout in LONG_CASES.values()} == {"zb-v", "dualpipev"}
     assert {layout.cp_mode for layout in CASES.values() if layout.cp > 1} == {"ring", "ulysses"}
+    assert {layout.cp_mode for layout in LONG_CASES.values() if layout.schedule == "dualpipev"} == {"ring", "ulysses"}
     assert any(layout.dp > 1 and layout.cp > 1 and layout.zero == 1 for layout in CASES.values())
     assert any(layout.tp > 1 and layout.cp > 1 and layout.sequence_parallel for layout in CASES.values())
-    assert all(layout.pp == 2 and layout.world_size <= 8 for layout in CASES.values())
+    assert all(layout.pp == 2 and layout.world_size <= 8 for layout in ALL_CASES.values())

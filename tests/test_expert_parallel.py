@@ -10,6 +10,7 @@ recomputation modes, ZeRO stages and degrees are under ``long``.
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -39,6 +40,8 @@ CELLS = [
     Cell("dp2-tp2-sp-ep2-zero1", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True, "zero": 1}),
     Cell("dp2-pp2-ep2", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}, {"moe_balance": "aux_free"}, CLIP, True),
     Cell("dp2-cp2-ep4-ulysses", {"dp": 2, "cp": 2, "ep": 4, "cp_mode": "ulysses"}),
+    # a V: 4 stages of one block, each rank one dense and one MoE block (rank 0: blocks 0 and 3; rank 1: 1 and 2)
+    Cell("dp2-pp2-ep2-dualpipev", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev"}),
     # world 8
     Cell("dp2-tp2-pp2-ep2", {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "microbatches": 2}),
 ]
@@ -54,6 +57,17 @@ LONG_CELLS = [
     ),
     Cell("dp2-pp2-ep2-zero-bubble", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zero-bubble"}),
     Cell("dp2-pp2-ep2-zero3", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "zero": 3}),
+    Cell(
+        "dp2-pp2-ep2-zb-v-starved",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zb-v"},
+        {"moe_balance": "aux_free"},
+        CLIP,
+        True,
+    ),
+    Cell(
+        "dp2-pp2-ep2-dualpipev-zero3",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "zero": 3},
+    ),
     Cell("dp2-cp2-ep2-ring-zero3", {"dp": 2, "cp": 2, "ep": 2, "zero": 3}),
     Cell("ep2-recompute-selective", {"dp": 2, "ep": 2, "recompute": "selective"}),
     Cell("ep2-recompute-op", {"dp": 2, "ep": 2, "recompute": "op"}),
@@ -230,20 +244,32 @@ def _traced_step() -> dict:
     def record(layer: int, module: torch.nn.Module, args: tuple, out: tuple) -> None:
         chosen.setdefault(layer, out[1])
 
+    shared: list[tuple[int, int]] = []  # (start, end) ns of each shared-experts forward
+
+    def shared_began(module: torch.nn.Module, args: tuple) -> None:
+        shared.append((time.perf_counter_ns(), 0))
+
+    def shared_ended(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        shared[-1] = (shared[-1][0], time.perf_counter_ns())
+
     for layer in moe_layers(engine.model):
         layer.router.register_forward_hook(functools.partial(record, layer.layer))
+        layer.shared.register_forward_pre_hook(shared_began)
+        layer.shared.register_forward_hook(shared_ended)
     loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=2)
     tracer = Tracer(engine).start()
     stats = engine.train_step(loader.batch_at(0))
     tracer.stop()
     spans = [span[2] for span in tracer.spans] + [flight[0] for flight in tracer.flights]
-    return {"comm": stats.comm.to_dict(), "chosen": chosen, "spans": spans}
+    flights = [(f[1], f[2]) for f in tracer.flights if f[0] == "all_to_all_v ep"]
+    return {"comm": stats.comm.to_dict(), "chosen": chosen, "spans": spans, "flights": flights, "shared": shared}
 
 
 def test_token_exchange_bytes_equal_theory_and_appear_in_traces() -> None:
     """Per MoE layer and micro-batch a rank sends, in the forward dispatch and the backward of the combine, the
     rows it routes to the other ep rank's experts, and in the forward combine and the backward of the dispatch,
-    the rows the other rank routed to its experts: 2 (sent + received) x d_model x 4 bytes, from the routing."""
+    the rows the other rank routed to its experts: 2 (sent + received) x d_model x 4 bytes, from the routing.
+    The forward dispatch is in flight (asynchronous, counted alike) while the layer's shared experts compute."""
     results = run_distributed(_traced_step, 2, timeout=120)
     local = 8 // 2  # experts per ep rank
     for rank, result in enumerate(results):
@@ -258,6 +284,10 @@ def test_token_exchange_bytes_equal_theory_and_appear_in_traces() -> None:
         assert counts == {"calls": layers, "payload_bytes": layers * 8 * 8, "wire_bytes": layers * (2 - 1) / 2 * 64}
         assert sum(name.startswith("all_to_all_v ep") for name in result["spans"]) == 4 * layers
         assert sent > 0 and received > 0
+        # overlap: each layer's dispatch is issued asynchronously and its shared experts run while the rows travel
+        assert len(result["flights"]) == layers and len(result["shared"]) == layers
+        for (launched, arrived), (began, ended) in zip(result["flights"], result["shared"], strict=True):
+            assert launched <= began <= ended <= arrived, (launched, began, ended, arrived)
 
 
 # ----------------------------------------------------------------- mixed precision

@@ -10,6 +10,7 @@ Each function takes the ``Comm`` and the mesh axis explicitly, so nothing global
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,14 +111,31 @@ class _AllToAll(torch.autograd.Function):
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, axis: str, send: list[int], recv: list[int]) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Comm,
+        axis: str,
+        send: list[int],
+        recv: list[int],
+        in_flight: Callable[[], None] | None,
+    ) -> torch.Tensor:
         ctx.comm, ctx.axis, ctx.splits = comm, axis, (send, recv)
-        return comm.all_to_all_v(x, axis, send, recv)
+        if in_flight is None:
+            return comm.all_to_all_v(x, axis, send, recv)
+        pending = comm.all_to_all_v(x, axis, send, recv, async_op=True)
+        in_flight()
+        return pending.wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         send, recv = ctx.splits
-        return ctx.comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send), None, None, None, None
+        comm, overlap = ctx.comm, ctx.comm.overlap
+        if overlap is None:
+            return comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send), None, None, None, None, None
+        pending = comm.all_to_all_v(grad.contiguous(), ctx.axis, recv, send, async_op=True)
+        overlap()  # an overlapped pipeline pair: the other chunk computes while the gradients travel
+        return pending.wait(), None, None, None, None, None
 
 
 def copy_to(x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
@@ -155,6 +173,31 @@ def all_to_all(x: torch.Tensor, comm: Comm, axis: str, scatter_dim: int, gather_
     return x if comm.size(axis) == 1 else _AllToAll.apply(x, comm, axis, scatter_dim, gather_dim)
 
 
-def all_to_all_v(x: torch.Tensor, comm: Comm, axis: str, send: list[int], recv: list[int]) -> torch.Tensor:
-    """Uneven all-to-all of rows forward (``Comm.all_to_all_v``), the reverse exchange of the gradients backward."""
-    return x if comm.size(axis) == 1 else _AllToAllV.apply(x, comm, axis, list(send), list(recv))
+def all_to_all_v(
+    x: torch.Tensor,
+    comm: Comm,
+    axis: str,
+    send: list[int],
+    recv: list[int],
+    in_flight: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Uneven all-to-all of rows forward (``Comm.all_to_all_v``), the reverse exchange of the gradients backward.
+
+    ``in_flight``: work to run while the rows travel (forward): the exchange is issued asynchronously, the
+    callable runs (with autograd recording, as the caller's forward would), then the exchange is waited for; with
+    one rank it runs at once. The bytes are counted as for the blocking call; a tracer shows the launch-to-wait
+    flight and, as blocking, only the wait. Backward: asynchronous too while ``comm.overlap`` is set (an overlapped
+    pipeline pair), which runs before the wait."""
+    if comm.size(axis) == 1:
+        if in_flight is not None:
+            in_flight()
+        return x
+    hook = None
+    if in_flight is not None:  # a Function's forward runs without autograd: the caller's mode, restored for it
+        grad_mode, work = torch.is_grad_enabled(), in_flight
+
+        def hook() -> None:
+            with torch.set_grad_enabled(grad_mode):
+                work()
+
+    return _AllToAllV.apply(x, comm, axis, list(send), list(recv), hook)

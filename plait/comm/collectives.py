@@ -137,6 +137,10 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.tracer: Any = None
         """A ``plait.observe.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
+        self.overlap: Callable[[], None] | None = None
+        """Set by the pipeline runtime while it runs an overlapped pair (``pipeline/overlap.py``): called by an
+        exchange that may be overlapped (expert parallelism's all-to-alls) after issuing it asynchronously and
+        before waiting for it, to let the pair's other chunk compute meanwhile. None: such exchanges block."""
         self.stage_p2p: bool | None = None
         """``send_recv`` through host memory: None decides per call (``needs_host_staging``); True/False force it."""
         self._backends: dict[str, str | None] = {}

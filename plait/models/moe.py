@@ -3,10 +3,10 @@ experts; load balancing by an auxiliary loss, by DeepSeek-V3's bias, or none; dr
 
 Nothing here knows about parallelism. Two attributes of ``MoE`` are swap points, as ``Attention.core`` is:
 
-- ``dispatch(x_perm, counts, experts) -> y_perm``: runs the routed rows (sorted by expert, ``counts[e]`` rows for
-  expert e) through the experts. ``local_dispatch`` calls ``experts`` directly; expert parallelism
-  (``plait.parallel.expert``) installs one that sends each row to the rank holding its expert (uneven all-to-all)
-  and back.
+- ``dispatch(x_perm, counts, experts, in_flight) -> y_perm``: runs the routed rows (sorted by expert, ``counts[e]``
+  rows for expert e) through the experts, and the callable ``in_flight`` (the shared experts) while they are on
+  the wire. ``local_dispatch`` calls both directly; expert parallelism (``plait.parallel.expert``) installs one
+  that sends each row to the rank holding its expert (uneven all-to-all, issued asynchronously) and back.
 - ``sequence_sum(stats) -> stats``: sums per-sequence routing counts over the ranks that hold other positions of
   the same sequences (context parallelism, Megatron sequence parallelism); None on one device.
 
@@ -64,11 +64,18 @@ from plait.models.config import GPTConfig
 class Dispatch(Protocol):
     """``MoE.dispatch``: the routed rows through the experts (module docstring)."""
 
-    def __call__(self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor: ...
+    def __call__(
+        self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup, in_flight: Callable[[], None] | None = None
+    ) -> Tensor: ...
 
 
-def local_dispatch(x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor:
-    """Every expert on this device: the rows go straight through ``experts``."""
+def local_dispatch(
+    x_perm: Tensor, counts: Tensor, experts: ExpertGroup, in_flight: Callable[[], None] | None = None
+) -> Tensor:
+    """Every expert on this device: ``in_flight`` (nothing travels) runs first, then the rows go straight
+    through ``experts``."""
+    if in_flight is not None:
+        in_flight()
     return experts(x_perm, counts)
 
 
@@ -292,8 +299,10 @@ class MoE(nn.Module):
         kept = None
         if self.capacity_factor is not None:
             kept = capacity_mask(choices, self.n_experts, self.capacity(length))
-        out = self._route(flat, chosen, weights, kept).view(batch, length, width)
-        shared = self.shared_output(x)
+        found: list[Tensor | None] = []  # the shared experts' output, computed while the routed rows travel
+        out = self._route(flat, chosen, weights, kept, lambda: found.append(self.shared_output(x)))
+        out = out.view(batch, length, width)
+        shared = found[0] if found else self.shared_output(x)
         if shared is not None:
             out = out + shared
         aux = None
@@ -318,9 +327,16 @@ class MoE(nn.Module):
         assert self.capacity_factor is not None
         return math.ceil(self.capacity_factor * length * self.top_k / self.n_experts)
 
-    def _route(self, flat: Tensor, chosen: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
-        """Sort the (token, choice) pairs by expert, run them through ``dispatch``, add each token's weighted
-        outputs back (in fp32, returned in the experts' output dtype)."""
+    def _route(
+        self,
+        flat: Tensor,
+        chosen: Tensor,
+        weights: Tensor,
+        kept: Tensor | None,
+        in_flight: Callable[[], None] | None = None,
+    ) -> Tensor:
+        """Sort the (token, choice) pairs by expert, run them through ``dispatch`` (``in_flight`` while they
+        travel), add each token's weighted outputs back (in fp32, returned in the experts' output dtype)."""
         tokens, k = chosen.shape
         key = chosen.reshape(-1)
         if kept is not None:  # dropped choices sort past the last expert and are cut off
@@ -330,7 +346,7 @@ class MoE(nn.Module):
         if kept is not None:
             order = order[: int(counts.sum())]
         token = torch.div(order, k, rounding_mode="floor")
-        y = self.dispatch(flat.index_select(0, token), counts, self.experts)
+        y = self.dispatch(flat.index_select(0, token), counts, self.experts, in_flight)
         scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         out = torch.zeros(tokens, flat.shape[-1], dtype=torch.float32, device=flat.device)
         return out.index_add(0, token, y.float() * scale).to(y.dtype)

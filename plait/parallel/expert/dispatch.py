@@ -12,6 +12,14 @@ sends rank j the contiguous rows of j's experts:
 3. combine: the outputs regrouped source-major and sent back by the reverse uneven all-to-all, so each rank gets
    its rows' outputs in the order it sent them (the MoE then weighs and adds them per token).
 
+Overlap (DeepSeek-V3, sec. 3.2.2, the shared expert computed while the routed tokens travel): the dispatch exchange
+of step 2 is issued asynchronously and the caller's ``in_flight`` work runs before it is waited for; ``MoE`` passes
+its shared experts' MLP there, so on a rank whose peers are slower to send, that time is computed, not waited.
+
+Within DualPipeV's overlapped pair (``plait.parallel.pipeline.overlap``) the runtime sets ``Comm.overlap``: the
+dispatch and the combine, forward and backward, are then all issued asynchronously and the pair's other chunk
+computes until its own next exchange before they are waited for.
+
 Backward runs the same exchanges in reverse (``plait.comm.all_to_all_v``'s autograd). Under mixed precision the
 rows travel in the compute dtype (the experts' matmuls would cast them to it anyway: the same values, half the
 bytes of the fp32 residual stream). Per MoE layer and micro-batch a rank sends, in wire bytes: 8 (P-1) L for the
@@ -21,7 +29,7 @@ and backward (docs/expert_parallel.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -49,7 +57,11 @@ class ExpertParallelDispatch:
     def __init__(self, comm: Comm, axis: str = AXIS) -> None:
         self.comm, self.axis = comm, axis
 
-    def __call__(self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup) -> Tensor:
+    def __call__(
+        self, x_perm: Tensor, counts: Tensor, experts: ExpertGroup, in_flight: Callable[[], None] | None = None
+    ) -> Tensor:
+        """The rows to their experts' ranks and back; ``in_flight`` (``MoE``'s shared experts) runs while the
+        rows travel to the experts (the exchange issued asynchronously through ``plait.comm``)."""
         ranks, local = self.comm.size(self.axis), experts.local_experts
         send_counts = counts.to(torch.int64).reshape(ranks * local)
         received = self.comm.all_to_all(send_counts.contiguous(), self.axis, scatter_dim=0, gather_dim=0)
@@ -60,11 +72,24 @@ class ExpertParallelDispatch:
         recv_splits = [sum(row) for row in recv]
         if torch.is_autocast_enabled(x_perm.device.type):  # what the experts' matmuls cast the rows to anyway
             x_perm = x_perm.to(torch.get_autocast_dtype(x_perm.device.type))
-        arrived = all_to_all_v(x_perm, self.comm, self.axis, send_splits, recv_splits)
+        overlap = self.comm.overlap  # set while an overlapped pipeline pair runs: its other chunk's turn
+        arrived = all_to_all_v(x_perm, self.comm, self.axis, send_splits, recv_splits, _both(in_flight, overlap))
         grouped = _regroup(arrived, recv, by_expert=True)
         per_expert = [sum(recv[s][e] for s in range(ranks)) for e in range(local)]
         outputs = _regroup(experts(grouped, per_expert), recv, by_expert=False)
-        return all_to_all_v(outputs, self.comm, self.axis, recv_splits, send_splits)
+        return all_to_all_v(outputs, self.comm, self.axis, recv_splits, send_splits, overlap)
+
+
+def _both(first: Callable[[], None] | None, then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One callable running ``first`` then ``then`` (either may be None)."""
+    if first is None or then is None:
+        return first or then
+
+    def run() -> None:
+        first()
+        then()
+
+    return run
 
 
 class SequenceSum:

@@ -40,6 +40,7 @@ from plait.errors import ScheduleError
 from plait.logging import get_logger
 from plait.models.inputs import Inputs, split, tokens_of
 from plait.parallel.loss_normalization import StepLoss
+from plait.parallel.pipeline.overlap import run_pair
 from plait.parallel.pipeline.program import Post, program
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
@@ -118,6 +119,8 @@ class PipelineRunner:
     """Schedules whose ranks complete their posted sends before each compute action (``_finish_sends``): those
     ``torch.distributed.pipelining`` runs that way (its ``Schedule1F1B`` waits each fused send+receive batch; its
     GPipe and its runtime for interleaved and zero-bubble schedules wait sends only at the end of the step)."""
+    OVERLAPPED_PAIRS = frozenset({"dualpipev"})
+    """Schedules whose adjacent (forward, backward) pairs of two stages run overlapped (``overlap.py``)."""
     RECV_LOOKAHEAD = 2
     """Where the transport moves each message on its own (``Comm.p2p_progresses_independently``: gloo), each run
     of receives is posted this many compute actions before the lowering puts it (``program.program``): the bytes
@@ -180,6 +183,15 @@ class PipelineRunner:
         """Called with each step's (and evaluation's) first-stage input on every rank before any message, so that
         an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
         split over cp), instead of leaving the later stages waiting for it."""
+        self.overlap_pairs = (
+            schedule.name in self.OVERLAPPED_PAIRS
+            and param_scope is None
+            and self.recv_lookahead is not None
+            and self.mesh.size("ep") > 1
+        )
+        """Run DualPipeV's steady-state pairs overlapped (``_pair_of``, ``overlap.py``): under expert parallelism
+        (there is nothing to overlap otherwise), on a transport whose receives are posted ahead, without ZeRO-3's
+        per-stage gathers. Settable (tests compare it with the pairs run in order)."""
         self.param_scope: ParamScope = param_scope or (lambda stage, kind: _NO_SCOPE)
         """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; given
         by ``plait.parallelize`` as the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
@@ -368,12 +380,22 @@ class PipelineRunner:
         self.timeline = []
         self.step_start = time.perf_counter()
         with self._mode(True):
-            for action in self.program:
+            program, i = self.program, 0
+            while i < len(program):
+                action = program[i]
+                i += 1
                 if isinstance(action, tuple):
                     sends += self._post(action, metas, inbox, outbox)
                     continue
                 if self.sends_before_compute:
                     self._finish_sends(sends)
+                paired = self._pair_of(i - 1, inbox) if self.overlap_pairs else None
+                if paired is not None:  # DualPipeV's overlapped pair: both chunks at once (overlap.py)
+                    backward, i, between = paired
+                    self._run_pair(action, backward, micro, inbox, outbox, loss_sum)
+                    if between is not None:  # the forward's sends (and receives posted ahead), after the pair
+                        sends += self._post(between, metas, inbox, outbox)
+                    continue
                 self._before_compute(action)
                 self._wait_for_input(action, inbox)  # outside the timed span: waiting is not busy time
                 started = time.perf_counter()
@@ -389,6 +411,64 @@ class PipelineRunner:
             raise ScheduleError(f"pipeline step ended with unmatched transfers: {sorted(inbox) + sorted(outbox)}")
         self.comm.broadcast(loss_sum, AXIS, src=self.last_rank_index)
         return loss_sum
+
+    def _pair_of(
+        self, index: int, inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]]
+    ) -> tuple[Action, int, Post | None] | None:
+        """The backward that runs overlapped with the forward at ``program[index]``, where the program goes on
+        after the pair, and the post between the two (the forward's sends and receives posted ahead: posted after
+        the pair); None where the forward runs alone. A pair is a forward followed by a full backward of another
+        stage whose input (an output gradient, unless its stage is the last) is already posted or handed over:
+        decided by the program, never by timing, so every peer fuses the same pairs. Posting the forward's sends
+        after the backward is the dependency rule of the pair swapped, which the simulator proves deadlock-free
+        for DualPipeV (``tests/test_pipeline_overlap.py``)."""
+        forward = self.program[index]
+        if not isinstance(forward, Action) or forward.kind != Kind.FORWARD:
+            return None
+        after, between = index + 1, None
+        if after < len(self.program):
+            item = self.program[after]
+            if isinstance(item, tuple):
+                between, after = item, after + 1
+        if after >= len(self.program):
+            return None
+        backward = self.program[after]
+        if not isinstance(backward, Action) or backward.kind != Kind.BACKWARD or backward.stage == forward.stage:
+            return None
+        needs_grad = backward.stage != self.num_stages - 1
+        if needs_grad and (Kind.BACKWARD, backward.stage, backward.microbatch) not in inbox:
+            return None
+        return backward, after + 1, between
+
+    def _run_pair(
+        self,
+        forward: Action,
+        backward: Action,
+        micro: Sequence[Micro],
+        inbox: dict[tuple[str, int, int], tuple[torch.Tensor, Pending | None]],
+        outbox: dict[tuple[str, int, int], torch.Tensor],
+        loss_sum: torch.Tensor,
+    ) -> None:
+        """``forward`` and ``backward`` overlapped (``overlap.run_pair``): both inputs waited for first, the
+        forward on this thread, the backward on a helper, switching at each ep exchange. Each action's timeline
+        entry spans its first to its last operation, so the two overlap there."""
+        for action in (forward, backward):
+            self._before_compute(action)
+            self._wait_for_input(action, inbox)
+        spans: dict[Action, float] = {}
+
+        def run(action: Action) -> Callable[[], None]:
+            def go() -> None:
+                spans[action] = time.perf_counter()
+                self._compute(action, micro, inbox, outbox, loss_sum)
+                self.timeline.append((action, spans[action], time.perf_counter()))
+
+            return go
+
+        def install(hook: Callable[[], None] | None) -> None:
+            self.comm.overlap = hook
+
+        run_pair(run(forward), run(backward), install)
 
     def _step_loss(self) -> StepLoss:
         if self.loss is None:

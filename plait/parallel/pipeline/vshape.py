@@ -25,8 +25,9 @@ torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` does too), so any m >= 
 DualPipeV (DeepSeek-V3's DualPipe "cut in half", as torch's ``ScheduleDualPipeV`` and deepseek-ai/DualPipe build
 it): the same V, and in its steady state the forward chunk of one micro-batch is paired with the backward chunk of
 another (F chunk 0 + B chunk 1, then F chunk 1 + B chunk 0): on hardware the pair's compute and its MoE
-all-to-alls overlap. Here each pair is two adjacent actions that the runtime runs back to back (its order and
-messages are those of the overlapped pair). Rank r runs
+all-to-alls overlap. Here each pair is two adjacent actions; under expert parallelism the runtime runs them
+overlapped (``overlap.py``: the expert exchanges of each travel while the other computes), else back to back.
+Rank r runs
 
     1  2(p - r - 1) forwards of chunk 0
     2  r + 1 pairs (F chunk 0, F chunk 1)
