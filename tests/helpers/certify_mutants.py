@@ -38,11 +38,17 @@ def uneven_rows() -> None:
     AdditionTask.batch = uneven  # type: ignore[method-assign]
 
 
-def tiny_gpt() -> GPT:
-    """The certify tests' model: the addition task's vocabulary (12) and sequence (8), 2 blocks, no biases; its
-    data with uneven rows (``uneven_rows``)."""
-    uneven_rows()
+def tiny_model() -> GPT:
+    """The certify tests' model alone: the addition task's vocabulary (12) and sequence (8), 2 blocks, no biases
+    (in the test process itself: it patches nothing)."""
     return GPT(GPTConfig(vocab_size=12, seq_len=8, n_layer=2, n_head=4, d_model=16, bias=False))
+
+
+def tiny_gpt() -> GPT:
+    """``tiny_model`` with its data's rows uneven (``uneven_rows``): a factory for certify's rank processes only,
+    since it patches the addition task for the rest of the process."""
+    uneven_rows()
+    return tiny_model()
 
 
 def cp_gradients_summed() -> GPT:
