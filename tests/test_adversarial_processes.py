@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.processes import alive, children
 
 from plait.cli.main import main
 from plait.errors import ConfigError
@@ -55,25 +56,6 @@ TASK = AdditionGPT()
 
 
 # ------------------------------------------------------------------------------------------------- processes
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by whoever inherited it, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
 
 
 def _wait(condition, within_s: float, what: str) -> float:  # noqa: ANN001 - a callable returning a truth value
@@ -137,13 +119,13 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path):
         _wait(lambda: all((tmp_path / mode).exists() for mode in ("signal", "thread")), 90, "both ranks at work")
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
-        took = _wait(lambda: not any(_alive(pid) for pid in ranks), 5, "no rank alive after the launcher's death")
+        took = _wait(lambda: not any(alive(pid) for pid in ranks), 5, "no rank alive after the launcher's death")
         written = _snapshot(tmp_path)
         time.sleep(0.5)
         assert _snapshot(tmp_path) == written, "a rank wrote on after its launcher died"
     finally:
         for pid in [launcher.pid, *ranks]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert took < 3, f"the ranks outlived their launcher by {took:.1f} s"
     text = stderr.read_text()
@@ -185,15 +167,15 @@ def _plait_train(args: list[str], log: Path) -> subprocess.Popen:
 
 def _kill_launcher_and_check(launcher: subprocess.Popen, run: Path) -> None:
     """SIGKILL the launcher; every rank is gone within 3 s and the run folder does not change afterwards."""
-    ranks = _children(launcher.pid)
+    ranks = children(launcher.pid)
     assert len(ranks) == 2, ranks
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
     try:
-        _wait(lambda: not any(_alive(pid) for pid in ranks), 3, "no rank alive after the launcher's death")
+        _wait(lambda: not any(alive(pid) for pid in ranks), 3, "no rank alive after the launcher's death")
     finally:
         for pid in ranks:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     written = _snapshot(run)
     time.sleep(1.5)
@@ -266,13 +248,13 @@ def test_a_job_killed_mid_training_leaves_its_folder_to_the_resumed_job_alone(tm
 def _forkserver_children(launcher: int) -> list[int]:
     """The processes a forkserver started for ``launcher`` (the forkserver is the launcher's child)."""
     found = []
-    for child in _children(launcher):
+    for child in children(launcher):
         try:
             command = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
         if b"multiprocessing.forkserver" in command:
-            found += [child, *_children(child)]
+            found += [child, *children(child)]
     return found
 
 
@@ -280,10 +262,10 @@ def _kill_and_expect_all_gone(launcher: subprocess.Popen, processes: list[int]) 
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(10)
     try:
-        _wait(lambda: not any(_alive(pid) for pid in processes), 5, f"none of {processes} alive after the launcher")
+        _wait(lambda: not any(alive(pid) for pid in processes), 5, f"none of {processes} alive after the launcher")
     finally:
         for pid in processes:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.processes import alive, children
 from helpers.runs import final_state, recorded_train_steps
 
 from plait.launch import run_local
@@ -75,25 +76,6 @@ def _published(run: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run / "ckpt").glob("step-*") if p.name[5:].isdigit())
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def listening(pids: list[int]) -> list[str]:
     """Linux: the addresses ("127.0.0.1:PORT", "[::]:PORT") of the TCP sockets in LISTEN state that ``pids`` hold."""
     inodes = set()
@@ -137,7 +119,7 @@ def test_sigterm_stops_every_rank_after_a_saved_step_on_a_loopback_rendezvous(tm
     launcher = _start([*JOB, "--set", "train.steps=100000", "--out", str(run)], tmp_path / "log")
     try:
         _wait(lambda: _steps_recorded(run) >= 2, 120, "the ranks training")
-        sockets = listening([launcher.pid, *_children(launcher.pid)])
+        sockets = listening([launcher.pid, *children(launcher.pid)])
         assert sockets and all(s.startswith("127.0.0.1:") for s in sockets), sockets
         os.kill(launcher.pid, signal.SIGTERM)
         assert launcher.wait(120) == 143
@@ -167,13 +149,13 @@ def test_a_second_signal_stops_at_once(tmp_path):
     launcher = _start([*JOB, "--set", "train.steps=100", "--out", str(run)], tmp_path / "log", hang)
     try:
         _wait(lambda: "injects 'hang' before step 3" in (tmp_path / "log").read_text(), 120, "rank 1 hanging")
-        ranks = _children(launcher.pid)
+        ranks = children(launcher.pid)
         os.kill(launcher.pid, signal.SIGTERM)
         time.sleep(1.0)  # the first signal reached the workers, which cannot finish the step
         assert launcher.poll() is None, "the first signal should wait for the step (up to --stop-grace)"
         os.kill(launcher.pid, signal.SIGTERM)
         assert launcher.wait(30) == 143
-        _wait(lambda: not any(_alive(pid) for pid in ranks), 10, "no rank alive after the second signal")
+        _wait(lambda: not any(alive(pid) for pid in ranks), 10, "no rank alive after the second signal")
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -242,7 +224,7 @@ def test_a_signal_under_max_restarts_stops_the_job_without_a_restart(tmp_path):
     assert "Traceback" not in text and len(_stop_lines(text, "SIGTERM")) == 1, text[-3000:]
     assert "--max-restarts 2" in _stop_lines(text, "SIGTERM")[0]  # the resume command is the launch command
     time.sleep(2.0)  # a restart would start workers again and write the folder
-    assert "restart 1" not in (tmp_path / "log").read_text() and not _children(launcher.pid)
+    assert "restart 1" not in (tmp_path / "log").read_text() and not children(launcher.pid)
     assert _published(run)[-1] == recorded_train_steps(run)[-1]["step"] < 1000  # saved at the stop, not at save_every
 
 
