@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.processes import alive, children
+from helpers.processes import ENV, JOB, LINUX, alive, children
 
 from plait.cli.main import main
 from plait.errors import ConfigError
@@ -44,14 +44,6 @@ from plait.train import fault
 from plait.train.fault import LOCK_NAME, RunFolderLock, describe_exit
 
 pytestmark = [pytest.mark.adversarial]
-LINUX = sys.platform.startswith("linux")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
-JOB = ["--nproc", "2"] + [
-    arg
-    for setting in ("train.eval_every=0", "train.global_batch=8", "model.n_layer=1", "model.d_model=32")
-    for arg in ("--set", setting)
-]
-"""A tiny two-rank job (dp=2) on the synthetic task; the tests add steps, checkpoints and --out."""
 TASK = AdditionGPT()
 
 
@@ -99,7 +91,7 @@ RANK = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.timeout(120)
 def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path):
     """Both mechanisms: the kernel's SIGKILL at the parent's death, and the watching thread alone (exit 125)."""
@@ -182,7 +174,7 @@ def _kill_launcher_and_check(launcher: subprocess.Popen, run: Path) -> None:
     assert _snapshot(run) == written, "the run folder changed after the launcher and its ranks died"
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.cli
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
@@ -199,7 +191,7 @@ def test_plait_train_ranks_die_with_their_launcher(tmp_path):
     assert "Traceback" not in (tmp_path / "log").read_text()
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.long
 @pytest.mark.cli
 @pytest.mark.distributed
@@ -276,7 +268,7 @@ FORKSERVER_JOBS = {
 """A job whose processes come from a forkserver, and how many it starts (servers and workers, or ranks)."""
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("job", sorted(FORKSERVER_JOBS))

@@ -25,21 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.processes import alive, children
+from helpers.processes import ENV, JOB, LINUX, alive, children
 from helpers.runs import final_state, recorded_train_steps
 
 from plait.launch import run_local
 from plait.train.fault import describe_exit
 
 pytestmark = [pytest.mark.adversarial]
-LINUX = sys.platform.startswith("linux")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PLAIT_TIMEOUT_S": "120"}
-JOB = ["--nproc", "2"] + [
-    arg
-    for setting in ("train.eval_every=0", "train.global_batch=8", "model.n_layer=1", "model.d_model=32")
-    for arg in ("--set", setting)
-]
-"""A tiny two-rank job (dp=2) on the synthetic task; the tests add steps, checkpoints and --out."""
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -108,7 +100,7 @@ def _stop_lines(text: str, name: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- end to end (CI)
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.cli
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
@@ -137,7 +129,7 @@ def test_sigterm_stops_every_rank_after_a_saved_step_on_a_loopback_rendezvous(tm
     assert describe_exit(143) == "exit code 143: stopped by SIGTERM"
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.skipif(not LINUX, reason="Linux only: finds the launcher's processes and sockets in /proc")
 @pytest.mark.cli
 @pytest.mark.distributed
 @pytest.mark.timeout(180)

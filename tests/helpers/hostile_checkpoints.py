@@ -133,3 +133,17 @@ def fill(folder: Path, leave: int) -> None:
     free = info.f_bavail * info.f_frsize
     with open(folder / "filler", "wb") as handle:
         handle.write(b"\0" * max(0, free - leave))
+
+
+KEY = "a-checkpoint-key-of-the-user"
+"""A checkpoint key (PLAIT_CHECKPOINT_KEY) the adversarial tests sign with."""
+
+
+def cli(capsys: object, *argv: str) -> tuple[int, str, str]:
+    """``plait ARGV`` in this process: its exit code, stdout and stderr (only what the command printed)."""
+    from plait.cli.main import main
+
+    capsys.readouterr()  # type: ignore[attr-defined]
+    code = main(list(argv))
+    out, err = capsys.readouterr()  # type: ignore[attr-defined]
+    return code, out, err
