@@ -12,7 +12,7 @@ Words of a marker (``KEY=VALUE`` or a flag; a value may be quoted):
 
 - ``ci``: quick; the page's ``ci`` blocks also run in ``make test`` (all blocks run under ``make test-docs``);
 - ``skip (REASON)``: never run (hardware this machine lacks); still checked: every flag parses, configs load;
-- ``needs=A,B``: files the harness puts in the page's folder first (``FIXTURES``: the page says what they are);
+- ``needs=A,B``: files the harness puts in the page's folder first (``docs_fixtures.FIXTURES``: the page says what they are);
 - ``given=NAME``: a Python fragment runs after the prelude ``GIVEN[NAME]`` (the names the page says it assumes);
 - ``ranks=N``: a Python block runs in N processes under torchrun (gloo);
 - ``file=NAME``: a toml block is also written to NAME in the page's folder before the page's blocks run;
@@ -31,19 +31,19 @@ calibrate``; ``PLAIT_DOCS_SCALE=full`` runs every block exactly as written.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helpers.docs_fixtures import FIXTURES
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -396,110 +396,11 @@ def write_shims(folder: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ fixtures
 
-STDLIB = Path(sysconfig.get_path("stdlib"))
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _texts(folder: Path, package: str) -> None:
-    """A folder of text: one stdlib package's .py files (every machine with Python has them)."""
-    shutil.copytree(STDLIB / package, folder, ignore=shutil.ignore_patterns("__pycache__", "test*"))
-
-
-def _jsonl(path: Path, package: str) -> None:
-    """A jsonl of ``{"text": ...}`` documents: one per .py file of a stdlib package."""
-    files = sorted((STDLIB / package).glob("*.py"))
-    path.write_text("".join(json.dumps({"text": file.read_text()}) + "\n" for file in files))
-
-
-def _chats(path: Path) -> None:
-    """A jsonl of chats (``{"messages": [...]}``): 100 conversations of about 100 tokens."""
-    explain = "Adding counts one number on from the other: start at the first, step forward once per unit. "
-    chats = [
-        {
-            "messages": [
-                {"role": "system", "content": "You answer arithmetic questions and explain the answer."},
-                {"role": "user", "content": f"What is {a} + {b}? Please explain how you got it."},
-                {"role": "assistant", "content": f"{a} + {b} = {a + b}. {explain * 2}"},
-            ]
-        }
-        for a in range(10)
-        for b in range(10)
-    ]
-    path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
-
-
-def _hf_model(folder: Path, kind: str) -> None:
-    """A tiny save_pretrained causal LM (random weights) with a byte-level BPE tokenizer and a ChatML template."""
-    import torch
-    import transformers
-    from transformers import PreTrainedTokenizerFast
-
-    from plait.data.tokenizer import train_bpe
-
-    texts = [file.read_text() for file in sorted((STDLIB / "json").glob("*.py"))]
-    backend = train_bpe(iter(texts), 512).backend
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
-    vocab = len(tokenizer)
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=vocab, n_positions=256)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            max_position_embeddings=256,
-        )
-        model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(folder)
-
-
-def _hf_config(path: Path, family: str) -> None:
-    """A published model's config.json as transformers' defaults give it (Mixtral-8x7B's), or BLOOM-176B's."""
-    import transformers
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if family == "mixtral":
-        config = transformers.MixtralConfig()
-    else:
-        config = transformers.BloomConfig(hidden_size=14336, n_layer=70, n_head=112, vocab_size=250880)
-    config.to_json_file(path)
-
-
-FIXTURES: dict[str, Callable[[Path], None]] = {
-    "notes.txt": lambda path: shutil.copy(STDLIB / "difflib.py", path),
-    "notes/": lambda path: _texts(path, "email"),
-    "my_texts/": lambda path: _texts(path, "email"),
-    "my_code/": lambda path: _texts(path, "json"),
-    "notes.jsonl": lambda path: _jsonl(path, "logging"),
-    "web.jsonl": lambda path: _jsonl(path, "logging"),
-    "books.jsonl": lambda path: _jsonl(path, "logging"),
-    "chats.jsonl": _chats,
-    "run.toml": lambda path: path.write_text(
-        "[model]\nn_layer = 2\nn_head = 4\nd_model = 64\n\n[train]\nsteps = 100\n"
-    ),
-    "models/my-llama": lambda path: _hf_model(path, "llama"),
-    "tests/helpers/certify_mutants.py": lambda path: shutil.copy(TESTS / "helpers" / "certify_mutants.py", path),
-    "path/to/mixtral/config.json": lambda path: _hf_config(path, "mixtral"),
-    "path/to/bloom/config.json": lambda path: _hf_config(path, "bloom"),
-}
-"""What ``needs=`` may name: files a page uses and says come from the user; small stand-ins made here."""
-
 
 def make_fixture(name: str, folder: Path, cache: Path) -> None:
     """Put fixture ``name`` into ``folder`` (built once per session into ``cache``, then copied)."""
     if name not in FIXTURES:
-        raise DocsError(f"no docs-test fixture {name!r}; known: {sorted(FIXTURES)} (tests/helpers/docs.py)")
+        raise DocsError(f"no docs-test fixture {name!r}; known: {sorted(FIXTURES)} (tests/helpers/docs_fixtures.py)")
     built = cache / name.rstrip("/")
     if not built.exists():
         built.parent.mkdir(parents=True, exist_ok=True)
