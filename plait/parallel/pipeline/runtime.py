@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -45,61 +44,16 @@ from plait.parallel.pipeline.program import Post, program
 from plait.parallel.pipeline.schedule import Action, Kind, Schedule, lower
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.pipeline.tensor_meta import TensorMeta
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.runner import Micro, NoSync, UpdateFn
 
 logger = get_logger(__name__)
 
 AXIS = "pp"
-MAX_DIMS = 8
-DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-"""Dtypes a stage may pass on (index = their code in metadata messages)."""
-
 ParamScope = Callable[[int, str], contextlib.AbstractContextManager[None]]
 _NO_SCOPE: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 """Entered around each action when the strategy has no per-stage scope (reusable: it holds no state)."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of a tensor crossing a stage boundary."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-            raise TypeError(
-                f"a pipeline stage output of shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot be passed on: "
-                f"at most {MAX_DIMS} dims and one of {', '.join(str(d) for d in DTYPES)}. Fix: reshape or cast it."
-            )
-        return cls(tuple(tensor.shape), tensor.dtype)
-
-    def encode(self, device: torch.device) -> torch.Tensor:
-        dims = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
-        return torch.tensor([len(self.shape), DTYPES.index(self.dtype), *dims], dtype=torch.int64, device=device)
-
-    @classmethod
-    def decode(cls, message: torch.Tensor) -> TensorMeta:
-        values = message.tolist()
-        return cls(tuple(values[2 : 2 + values[0]]), DTYPES[values[1]])
-
-    def empty(self, device: torch.device) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 def check_schedule(schedule: Schedule) -> Schedule:
@@ -243,7 +197,7 @@ class PipelineRunner:
             self.comm.send_recv(sends=[(tensor.contiguous(), peer)], axis=AXIS)
 
     def _recv_meta(self, peer: int) -> TensorMeta:
-        message = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+        message = TensorMeta.message(self.device)
         self.comm.send_recv(recvs=[(message, peer)], axis=AXIS)
         return TensorMeta.decode(message)
 
