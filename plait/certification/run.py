@@ -93,7 +93,7 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
     if locate is not None:
         return _locate(engine, dataset, loader, layout, budget, root, locate)
     caught = _grad_catcher(engine)
-    previous = torch.load(root / "init.pt", mmap=True)
+    previous = torch.load(root / "init.pt", mmap=True, weights_only=True)
     noise: dict[str, torch.Tensor] = {}
     out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "grads": [], "params": []}
     for step in range(job.steps):
@@ -101,7 +101,7 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
         stats = engine.train_step(loader.batch_at(step))
         grads = caught[0] if caught else {}
         params = whole_parameters(engine)
-        reference = torch.load(root / f"step{step}.pt", mmap=True)
+        reference = torch.load(root / f"step{step}.pt", mmap=True, weights_only=True)
         rel = budget.rel(step)
         grad_diffs: dict[str, TensorDiff] = {}
         floor = _rms_of([reference["grads"][name] for name in grads])
@@ -164,7 +164,7 @@ def _locate(engine: Any, dataset: Any, loader: Any, layout: Any, budget: Budget,
             scale = float(engine.mesh.size(GRAD_AXIS)) * float(engine.precision.loss_scale or 1.0)
         engine.train_step(loader.batch_at(at))
     tape.remove()
-    reference = torch.load(root / f"modules{step}.pt")
+    reference = torch.load(root / f"modules{step}.pt", weights_only=True)
     rel = budget.rel(step)
     found: dict[str, list[dict[str, Any]]] = {"forward": [], "backward": []}
     for kind in ("forward", "backward"):
