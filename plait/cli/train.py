@@ -25,6 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from plait.cli.ft import add_ft_arguments, set_group_environment
 from plait.errors import ConfigError, PlaitError
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ def add_train_command(commands: Any) -> None:
         "(default PATH <run>/trace.json; also .summary.json and .png beside it)",
     )
     train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
+    add_ft_arguments(train)
     train.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
@@ -100,6 +102,15 @@ def add_train_command(commands: Any) -> None:
         help="torch.distributed backend (default: nccl with CUDA GPUs, gloo otherwise); gloo lets several ranks "
         "share one GPU (for tests)",
     )
+
+
+def _launch_fault_tolerant(args: argparse.Namespace) -> int:
+    """``--ft`` / ``--ft-replay``: the quorum service and one torchrun job per replica group (``plait.ft.launch``)."""
+    from plait.ft.launch import run
+    from plait.train.config import load_config
+
+    _check_before_launch(args)
+    return run(args, load_config(args.config, args.overrides, args.preset).layout)
 
 
 def _in_torchrun() -> bool:
@@ -410,6 +421,10 @@ def run_train(args: argparse.Namespace) -> int:
         )
     if not _in_torchrun():
         check_backend(args.backend, args.nproc)
+    if not _in_torchrun() and (args.ft or args.ft_replay):
+        return _launch_fault_tolerant(args)
+    if args.ft_group is not None:
+        set_group_environment(args)
     if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
         _check_before_launch(args)
         return _launch(args)

@@ -12,6 +12,7 @@ from there when restarted on the same folder (by hand, or by torchrun's agent un
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -33,7 +34,7 @@ from plait.models.build import build_model
 from plait.models.loss import ChunkedCrossEntropy
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
-from plait.train import announce
+from plait.train import announce, replicas
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import (
     EVAL_OFFSET,
@@ -181,6 +182,10 @@ def _samples(engine: Engine, dataset: Any, train: Any, step: int, run_dir: Path 
             for record in records:
                 handle.write(json.dumps(record) + "\n")
         log.info("step %d sample: %r -> %r", step, records[0]["prompt"], records[0]["completion"])
+
+
+def _data_ranks(engine: Engine) -> tuple[int, int]:
+    return engine.mesh.index("dp"), engine.mesh.size("dp")
 
 
 def _note_restart(attempt: int, step: int, save_every: int) -> None:
@@ -365,9 +370,11 @@ def _run(
         engine, ckpt, train.keep_checkpoints, train.keep_every, train.async_save and train.save_every > 0
     )
     lead = world.rank == 0
+    ft = replicas.start(config, engine, world, run_dir)  # per-step fault tolerance (plait.ft), when launched so
     if lead:
         _note_restart(guard.attempt, engine.step, train.save_every)
-        resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
+        if ft is None:  # a healing replica group resumes from a peer: its records of committed steps stay
+            resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
     writer = MetricsWriter(run_dir, open_tensorboard(run_dir, train.tensorboard, engine.step)) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
@@ -378,8 +385,13 @@ def _run(
             engine.strategy.held_parameter_count() / 1e6,  # ZeRO-3: this rank's shards
             run_dir,
         )
-    dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
-    loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
+    loader = ShardedBatches(
+        dataset,
+        train.global_batch,
+        *replicas.data_ranks(ft and ft.options, *_data_ranks(engine)),
+        start_step=engine.step,
+    )
+    dp_rank, dp_size = _data_ranks(engine)  # evaluation: each replica group evaluates the whole held-out batches
     eval_batches, held_out = evaluation_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)
     per_source = source_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)  # a mixture's
     tokens_seen = getattr(dataset, "tokens_seen", None)  # a mixture: tokens of each source so far, for the records
@@ -392,7 +404,7 @@ def _run(
     record_every_step = not runs_ahead(engine.device)  # CPU: nothing to wait for, write each record at once
     stopped_by = 0
     try:
-        for batch in guard.batches(loader, engine):
+        for batch in guard.batches(loader if ft is None else itertools.repeat(None), engine):  # ft: by step
             if engine.step >= train.steps:
                 break
             if trace is not None and tracer is None and engine.step >= trace_from:
@@ -400,10 +412,12 @@ def _run(
 
                 tracer = Tracer(engine).start()
             meter.before_step()
-            stats = engine.train_step(batch)
+            stats, quorum = ft.train_step(loader) if ft is not None else (engine.train_step(batch), None)
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats, stop.signum if stop is not None else 0)  # a collective: every rank
+            if quorum is not None:
+                observed.update(quorum)  # the replica groups committed at this step (plait.ft.log)
             stopped_by = meter.stop_signal  # the same on every rank: all stop after this step, saved
             if tokens_seen is not None:  # pure in the step: a resumed run records what the uninterrupted one would
                 observed["tokens_by_source"] = tokens_seen(stats.step * train.global_batch)
@@ -437,6 +451,8 @@ def _run(
         records.flush()
     finally:
         progress.close()
+        if ft is not None:
+            ft.close()
     guard.beat("waiting for the last checkpoint save", timed=False)
     saver.wait()  # the job ends with its last checkpoint published
     seconds = time.perf_counter() - started
