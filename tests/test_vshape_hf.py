@@ -1,8 +1,8 @@
 """Hugging Face Mixtral under the V-shaped schedules (ZB-V, DualPipeV; issue 36): parity with one device (losses,
 norms before clipping, the balance loss, tokens per expert, step-0 gradients, final parameters, evaluation:
-``helpers.moe.assert_cell_matches``) at pp = 2, alone and with dp2 x ep2, uneven loss masks, clipped and not,
-starved experts; DualPipeV's overlapped pairs (``plait/parallel/pipeline/overlap.py``) run under ep = 2 and not
-without it; and the refusal of a V on a model with fewer blocks than its 2p chunks.
+``helpers.moe.assert_cell_matches``) at pp = 2, alone and with dp2 x ep2 (and ZeRO-3), uneven loss masks, clipped
+and not, starved experts; DualPipeV's overlapped pairs (``plait/parallel/pipeline/overlap.py``) run under ep = 2
+(ZeRO-3 included) and not without it; and the refusal of a V on a model with fewer blocks than its 2p chunks.
 
 The model is ``tests/helpers/hf_moe.py``'s tiny Mixtral with 4 decoder layers (a V at pp = 2 runs 2p = 4 chunks of
 one layer: rank 0 holds layers 0 and 3 with the embedding and the head, rank 1 layers 1 and 2), 8 rows of 16
@@ -48,6 +48,18 @@ CELLS = [
         clip=None,
         starve=True,
     ),
+    # ZeRO-3: each chunk of an overlapped pair gathers its own stage's units; rank 0's pairs share the root unit
+    Cell(
+        "mixtral-dp2-pp2-ep2-dualpipev-mb4-zero3",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "zero": 3},
+        LAYERS,
+    ),
+    Cell(
+        "mixtral-dp2-pp2-ep2-zb-v-mb2-zero3-unclipped",
+        {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2, "schedule": "zb-v", "zero": 3},
+        LAYERS,
+        clip=None,
+    ),
 ]
 BY_NAME = {cell.name: cell for cell in CELLS}
 
@@ -85,6 +97,7 @@ def _trained(world: int) -> dict[str, list[dict[str, Any]]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
 def test_mixtral_under_a_v_matches_one_device(cell: Cell) -> None:
     per_rank = _trained(cell.world)[cell.name]
