@@ -20,12 +20,26 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 
+from plait.comm.stats import CommStats
 from plait.errors import ConfigError
 from plait.observe.stragglers import SlowRankWatch, analyse, straggler_scalars
 from plait.train.config import RunConfig
 
 STEPS, EVERY, WINDOWS, LAG = 7, 2, 2, 0.5
 SLOW_RANK, SLOW_S = 1, 0.2
+
+
+def test_comm_stats_count_wait_seconds_apart_from_bytes() -> None:
+    stats = CommStats()
+    stats.record("dp", "all_reduce", 400, 2)
+    before = stats.snapshot()
+    stats.add_seconds("dp", "all_reduce", 0.25)
+    stats.record("tp", "all_gather", 100, 2)
+    stats.add_seconds("tp", "all_gather", 0.5)
+    delta = stats.since(before)
+    assert delta.seconds == 0.75 and delta.counts[("dp", "all_reduce")].calls == 0  # a wait after the launch
+    assert stats.seconds == 0.75
+    assert "seconds" not in json.dumps(stats.to_dict())  # bytes and calls are deterministic, seconds are not
 
 
 def test_window_lag_and_wait_by_formula() -> None:
