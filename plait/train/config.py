@@ -224,6 +224,13 @@ class TrainConfig:
     """Continuations of evaluation prompts written to samples.jsonl at each evaluation (0: none)."""
     sample_tokens: int = 32
     sample_temperature: float = 0.8
+    straggler_every: int = 50
+    """Straggler detection every N steps (``plait.observe.stragglers``): the slowest rank by compute time, its lag
+    over the median, per rank compute / comm / wait seconds, in the log, metrics.jsonl and TensorBoard (0: off)."""
+    straggler_lag: float = 0.2
+    """A rank is slow when its compute is this fraction above its peers' median (0.2: 20 %)."""
+    straggler_windows: int = 3
+    """A rank the slowest with lag above ``straggler_lag`` for this many windows in a row is warned about."""
     pipeline_trace: str = ""
     """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
     its picture next to it (same name, .png); "" turns it off."""
@@ -231,7 +238,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every number checked before anything runs: integers in range, and every real hyper-parameter finite
         (``--set train.lr=inf`` is a valid TOML float: it would train NaNs) and in its range."""
-        for name in ("steps", "global_batch", "eval_batches", "log_every"):
+        for name in ("steps", "global_batch", "eval_batches", "log_every", "straggler_windows"):
             _integer(f"train.{name}", getattr(self, name), 1)
         for name in (
             "eval_every",
@@ -242,6 +249,7 @@ class TrainConfig:
             "samples",
             "sample_tokens",
             "loss_chunk",
+            "straggler_every",
         ):
             _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
         _integer("train.seed", self.seed, 0)
@@ -250,6 +258,7 @@ class TrainConfig:
         _number("train.momentum", self.momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
         _number("train.weight_decay", self.weight_decay, lambda v: v >= 0, "be >= 0", "0.1")
         _number("train.max_grad_norm", self.max_grad_norm, lambda v: v >= 0, "be >= 0 (0: no clipping)", "1.0")
+        _number("train.straggler_lag", self.straggler_lag, lambda v: v >= 0, "be >= 0 (0.2: 20 % slower)", "0.2")
         _number("train.sample_temperature", self.sample_temperature, lambda v: v >= 0, "be >= 0 (0: greedy)", "0.8")
         _number("train.muon_momentum", self.muon_momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.95")
         if self.muon_lr is not None:

@@ -32,6 +32,7 @@ from plait.logging import get_logger, job_warning
 from plait.models import lm_loss
 from plait.models.build import build_model
 from plait.models.loss import ChunkedCrossEntropy
+from plait.observe.stragglers import StragglerMeter
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
 from plait.train import announce, replicas
@@ -396,7 +397,8 @@ def _run(
     per_source = source_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)  # a mixture's
     tokens_seen = getattr(dataset, "tokens_seen", None)  # a mixture: tokens of each source so far, for the records
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
-    meter = StepMeter(engine, model_config, dataset.seq_len)
+    stragglers = StragglerMeter.start(engine, train.straggler_every, train.straggler_lag, train.straggler_windows)
+    meter = StepMeter(engine, model_config, dataset.seq_len, stragglers)  # stragglers ride its all-gather
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, stats, last_eval = time.perf_counter(), None, ""
     throughput = Throughput()
