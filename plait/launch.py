@@ -243,10 +243,11 @@ def run_local(
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        owner = os.getpid()  # the ranks die with this process
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs, os.getpid(), env or {}),
+                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs, owner, env or {}),
                 daemon=True,
             )
             for r in range(world_size)

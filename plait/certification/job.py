@@ -171,7 +171,9 @@ def load_factory(spec: str, flag: str = "--model", what: str = "a function retur
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ConfigError(f"{flag} {spec!r}: cannot import {module_name!r} ({error}). Fix: put it on PYTHONPATH.") from error
+        raise ConfigError(
+            f"{flag} {spec!r}: cannot import {module_name!r} ({error}). Fix: put it on PYTHONPATH."
+        ) from error
     factory = getattr(module, function, None)
     if not callable(factory):
         raise ConfigError(f"{flag} {spec!r}: {module_name} has no function {function!r}. Fix: name {what}.")

@@ -172,7 +172,10 @@ def write_report(certificate: Certificate, out: Path) -> list[Path]:
         "layers": job.layers or None,
         "optimizer": job.optimizer_factory or None,
         "deterministic": job.config.train.deterministic,
-        "reference": {"losses": certificate.reference["losses"], "determinism": certificate.reference.get("determinism")},
+        "reference": {
+            "losses": certificate.reference["losses"],
+            "determinism": certificate.reference.get("determinism"),
+        },
         "layouts": [layout_dict(result) for result in certificate.layouts],
         "differs": [r.layout for r in certificate.layouts if r.verdict == DIFFERS],
     }

@@ -97,7 +97,9 @@ def reference(fp32: bool, clip: float | None = CLIP, plain: bool = False) -> Tra
     if plain:
         batches = [loader.global_batch_at(s) for s in range(STEPS)]
         with fp32_newton_schulz(fp32):
-            return train_reference(model, batches, lambda ps: plain_muon(p for p in ps if p.requires_grad), max_grad_norm=clip)
+            return train_reference(
+                model, batches, lambda ps: plain_muon(p for p in ps if p.requires_grad), max_grad_norm=clip
+            )
     hidden = hidden_matrices(model)
     mask = [name in hidden for name, _ in model.named_parameters()]
     spec = muon_spec()
