@@ -41,6 +41,8 @@ def _job(layouts: list[str], **kwargs) -> CertifyJob:  # noqa: ANN003
         (["cp=3"], {}, "layout 'cp=3'"),
         (["dp=2"], {"model_factory": "nowhere_at_all:make"}, "cannot import 'nowhere_at_all'"),
         (["dp=2"], {"model_factory": "plait"}, "is not MODULE:FUNCTION"),
+        (["dp=2"], {"optimizer_factory": "nowhere_at_all:make"}, "--optimizer 'nowhere_at_all:make': cannot import"),
+        (["dp=2"], {"optimizer_factory": "torch:no_such_factory"}, "torch has no function 'no_such_factory'"),
         (["dp=2"], {"model_factory": f"{MUTANTS}:tiny_gpt", "layers": 1}, "cannot set the depth of --model's factory"),
     ],
 )
