@@ -195,11 +195,11 @@ def test_a_mutant_differs_at_the_right_module(mutant, layout, extra, module, dir
 def test_cli_writes_the_certificate_and_exits_1_on_a_divergence(tmp_path, capsys):
     out = tmp_path / "cert"
     argv = ["certify", *sum((["--set", item] for item in JOB), []), "--steps", "2", "--out", str(out)]
-    code = main([*argv, "--layouts", "dp=2", "tp=2", "--model", f"{MUTANTS}:tp_without_all_reduce"])
+    code = main([*argv, "--layouts", "dp=2", "tp=2", "--model", f"{MUTANTS}:tp_without_all_reduce", "--deterministic"])
     printed = capsys.readouterr().out
     assert code == 1 and "DIFFERS" in printed and "blocks.0.attn.o (forward)" in printed, printed
     data = json.loads((out / "certificate.json").read_text())
-    assert data["equal"] is False and data["differs"] == ["tp=2"]
+    assert data["equal"] is False and data["differs"] == ["tp=2"] and data["deterministic"] is True
     assert [layout["verdict"] for layout in data["layouts"]] == [EQUAL, DIFFERS] or data["layouts"][0][
         "verdict"
     ] == BITWISE
