@@ -44,6 +44,7 @@ from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, data
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
 from plait.parallel.tensor.sequence import hand_stage_positions
+from plait.parallel.whole_tensor import adopt_plain_factory
 from plait.parallel.whole_tensor import check_layout as check_whole_tensors
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
@@ -263,6 +264,7 @@ def parallelize(
     cuts = pipeline_cuts if pipeline_cuts is not None else (list(layout.pipeline_cuts) or None)
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
+    optimizer = adopt_plain_factory(layout, optimizer, model)  # a plain Muon factory under tp / ZeRO: made whole
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
     check_head_chunks(requested_loss, layout.zero, str(layout.tp_mode), layout.tp)  # not ZeRO-3, not 2D-3D tp
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)

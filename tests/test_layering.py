@@ -17,7 +17,7 @@ PLAIT = Path(__file__).resolve().parent.parent / "plait"
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors", "plait.logging", "plait.files", "plait.threads", "plait.hf_folders"),
     ("plait.layout",),
-    ("plait.mesh", "plait.distributed", "plait.launch", "plait.rendezvous"),
+    ("plait.mesh", "plait.distributed", "plait.determinism", "plait.launch", "plait.rendezvous"),
     ("plait.comm",),
     ("plait.observe",),
     ("plait.models", "plait.data"),

@@ -70,6 +70,8 @@ def _group_command(args: Any, group: int, groups: int, per_group: int, overrides
         command += ["--set", item]
     if args.backend:
         command += [f"--backend={args.backend}"]
+    if getattr(args, "deterministic", False):
+        command += ["--deterministic"]
     return command
 
 

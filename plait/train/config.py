@@ -217,6 +217,9 @@ class TrainConfig:
     """Retention also keeps every step that is a multiple of K, for the record (0: none)."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on (host copies; one save in flight at most)."""
+    deterministic: bool = False
+    """Bitwise repeatable reruns, CUDA included (``plait.determinism``: torch's deterministic algorithms, cuBLAS's
+    workspace, cuDNN, NCCL_ALGO=Ring / NCCL_PROTO=Simple), set on every rank before any work; ``--deterministic``."""
     out: str = ""
     tensorboard: bool | None = None
     """TensorBoard event files beside metrics.jsonl (default: when the tensorboard package is installed)."""
@@ -278,7 +281,7 @@ class TrainConfig:
             raise ConfigError(
                 f"train.betas={betas!r} must be two numbers in [0, 1). Fix: e.g. train.betas=[0.9, 0.95]."
             )
-        for name in ("async_save", "tensorboard"):
+        for name in ("async_save", "deterministic", "tensorboard"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "tensorboard" and value is None):
                 raise ConfigError(f"train.{name}={value!r} must be true or false. Fix: train.{name}=true.")

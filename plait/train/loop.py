@@ -25,6 +25,8 @@ import torch
 from plait.checkpoint import Checkpointer, check_key, has_checkpoints
 from plait.checkpoint.identity import config_differences, describe_model
 from plait.data import ShardedBatches, make_dataset
+from plait.determinism import check_group, describe_state, make_deterministic
+from plait.determinism import state as determinism_state
 from plait.distributed import World, init
 from plait.engine import Engine, StepStats
 from plait.errors import ConfigError
@@ -109,8 +111,9 @@ def default_run_dir() -> Path:
     return Path("runs") / run_id
 
 
-def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
-    """Dataset, model and engine for ``config`` (validated before any collective)."""
+def build(config: RunConfig, world: World, optimizer: Any = None) -> tuple[Engine, Any, Any]:
+    """Dataset, model and engine for ``config`` (validated before any collective). ``optimizer``: a factory for
+    ``plait.parallelize`` in place of ``train.optimizer``'s (``plait certify --optimizer``)."""
     layout = config.layout.resolve(world.world_size)
     layout.check_batch(config.train.global_batch)
     if config.train.pipeline_trace and layout.pp == 1:
@@ -129,7 +132,7 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     engine = parallelize(
         model,
         layout,
-        optimizer=optimizer_factory(train, world.device),
+        optimizer=optimizer if optimizer is not None else optimizer_factory(train, world.device),
         loss_fn=ChunkedCrossEntropy(train.loss_chunk) if train.loss_chunk else lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),
@@ -339,8 +342,14 @@ def run(
     path; "" for ``<run>/trace.json``) the last ``trace_steps`` steps are traced on every rank
     (``plait.observe.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``. With
     ``stop`` (the CLI's SIGTERM / SIGINT record, ``plait.train.stop``) a signal to any rank stops every rank after
-    the same step, which is saved; the summary then has ``stopped_by`` set and no final evaluation."""
+    the same step, which is saved; the summary then has ``stopped_by`` set and no final evaluation. With
+    ``train.deterministic`` deterministic mode (``plait.determinism``) is set before anything else runs."""
+    if config.train.deterministic:
+        check_group(world.backend if world is not None else None)  # NCCL read its environment when it started
+        make_deterministic()
     world = world or init()
+    if config.train.deterministic and world.rank == 0:
+        log.info("deterministic mode: %s", describe_state(determinism_state()))
     with RankGuard.from_env(world.rank) as guard:
         return _run(config, world, guard, trace, trace_steps, stop)
 
