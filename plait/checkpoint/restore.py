@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from plait.checkpoint import storage
-from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout
+from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout, optim_key
 from plait.checkpoint.storage import CheckpointError
 from plait.logging import get_logger
 
@@ -92,7 +92,7 @@ def _alias_missing(state: EngineState, stored: dict[str, Any]) -> list[str]:
 def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
     """Fill ``engine``'s model, masters and optimizer state from the checkpoint in ``folder`` (collective)."""
     check_layout(engine)
-    stored = metadata.state_dict_metadata
+    stored = _as_canonical(engine, metadata.state_dict_metadata)
     strategy = engine.strategy
     has_optimizer = any(key.startswith(OPTIM) for key in stored)
     if has_optimizer:
@@ -117,6 +117,7 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
     if has_optimizer:
         state.add_optimizer(for_load=True)
         _reset_missing_states(state, stored)
+    state.add_outer()  # DiLoCo's outer momentum (zeros where the checkpoint has none: a fresh outer optimizer)
     problem = None
     if missing:
         more = " ..." if len(missing) > 5 else ""
@@ -124,11 +125,12 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
             f"rank {engine.mesh.rank}: checkpoint {folder} has no model entries {missing[:5]}{more}: it was saved "
             f"from another model. Fix: load it into the model it was trained with."
         )
-    request: dict[str, Any] = {k: v for k, v in state.entries.items() if k in stored}
+    request: dict[str, Any] = {optim_key(engine, k): v for k, v in state.entries.items() if k in stored}
     scalars = []
     for key, names, tensor in state.scalars:
         found = next((f"{OPTIM}{name}/{key}" for name in names if f"{OPTIM}{name}/{key}" in stored), None)
         if found is not None:
+            found = optim_key(engine, found)
             request[found] = torch.zeros((), dtype=tensor.dtype)
             scalars.append((found, tensor))
     if problem is None:
@@ -147,6 +149,19 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
                 _master_from_params(flat)
             elif flat.shard is not None and flat.master is not flat.shard and id(flat) not in loaded:
                 flat.master.data.copy_(flat.shard.detach().to(flat.master.dtype))
+
+
+def _as_canonical(engine: Any, stored: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's entries as this rank reads them: semi-synchronous replica group g >= 1 sees its own
+    ``group<g>/optim/`` entries as the canonical ``optim/`` ones (``canonical.optim_key``); others as stored."""
+    prefix = optim_key(engine, OPTIM)[: -len(OPTIM)]
+    if not prefix:
+        return dict(stored)
+    return {
+        key[len(prefix) :] if key.startswith(prefix + OPTIM) else key: value
+        for key, value in stored.items()
+        if not key.startswith(OPTIM)
+    }
 
 
 def _reset_missing_states(state: EngineState, stored: dict[str, Any]) -> None:
