@@ -153,9 +153,11 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
 
 def _as_canonical(engine: Any, stored: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's entries as this rank reads them: semi-synchronous replica group g >= 1 sees its own
-    ``group<g>/optim/`` entries as the canonical ``optim/`` ones (``canonical.optim_key``); others as stored."""
+    ``group<g>/optim/`` entries as the canonical ``optim/`` ones (``canonical.optim_key``); others as stored. A
+    checkpoint without them (saved by synchronous training, whose replicas hold one optimizer state) is read as
+    it is: every group starts from that state."""
     prefix = optim_key(engine, OPTIM)[: -len(OPTIM)]
-    if not prefix:
+    if not prefix or not any(key.startswith(prefix + OPTIM) for key in stored):
         return dict(stored)
     return {
         key[len(prefix) :] if key.startswith(prefix + OPTIM) else key: value

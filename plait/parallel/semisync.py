@@ -102,8 +102,8 @@ class SemiSync:
         if layout.dp_replicate < 2:
             raise LayoutError(
                 f"{name} averages R >= 2 replica groups every {self.every} steps, but the layout has dp_replicate="
-                f"{layout.dp_replicate}. Fix: Layout(dp=..., dp_replicate=R) with R >= 2 (e.g. dp=2, dp_replicate=2),"
-                f" or sync='sync'."
+                f"{layout.dp_replicate}. Fix: dp_replicate=R >= 2 dividing dp (Layout(dp=2, dp_replicate=2); plait train: "
+                f"--set layout.dp_replicate=2), or synchronous training (train.sync='sync')."
             )
         if owns_updates or layout.schedule == PipelineSchedule.PIPEDREAM:
             raise LayoutError(
