@@ -19,15 +19,26 @@ import os
 
 import pytest
 import torch
-from helpers.composition import CLIP, GLOBAL_BATCH, LOSS_RTOL, PARAM_TOL, make_model, optimizer, whole_parameters
+from helpers.composition import (
+    CLIP,
+    GLOBAL_BATCH,
+    LOSS_RTOL,
+    PARAM_TOL,
+    make_model,
+    merge_ranks,
+    optimizer,
+    whole_parameters,
+)
 from helpers.harness import run_distributed
 from helpers.reference import assert_tensors_close
-from helpers.semisync_reference import simulate
+from helpers.semisync_reference import Simulation, simulate
 
 import plait
 from plait import Layout, LayoutError
 from plait.data import ShardedBatches
+from plait.errors import ConfigError
 from plait.parallel.semisync import SemiSync
+from plait.train.config import TrainConfig
 
 STEPS = 6
 CASES: dict[str, tuple[dict, str, int, float | None]] = {
@@ -37,6 +48,12 @@ CASES: dict[str, tuple[dict, str, int, float | None]] = {
     "r2x2-zero3-diloco-h2-clipped": (dict(dp=4, dp_replicate=2, zero=3), "diloco", 2, CLIP),
     "r2x2-zero1-diloco-h3-clipped-mb2": (dict(dp=4, dp_replicate=2, zero=1, microbatches=2), "diloco", 3, CLIP),
 }
+LONG_CASES: dict[str, tuple[dict, str, int, float | None]] = {
+    "r2-pp2-zero1-1f1b-diloco": (dict(dp=2, dp_replicate=2, pp=2, zero=1, microbatches=2), "diloco", 2, CLIP),
+    "r2-cp2-zero3-localsgd": (dict(dp=2, dp_replicate=2, cp=2, zero=3), "localsgd", 3, CLIP),  # shard: the cp pair
+    "r2-tp2-zero0-diloco": (dict(dp=2, dp_replicate=2, tp=2, zero=0), "diloco", 3, None),
+}
+"""``long``: compositions at world 4 (R = 2 groups of one data rank each split over pp, cp or tp)."""
 EXACT = {"rtol": 0.0, "atol": 0.0}
 """Groups of one rank: each inner step is one device's step on the group's rows (no reduction to reorder) and the
 outer step's sum over R = 2 is commutative: bitwise. Groups of two ranks reduce-scatter inside the group, the same
@@ -105,36 +122,56 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @functools.cache
-def _simulation(name: str):  # noqa: ANN202 - a Simulation
-    fields, mode, every, clip = CASES[name]
+def _simulation(name: str) -> Simulation:
+    fields, mode, every, clip = {**CASES, **LONG_CASES}[name]
     return simulate(mode, every, fields["dp_replicate"], fields["dp"] // fields["dp_replicate"], STEPS, clip)
+
+
+def assert_matches_simulation(name: str, fields: dict, every: int, per_rank: list[dict], expected: Simulation) -> None:
+    """Every rank reports the same losses, equal to the simulation's; every rank's parameters after every step
+    equal its group's copy (bitwise with groups of one rank and nothing else split: ``EXACT``), every replica
+    bitwise equal after each outer step, and the groups really apart inside a window."""
+    exact = fields["dp"] == fields["dp_replicate"] and all(fields.get(a, 1) == 1 for a in ("tp", "pp", "cp"))
+    tol = EXACT if exact else PARAM_TOL
+    losses = per_rank[0]["losses"]
+    for rank, mine in enumerate(per_rank):
+        assert mine["losses"] == losses, f"{name}: rank {rank} reports another loss"
+        for step in range(STEPS):
+            wanted = expected.params[step][mine["group"]]
+            wanted = {key: value for key, value in wanted.items() if key in mine["params"][step]}  # pp: its stages
+            assert_tensors_close(mine["params"][step], wanted, f"{name} rank {rank} step {step}", tol)
+    for step in range(STEPS):
+        if (step + 1) % every == 0:  # after an outer step every replica is bitwise the same, every name held
+            merged = merge_ranks([r["params"][step] for r in per_rank], f"{name} after the outer step {step}")
+            assert merged.keys() == expected.params[step][0].keys(), f"{name}: parameters on no rank"
+    for step, (actual, wanted) in enumerate(zip(losses, expected.losses, strict=True)):
+        # the (S, N) sums are float64 but each group's S_g is an fp32 sum: exact groups agree to fp32 rounding
+        assert abs(actual - wanted) <= LOSS_RTOL * abs(wanted), f"{name} step {step}: loss {actual} != {wanted}"
+    first = {}  # step 0 (inside a window): the groups' parameters differ, or the test could not see the algorithm
+    for mine in per_rank:
+        first.setdefault(mine["group"], {}).update(mine["params"][0])
+    assert not all(torch.equal(first[0][k], first[1][k]) for k in first[0]), f"{name}: groups equal mid-window"
 
 
 @pytest.mark.distributed
 def test_semisync_matches_the_one_process_simulation(runs: list[dict]) -> None:
-    for name, result in runs[0]["cases"].items():
-        if name.startswith("sync"):
-            continue
+    names = [name for name in runs[0]["cases"] if not name.startswith("sync")]
+    assert names, "no case ran"
+    for name in names:
         fields, _mode, every, _clip = CASES[name]
-        exact = fields["dp"] == fields["dp_replicate"]
-        expected = _simulation(name)
-        for rank, per_rank in enumerate(runs):
-            mine = per_rank["cases"][name]
-            assert mine["losses"] == result["losses"], f"{name}: rank {rank} reports another loss"
-            for step in range(STEPS):
-                wanted = expected.params[step][mine["group"]]
-                tol = EXACT if exact else PARAM_TOL
-                assert_tensors_close(mine["params"][step], wanted, f"{name} rank {rank} step {step}", tol)
-                if (step + 1) % every == 0:  # after an outer step every replica is bitwise the same
-                    for key, value in mine["params"][step].items():
-                        assert torch.equal(value, runs[0]["cases"][name]["params"][step][key]), (name, step, key)
-        for step, (actual, wanted) in enumerate(zip(result["losses"], expected.losses, strict=True)):
-            rtol = 1e-12 if exact else LOSS_RTOL  # float64 (S, N) sums; the groups' losses are fp32
-            assert abs(actual - wanted) <= max(rtol, 1e-7) * abs(wanted), f"{name} step {step}: {actual} != {wanted}"
-        # the groups really diverge inside a window (or the test could not tell the algorithms apart)
-        if every > 1:
-            groups = {per_rank["cases"][name]["group"]: per_rank["cases"][name]["params"][0] for per_rank in runs}
-            assert not all(torch.equal(groups[0][k], groups[1][k]) for k in groups[0]), f"{name}: groups equal"
+        assert_matches_simulation(name, fields, every, [r["cases"][name] for r in runs], _simulation(name))
+
+
+@pytest.mark.distributed
+@pytest.mark.long
+def test_semisync_compositions_match_the_simulation() -> None:
+    per_rank = run_distributed(_long_suite, 4, timeout=900, comm_timeout_s=120)
+    for name, (fields, _mode, every, _clip) in LONG_CASES.items():
+        assert_matches_simulation(name, fields, every, [r[name] for r in per_rank], _simulation(name))
+
+
+def _long_suite() -> dict:
+    return {name: _train(*LONG_CASES[name]) for name in LONG_CASES}
 
 
 @pytest.mark.distributed
@@ -206,3 +243,25 @@ def test_bad_settings_are_refused(kwargs: dict, words: list[str]) -> None:
     with pytest.raises(LayoutError) as error:
         SemiSync(**kwargs)
     assert all(word in str(error.value) for word in words), str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        (dict(sync="async"), ["train.sync", "localsgd"]),
+        (dict(sync="diloco"), ["train.sync_every", "Fix"]),
+        (dict(sync="localsgd", sync_every=4, save_every=10), ["save_every=10", "multiple", "train.save_every=8"]),
+        (dict(sync="diloco", sync_every=4, outer_lr=-1.0), ["train.outer_lr"]),
+        (dict(sync="diloco", sync_every=4, outer_momentum=1.5), ["train.outer_momentum"]),
+    ],
+)
+def test_bad_train_sync_settings_are_refused(fields: dict, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**fields)
+    assert all(word in str(error.value) for word in words), str(error.value)
+
+
+def test_train_sync_builds_the_semisync() -> None:
+    assert TrainConfig().semisync() is None
+    built = TrainConfig(sync="diloco", sync_every=4, save_every=8, outer_lr=0.5).semisync()
+    assert built == SemiSync("diloco", every=4, outer_lr=0.5, outer_momentum=0.9)

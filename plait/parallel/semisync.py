@@ -26,7 +26,8 @@ all-reduce of the same shards. The step's token counts are all-reduced inside a 
 step reports is the token mean over every group's tokens (one all-reduce of two numbers over ``dp_cp``, the same
 on every rank; ``plait.parallel.loss_normalization``): the only per-step collective that spans the groups.
 
-DiLoCo holds theta and b (fp32, the size of this rank's parameters or shards) beside the model. Checkpoints are
+Only what the optimizer steps is averaged: buffers (running statistics, if a model has any) stay each group's own,
+and frozen parameters never change. DiLoCo holds theta and b (fp32, the size of this rank's parameters or shards) beside the model. Checkpoints are
 written at outer-step boundaries only, where every group holds theta (``check_save``); they hold each group's inner
 optimizer state (group 0's under the canonical ``optim/`` keys, group g's under ``group<g>/optim/``) and b under
 ``outer/<param>/momentum``: resuming needs the same R and the same mode.
