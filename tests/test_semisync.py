@@ -19,16 +19,8 @@ import os
 
 import pytest
 import torch
-from helpers.composition import (
-    CLIP,
-    GLOBAL_BATCH,
-    LOSS_RTOL,
-    PARAM_TOL,
-    make_model,
-    merge_ranks,
-    optimizer,
-    whole_parameters,
-)
+from helpers import composition
+from helpers.composition import CLIP, GLOBAL_BATCH, LOSS_RTOL, PARAM_TOL, make_model, merge_ranks, optimizer
 from helpers.harness import run_distributed
 from helpers.reference import assert_tensors_close
 from helpers.semisync_reference import Simulation, simulate
@@ -74,7 +66,7 @@ def _train(fields: dict, mode: str | None, every: int, clip: float | None) -> di
     for step in range(STEPS):
         stats = engine.train_step(loader.batch_at(step))
         losses.append(stats.loss)
-        params.append(whole_parameters(engine))
+        params.append(composition.whole_parameters(engine))
         replicate.append(sum(c.wire_bytes for (axis, _op), c in stats.comm.counts.items() if axis == "replicate"))
     return {"losses": losses, "params": params, "replicate": replicate, "group": engine.mesh.index("replicate")}
 
@@ -94,7 +86,7 @@ def _checkpoint(root: str) -> dict:
     engine.train_step(loader.batch_at(3))
     engine.save(os.path.join(root, "diloco"))
     continued = [engine.train_step(loader.batch_at(step)).loss for step in (4, 5)]
-    after = whole_parameters(engine)
+    after = composition.whole_parameters(engine)
     fresh, _ = _engine(fields, "diloco", every, CLIP)
     assert fresh.load(os.path.join(root, "diloco")) == 4
     resumed = [fresh.train_step(loader.batch_at(step)).loss for step in (4, 5)]
@@ -102,7 +94,7 @@ def _checkpoint(root: str) -> dict:
 
 
 def _equal(expected: dict[str, torch.Tensor], engine: plait.Engine) -> bool:
-    actual = whole_parameters(engine)
+    actual = composition.whole_parameters(engine)
     return actual.keys() == expected.keys() and all(torch.equal(actual[k], expected[k]) for k in expected)
 
 
