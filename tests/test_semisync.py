@@ -73,7 +73,7 @@ def _train(fields: dict, mode: str | None, every: int, clip: float | None) -> di
 
 def _checkpoint(root: str, fields: dict) -> dict:
     """DiLoCo (H=2): 4 steps, a save at step 4, 2 more steps; a fresh engine loads and trains the same 2. A save
-    at step 3 (mid-window) is refused."""
+    at step 3 (mid-window) is refused. Synchronous HSDP loads the same checkpoint (group 0's optimizer state)."""
     every = 2
     engine, loader = _engine(fields, "diloco", every, CLIP)
     for step in range(3):
@@ -85,12 +85,18 @@ def _checkpoint(root: str, fields: dict) -> dict:
         refused = str(error)
     engine.train_step(loader.batch_at(3))
     engine.save(os.path.join(root, "diloco"))
+    saved = composition.whole_parameters(engine)
     continued = [engine.train_step(loader.batch_at(step)).loss for step in (4, 5)]
     after = composition.whole_parameters(engine)
     fresh, _ = _engine(fields, "diloco", every, CLIP)
     assert fresh.load(os.path.join(root, "diloco")) == 4
     resumed = [fresh.train_step(loader.batch_at(step)).loss for step in (4, 5)]
-    return {"refused": refused, "continued": continued, "resumed": resumed, "same": _equal(after, fresh)}
+    same = _equal(after, fresh)
+    synchronous, _ = _engine(fields, None, 1, CLIP)
+    assert synchronous.load(os.path.join(root, "diloco")) == 4
+    loaded = _equal(saved, synchronous)
+    synchronous.train_step(loader.batch_at(4))
+    return {"refused": refused, "continued": continued, "resumed": resumed, "same": same, "sync_loads": loaded}
 
 
 def _equal(expected: dict[str, torch.Tensor], engine: plait.Engine) -> bool:
@@ -194,6 +200,7 @@ def test_diloco_resumes_bitwise_at_an_outer_step_boundary(runs: list[dict]) -> N
         assert "mid-window" in check["refused"] and "save_every" in check["refused"], check["refused"]
         assert check["resumed"] == check["continued"], f"rank {rank}: {check}"
         assert check["same"], f"rank {rank}: resumed parameters differ"
+        assert check["sync_loads"], f"rank {rank}: synchronous HSDP loaded other parameters"
 
 
 # ----------------------------------------------------------------- errors (no processes)

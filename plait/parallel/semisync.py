@@ -27,10 +27,14 @@ step reports is the token mean over every group's tokens (one all-reduce of two 
 on every rank; ``plait.parallel.loss_normalization``): the only per-step collective that spans the groups.
 
 Only what the optimizer steps is averaged: buffers (running statistics, if a model has any) stay each group's own,
-and frozen parameters never change. DiLoCo holds theta and b (fp32, the size of this rank's parameters or shards) beside the model. Checkpoints are
-written at outer-step boundaries only, where every group holds theta (``check_save``); they hold each group's inner
-optimizer state (group 0's under the canonical ``optim/`` keys, group g's under ``group<g>/optim/``) and b under
-``outer/<param>/momentum``: resuming needs the same R and the same mode.
+and frozen parameters never change. DiLoCo holds theta and b (fp32, the size of this rank's parameters or shards)
+beside the model.
+
+Checkpoints are written at outer-step boundaries only, where every group holds theta (``check_save``). They hold
+the model once, each group's inner optimizer state (group 0's under the canonical ``optim/`` keys, group g's under
+``group<g>/optim/``) and b under ``outer/<param>/momentum``. Resumed under the same R, every group gets its own
+state back (bitwise); a group the checkpoint has no state of (another R, a synchronous or one-process checkpoint)
+starts from the canonical one; synchronous training and one process read group 0's.
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-OUTER = "outer/"
-"""Checkpoint keys of DiLoCo's outer momentum: ``outer/<param>/momentum`` (``plait.checkpoint.canonical``)."""
 GROUP_PREFIX = "group{}/"
 """Checkpoint key prefix of replica group g's inner optimizer state for g > 0 (group 0's is the canonical one)."""
 
@@ -97,7 +99,7 @@ class SemiSync:
         """``mode`` as a ``SyncMode``."""
         return SyncMode(self.mode)
 
-    def check(self, layout: Layout, owns_updates: bool = False) -> None:
+    def check(self, layout: Layout) -> None:
         """LayoutError (one line, with the fix) for a layout the algorithm cannot run on; pure, before any work."""
         name = f"sync={self.kind.value!r}"
         if layout.dp_replicate < 2:
@@ -106,7 +108,7 @@ class SemiSync:
                 f"{layout.dp_replicate}. Fix: dp_replicate=R >= 2 dividing dp (Layout(dp=2, dp_replicate=2); plait train: "
                 f"--set layout.dp_replicate=2), or synchronous training (train.sync='sync')."
             )
-        if owns_updates or layout.schedule == PipelineSchedule.PIPEDREAM:
+        if layout.schedule == PipelineSchedule.PIPEDREAM:
             raise LayoutError(
                 f"{name} with schedule='pipedream': PipeDream updates per micro-batch with stashed weight versions, "
                 f"so there is no step boundary at which the groups' parameters are one version. Fix: use a "
@@ -247,4 +249,4 @@ def attach(engine: Any, config: SemiSync | None) -> None:
         )
 
 
-__all__ = ["GROUP_PREFIX", "OUTER", "OuterLoop", "SemiSync", "SyncMode", "attach", "held_tensors"]
+__all__ = ["GROUP_PREFIX", "OuterLoop", "SemiSync", "SyncMode", "attach", "held_tensors"]
