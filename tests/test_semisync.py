@@ -15,7 +15,9 @@ the one-process simulation of the same algorithm (tests/helpers/semisync_referen
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +267,36 @@ def test_train_sync_builds_the_semisync() -> None:
     assert TrainConfig().semisync() is None
     built = TrainConfig(sync="diloco", sync_every=4, save_every=8, outer_lr=0.5).semisync()
     assert built == SemiSync("diloco", every=4, outer_lr=0.5, outer_momentum=0.9)
+
+
+def _losses(root: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
+
+
+def _run_job(root: str) -> dict[int, float]:
+    """``plait train``'s loop under DiLoCo (R = 2 groups of one rank, H = 2): 5 steps, then resumed to 7. Returns
+    the first run's losses."""
+    from plait.distributed import init
+    from plait.train.config import RunConfig
+    from plait.train.loop import run
+
+    world = init()
+    train = {"global_batch": 8, "eval_every": 0, "samples": 0, "tensorboard": False, "log_every": 1, "out": root}
+    train |= {"sync": "diloco", "sync_every": 2, "save_every": 2}
+    first: dict[int, float] = {}
+    for steps in (5, 7):
+        run(RunConfig.from_dict({"layout": {"dp": 2, "dp_replicate": 2}, "train": {**train, "steps": steps}}), world)
+        first = first or _losses(Path(root))
+    return first
+
+
+@pytest.mark.distributed
+def test_the_training_loop_saves_at_boundaries_and_resumes(tmp_path: Path) -> None:
+    """Checkpoints at steps 2, 4 and 6 only (the last steps, 5 and 7, fall inside a window: not saved); the resumed
+    run redoes step 5 from step 4's checkpoint with the same loss, and records every step once."""
+    first = run_distributed(_run_job, 2, str(tmp_path), timeout=300)[0]
+    losses = _losses(tmp_path)
+    assert list(losses) == list(range(1, 8)) and list(first) == list(range(1, 6)), (first, losses)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == [f"step-{n:08d}" for n in (2, 4, 6)]
+    assert [losses[step] for step in range(1, 6)] == [first[step] for step in range(1, 6)], (first, losses)
