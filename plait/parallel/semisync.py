@@ -104,9 +104,9 @@ class SemiSync:
         name = f"sync={self.kind.value!r}"
         if layout.dp_replicate < 2:
             raise LayoutError(
-                f"{name} averages R >= 2 replica groups every {self.every} steps, but the layout has dp_replicate="
-                f"{layout.dp_replicate}. Fix: dp_replicate=R >= 2 dividing dp (Layout(dp=2, dp_replicate=2); plait train: "
-                f"--set layout.dp_replicate=2), or synchronous training (train.sync='sync')."
+                f"{name} averages R >= 2 replica groups every {self.every} steps, but the layout has "
+                f"dp_replicate={layout.dp_replicate}. Fix: dp_replicate=R >= 2 dividing dp (Layout(dp=2, "
+                f"dp_replicate=2); plait train: --set layout.dp_replicate=2), or synchronous training (sync='sync')."
             )
         if layout.schedule == PipelineSchedule.PIPEDREAM:
             raise LayoutError(
