@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from plait.parallel.expert.stats import MoEStepStats, RouterStats
     from plait.parallel.pipeline.runtime import PipelineRunner
     from plait.parallel.pipeline.simulate import SimResult
+    from plait.parallel.semisync import OuterLoop
 
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
 
@@ -201,6 +202,9 @@ class Engine:
         self.experts: RouterStats | None = None
         """Mixture-of-Experts models (set by ``plait.parallelize``): the balance loss's weight set before each step,
         the routing statistics gathered after it (``plait.parallel.expert.stats``)."""
+        self.outer: OuterLoop | None = None
+        """Semi-synchronous training (set by ``plait.parallelize``): inner steps inside each HSDP replica group, an
+        outer step across the groups every H steps (``plait.parallel.semisync``); None: every step synchronous."""
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -234,7 +238,10 @@ class Engine:
         micro = self._split(batch)
         self.model.train()
         window = self.runner.update_window(len(micro))
-        loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window)
+        if self.outer is not None:  # DiLoCo keeps theta at a window's start
+            self.outer.begin_step(self.step)
+        group = "shard" if self.outer is not None else None  # semi-synchronous: token means over one replica group
+        loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window, group)
         sequences = batch[1].shape[0] * self.mesh.size("dp")  # the global batch's sequences (balance loss)
         if self.experts is not None:
             self.experts.begin(sequences, self.precision.loss_scale)
@@ -242,6 +249,8 @@ class Engine:
         total = self.runner.run(micro, self.apply_update, loss)
         self.step_total = total
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
+        if self.outer is not None:  # after steps H, 2H, ...: the outer step across the replica groups
+            self.outer.end_step(self.step + 1)
         staleness = self.runner.staleness()
         reported = loss.report(total)
         moe = self.experts.end(sequences, update_biases=not skipped) if self.experts is not None else None

@@ -7,6 +7,7 @@ world (one all-reduce), so a missing entry raises a clear error on every rank in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from plait.checkpoint import storage
-from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout
+from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout, optim_key
 from plait.checkpoint.storage import CheckpointError
 from plait.logging import get_logger
 
@@ -103,8 +104,10 @@ class LoadPlan:
     problem: CheckpointError | None
 
     @classmethod
-    def build(cls, engine: Any, stored: Collection[str], source: str) -> LoadPlan:
-        """The plan for entries ``stored`` of ``source`` (its name in errors)."""
+    def build(
+        cls, engine: Any, stored: Collection[str], source: str, key: Callable[[str], str] = lambda k: k
+    ) -> LoadPlan:
+        """The plan for entries ``stored`` of ``source`` (its name in errors), requested under ``key``."""
         check_layout(engine)
         strategy = engine.strategy
         has_optimizer = any(key.startswith(OPTIM) for key in stored)
@@ -130,6 +133,7 @@ class LoadPlan:
         if has_optimizer:
             state.add_optimizer(for_load=True)
             _reset_missing_states(state, stored)
+        state.add_outer()  # DiLoCo's outer momentum (zeros where the source has none: a fresh outer optimizer)
         problem = None
         if missing:
             more = " ..." if len(missing) > 5 else ""
@@ -137,13 +141,13 @@ class LoadPlan:
                 f"rank {engine.mesh.rank}: {source} has no model entries {missing[:5]}{more}: it was saved "
                 f"from another model. Fix: load it into the model it was trained with."
             )
-        request: dict[str, Any] = {k: v for k, v in state.entries.items() if k in stored}
+        request: dict[str, Any] = {key(k): v for k, v in state.entries.items() if k in stored}
         scalars = []
-        for key, names, tensor in state.scalars:
-            found = next((f"{OPTIM}{name}/{key}" for name in names if f"{OPTIM}{name}/{key}" in stored), None)
+        for name_key, names, tensor in state.scalars:
+            found = next((f"{OPTIM}{n}/{name_key}" for n in names if f"{OPTIM}{n}/{name_key}" in stored), None)
             if found is not None:
-                request[found] = torch.zeros((), dtype=tensor.dtype)
-                scalars.append((found, tensor))
+                request[key(found)] = torch.zeros((), dtype=tensor.dtype)
+                scalars.append((key(found), tensor))
         return cls(state, request, scalars, masters_saved, problem)
 
     @torch.no_grad()
@@ -161,7 +165,8 @@ class LoadPlan:
 
 def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
     """Fill ``engine``'s model, masters and optimizer state from the checkpoint in ``folder`` (collective)."""
-    plan = LoadPlan.build(engine, set(metadata.state_dict_metadata), f"checkpoint {folder}")
+    stored = _as_canonical(engine, metadata.state_dict_metadata)
+    plan = LoadPlan.build(engine, stored, f"checkpoint {folder}", functools.partial(optim_key, engine))
     problem = plan.problem
     if problem is None:
         try:
@@ -171,6 +176,21 @@ def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
     _agree(engine, problem)
     storage.read(plan.request, folder)
     plan.finish()
+
+
+def _as_canonical(engine: Any, stored: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's entries as this rank reads them: semi-synchronous replica group g >= 1 sees its own
+    ``group<g>/optim/`` entries as the canonical ``optim/`` ones (``canonical.optim_key``); others as stored. A
+    checkpoint without them (saved by synchronous training, whose replicas hold one optimizer state) is read as
+    it is: every group starts from that state."""
+    prefix = optim_key(engine, OPTIM)[: -len(OPTIM)]
+    if not prefix or not any(key.startswith(prefix + OPTIM) for key in stored):
+        return dict(stored)
+    return {
+        key[len(prefix) :] if key.startswith(prefix + OPTIM) else key: value
+        for key, value in stored.items()
+        if not key.startswith(OPTIM)
+    }
 
 
 def _reset_missing_states(state: EngineState, stored: Collection[str]) -> None:

@@ -75,6 +75,11 @@ class FaultTolerantSteps:
                 "--ft does not take Mixture-of-Experts models yet (their balance statistics "
                 "span the groups). Fix: train them without --ft (restart-and-resume)."
             )
+        if getattr(engine, "outer", None) is not None:
+            raise FaultToleranceError(
+                "--ft with train.sync='localsgd'/'diloco' is not supported yet (its outer step spans the groups "
+                "outside the quorum). Fix: train.sync='sync' with --ft, or semi-synchronous training without --ft."
+            )
         if engine.precision.loss_scale is not None:
             raise FaultToleranceError("--ft does not take fp16 loss scaling (its scale is per group). Fix: bf16.")
         self.replay = ReplayLog.read(options.replay) if options.replay else None

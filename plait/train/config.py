@@ -27,6 +27,7 @@ from plait.data.text import check_text_file
 from plait.data.tokens import ATTENTION_KINDS
 from plait.errors import ConfigError, DataError, LayoutError
 from plait.layout import Layout, from_mapping
+from plait.parallel.semisync import SemiSync
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -237,6 +238,15 @@ class TrainConfig:
     pipeline_trace: str = ""
     """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
     its picture next to it (same name, .png); "" turns it off."""
+    sync: str = "sync"
+    """How HSDP's replica groups (layout.dp_replicate) keep together: "sync" (every step), or semi-synchronously
+    "localsgd" / "diloco": sync_every inner steps per group, then an outer step (``plait.parallel.semisync``)."""
+    sync_every: int = 0
+    """H, the inner steps per outer step of localsgd / diloco (required by them; save_every must be a multiple)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
     def __post_init__(self) -> None:
         """Every number checked before anything runs: integers in range, and every real hyper-parameter finite
@@ -285,9 +295,40 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "tensorboard" and value is None):
                 raise ConfigError(f"train.{name}={value!r} must be true or false. Fix: train.{name}=true.")
+        self._check_sync()
         from plait.train.optim import check_optim_config
 
         check_optim_config(self)
+
+    def _check_sync(self) -> None:
+        """train.sync and its settings; saves at outer-step boundaries only (where every replica group holds the
+        same parameters)."""
+        modes = ("sync", "localsgd", "diloco")
+        if self.sync not in modes:
+            raise ConfigError(f"train.sync={self.sync!r} is unknown. Fix: use one of {list(modes)}.")
+        _integer("train.sync_every", self.sync_every, 0, " (0: unset)")
+        if self.sync == "sync":
+            return
+        if self.sync_every < 1:
+            raise ConfigError(
+                f"train.sync={self.sync!r} needs train.sync_every=H, the inner steps between outer steps. Fix: e.g. "
+                f"--set train.sync_every=100 (the DiLoCo paper: 500)."
+            )
+        _number("train.outer_lr", self.outer_lr, lambda v: v > 0, "be positive", "0.7")
+        _number("train.outer_momentum", self.outer_momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
+        if self.save_every % self.sync_every:
+            raise ConfigError(
+                f"train.save_every={self.save_every} is not a multiple of train.sync_every={self.sync_every}: under "
+                f"train.sync={self.sync!r} checkpoints are written at outer-step boundaries only (mid-window the "
+                f"replica groups hold different parameters). Fix: --set train.save_every="
+                f"{max(self.sync_every, self.save_every // self.sync_every * self.sync_every)}."
+            )
+
+    def semisync(self) -> SemiSync | None:
+        """The ``SemiSync`` of ``sync`` (None for "sync")."""
+        if self.sync == "sync":
+            return None
+        return SemiSync(self.sync, self.sync_every, self.outer_lr, self.outer_momentum)
 
 
 def _integer(where: str, value: Any, low: int, note: str = "") -> None:

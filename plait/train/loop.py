@@ -139,6 +139,7 @@ def build(config: RunConfig, world: World, optimizer: Any = None) -> tuple[Engin
         device=world.device,
         param_groups=groups,
         weights=weights,
+        sync=train.semisync(),
     )
     return engine, dataset, model_config
 
@@ -437,6 +438,11 @@ def _run(
             evaluate = train.eval_every and stats.step % train.eval_every == 0 and not last and not stopped_by
             # the last step is saved too (generate, convert and a longer resume start from it), and a stop's step
             save = (train.save_every and (stats.step % train.save_every == 0 or last)) or stopped_by
+            if save and train.sync != "sync" and stats.step % train.sync_every:  # mid-window: groups differ
+                save = False
+                if lead:
+                    log.warning("step %d: not saved, inside an outer-step window of train.sync_every=%d (the "
+                                "last checkpoint is the last boundary's)", stats.step, train.sync_every)  # fmt: skip
             if record_every_step or evaluate or save or stats.step % train.log_every == 0 or last:
                 records.flush()  # reads the losses: on a GPU a host sync once per log interval, not per step
             if evaluate:
