@@ -225,6 +225,7 @@ class FaultTolerantSteps:
             ],
             "ft_attempts": attempts,
             "ft_quorum_s": round(time.perf_counter() - started - stats.seconds, 4),
+            "ft_time": round(time.time(), 3),  # when the step committed (the time lost to a fault is read from it)
         }
         if healed_from is not None:
             info["ft_healed_from_step"] = healed_from
