@@ -4,6 +4,7 @@
 # make lint: ruff (lint + format check) and the type checker; CI runs it before the tests.
 # make test-long: the long sweeps (marker long: randomised parity, the slow adversarial cases) that CI leaves out;
 #   make parity-fuzz and make test-adversarial run one family each (docs/testing.md).
+# make test-ft: per-step fault tolerance (tests/test_ft*.py), its long fault scenarios included (docs/fault_tolerance.md).
 # make test-docs: every block of README.md and docs/ run page by page (tests/test_docs.py, marker docs), scaled down
 #   (PLAIT_DOCS_SCALE=ci, the default; PLAIT_DOCS_SCALE=full runs them as written); CI runs their checks and quick blocks.
 # make test-gpu: the GPU tests (tests/gpu, marker cuda) on a machine with CUDA; skipped with the reason elsewhere.
@@ -24,7 +25,7 @@ MAX_VENV := .venv-max-torch
 MIN_TORCH_TESTS := tests/test_layout.py tests/test_comm.py tests/test_engine.py tests/test_hot_path.py \
 	tests/test_backend.py tests/test_compile.py tests/test_checkpoint.py tests/test_pipeline_schedule.py
 
-.PHONY: setup demo test test-long test-docs parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
+.PHONY: setup demo test test-long test-ft test-docs parity-fuzz test-adversarial test-gpu test-min-torch test-max-torch lint format bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +45,9 @@ test: $(STAMP)
 
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -m "long and not docs"
+
+test-ft: $(STAMP)
+	$(BIN)/python -m pytest -q -m "long or not long" tests/test_ft.py tests/test_ft_faults.py
 
 PLAIT_DOCS_SCALE ?= ci
 test-docs: $(STAMP)

@@ -23,13 +23,13 @@ from urllib.parse import urlsplit
 
 from plait.errors import ConfigError
 from plait.ft import log as committed_log
-from plait.ft.options import FAULT_ENV, GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, REPLAY_ENV, FTOptions
+from plait.ft.options import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, REPLAY_ENV, FTOptions
 from plait.logging import get_logger
 
 log = get_logger(__name__)
 HEARTBEAT_ENV = "PLAIT_FT_HEARTBEAT_MS"
 FAULT_GROUP_ENV = "PLAIT_FT_FAULT_GROUP"
-"""A testing aid: the replica group that PLAIT_FAULT_INJECT / PLAIT_FT_FAULT apply to (the others run clean)."""
+"""A testing aid: the replica groups ("1" or "1,2") that PLAIT_FAULT_INJECT applies to (the others run clean)."""
 
 
 def lighthouse(
@@ -117,9 +117,8 @@ def run(args: Any, layout: Any) -> int:
         env.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every quorum and commit at info
         if replay is not None:
             env[REPLAY_ENV] = str(replay)
-        if os.environ.get(FAULT_GROUP_ENV, str(group)) != str(group):
+        if str(group) not in os.environ.get(FAULT_GROUP_ENV, str(group)).split(","):
             env.pop("PLAIT_FAULT_INJECT", None)
-            env.pop(FAULT_ENV, None)
         command = _group_command(args, group, groups, per_group, overrides, committed_log.replica_dir(out, group))
         children.append(subprocess.Popen(command, env=env))
 

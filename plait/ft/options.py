@@ -8,8 +8,9 @@ fault-tolerant launcher (``plait.ft.launch``, ``plait train --ft``) or a user's 
     PLAIT_FT_MIN_GROUPS  the fewest groups that may commit a step (default 1: the last group carries on alone)
     PLAIT_FT_TIMEOUT_S   how long a cross-group operation or a quorum may take (default 60)
     PLAIT_FT_REPLAY      a committed log (``plait.ft.log``): replay it without faults
-    PLAIT_FT_FAULT       a testing aid: "where=sync,step=3" (die inside the cross-group exchange of step 3) or
-                         "where=heal" (die while sending a healing replica its state)
+    PLAIT_FT_FAULT       a testing aid: "where=sync,step=3,group=1" (group 1 dies inside the cross-group exchange of
+                         step 3) or "where=heal,group=0" (group 0 dies while sending a healing group its state);
+                         on the first attempt only
     PLAIT_FT_STEP_DELAY_S  a testing aid: sleep this long after each committed step (a tiny CPU model's steps take
                          milliseconds; a restarted group must find the run still going to rejoin it)
 """
@@ -71,10 +72,13 @@ class FTOptions:
         fault = None
         if environ.get(FAULT_ENV):
             fault = dict(item.split("=", 1) for item in environ[FAULT_ENV].split(",") if "=" in item)
-            if fault.get("where") not in ("sync", "heal"):
+            if fault.get("where") not in ("sync", "heal") or not fault.get("group", "").isdigit():
                 raise ConfigError(
-                    f"{FAULT_ENV}={environ[FAULT_ENV]!r}: where= must be sync or heal. Fix: where=sync,step=3."
+                    f"{FAULT_ENV}={environ[FAULT_ENV]!r}: where= must be sync or heal, group= a group. Fix: "
+                    f"where=sync,step=3,group=1."
                 )
+            if fault["group"] != str(group) or int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+                fault = None  # another group's, or this group was restarted: the fault has fired
         return cls(
             group=group,
             groups=groups,

@@ -67,9 +67,11 @@ class FaultTolerantSteps:
         from torchft import Manager, ProcessGroupGloo
 
         self.options, self.engine, self.world = options, engine, world
-        refused = {"layout": engine.layout.short()}
         if engine.runner.owns_updates:
-            raise FaultToleranceError(f"{refused}: PipeDream steps inside its schedule; use another schedule with --ft")
+            raise FaultToleranceError(
+                f"--ft does not take schedule={engine.layout.schedule!r}: PipeDream steps the optimizer inside its "
+                f"schedule, where no quorum can commit it. Fix: schedule='1f1b' (or another synchronous schedule)."
+            )
         if getattr(engine, "experts", None) is not None:
             raise FaultToleranceError(
                 "--ft does not take Mixture-of-Experts models yet (their balance statistics "
@@ -163,8 +165,7 @@ class FaultTolerantSteps:
 
     def _die_inside(self) -> bool:
         fault = self.options.fault or {}
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1 and attempt == 0
+        return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
     def _commit(self, engine: Any) -> bool:
         """``Engine.commit_gradients``: combine over the quorum, then agree whether to commit."""

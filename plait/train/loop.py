@@ -372,7 +372,7 @@ def _run(
     run_dir = Path(train.out) if train.out else default_run_dir()
     ckpt = run_dir / "ckpt"
     previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
-    if has_checkpoints(ckpt):  # the newest intact checkpoint; refuses (deleting nothing) when none is intact
+    if has_checkpoints(ckpt) and not replicas.heals_from_peers(guard.attempt):  # newest intact; refuses if none is
         guard.beat("loading the checkpoint", timed=False)
         engine.load(ckpt)
         if world.rank == 0:

@@ -54,6 +54,12 @@ def data_ranks(options: FTOptions | None, index: int, size: int) -> tuple[int, i
     return options.group * size + index, options.groups * size
 
 
+def heals_from_peers(attempt: int) -> bool:
+    """Whether this start of a replica group takes its state from a live group rather than from its checkpoint: a
+    restart by its own agent (attempt > 0) under fault tolerance. A whole job started again reads its checkpoints."""
+    return attempt > 0 and FTOptions.from_env() is not None
+
+
 def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     """The group's ``FaultTolerantSteps`` when the environment asks for fault tolerance, else None; rank 0 of the
     group records the job's fingerprint in its folder (``plait.ft.log`` merges it)."""
@@ -72,4 +78,4 @@ def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     return FaultTolerantSteps(options, engine, world, print_)
 
 
-__all__ = ["data_ranks", "fingerprint", "start"]
+__all__ = ["data_ranks", "fingerprint", "heals_from_peers", "start"]

@@ -51,7 +51,12 @@ def starts(out: Path, group: int) -> list[dict]:
 
 def step_records(out: Path, group: int) -> dict[int, dict]:
     path = replica_dir(out, group) / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # the line being written
     return {r["step"]: r for r in records if "ft_groups" in r}
 
 
@@ -69,3 +74,50 @@ def one_device(out: Path, steps: int) -> dict[str, torch.Tensor]:
         rows = torch.cat([torch.arange(g * share, (g + 1) * share) for g in log.groups(step)])
         engine.train_step((inputs[rows], targets[rows]))
     return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
+    """``plait lighthouse`` on a free loopback port, and the address it printed."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "plait", "lighthouse", "--bind", "127.0.0.1:0", "--heartbeat-ms", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=FT_ENV,
+    )
+    assert server.stdout is not None
+    return server, server.stdout.readline().strip()
+
+
+def group_command(out: Path, group: int, groups: int, lighthouse: str, steps: int, extra: list[str] = ()) -> list[str]:
+    """One replica group of 2 ranks started by hand, as on a cluster node: its own layout (dp=2, no replicate)."""
+    settings = [s for s in SETTINGS if not s.startswith("layout.dp_replicate")] + ["layout.dp=2"]
+    settings += [f"train.steps={steps}", f"train.save_every={min(5, steps)}"]
+    command = ["plait", "train", "--ft-group", str(group), "--ft-groups", str(groups), "--ft-lighthouse", lighthouse]
+    command += ["--out", str(replica_dir(out, group))]
+    for setting in [*settings, *extra]:
+        command += ["--set", setting]
+    return command
+
+
+def torchrun_group(
+    out: Path, group: int, groups: int, lighthouse: str, steps: int, port: int, extra: list[str] = ()
+) -> list[str]:
+    """The same group as a torchrun agent of its own (a node: c10d rendezvous on 127.0.0.1)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"node{group}"]
+    return launcher + ["-m"] + group_command(out, group, groups, lighthouse, steps, extra)
+
+
+def wait_for_step(out: Path, group: int, step: int, process: subprocess.Popen[str], timeout: float = 300) -> None:
+    """Until ``group`` has committed ``step`` (AssertionError when its process ends first or time runs out)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = replica_dir(out, group) / "metrics.jsonl"
+        if path.is_file() and max(step_records(out, group), default=0) >= step:
+            return
+        assert process.poll() is None, f"group {group} ended (exit {process.returncode}) before step {step}"
+        time.sleep(0.5)
+    raise AssertionError(f"group {group} did not reach step {step} in {timeout} s")
