@@ -1,0 +1,234 @@
+"""``plait certify`` on Hugging Face models (docs/certify.md): a tiny Llama and a tiny Mixtral, saved to a folder
+(``save_pretrained``, seeded random weights, nothing downloaded) and certified from it with ``--set model.hf=FOLDER``
+on packed documents (``data.attention="document"``: positions restart at each document) whose rows score uneven
+numbers of tokens (``data.eod_mask_loss``), with clipping below the gradient norm, and Muon for Llama; ``--layers N``
+certifies a depth-N slice of a folder's model (its first N layers' weights); and the mutant "a wrong rotary
+offset under cp" (tests/helpers/certify_mutants.py) is caught at the attention (plait's GPT) or rotary
+(transformers' Llama) module. Larger layouts (4 processes: HSDP, dp x tp, pp x cp, tp x cp, ...) run under ``long``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.certification import BITWISE, DIFFERS, EQUAL, CertifyJob, certify
+from plait.cli.main import main
+from plait.errors import ConfigError
+from plait.train.config import load_config
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+CLIP = 0.5
+"""Below the tiny models' gradient norm (checked in the certificate), so clipping is active in every step."""
+MUTANTS = "helpers.certify_mutants"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 3-layer Llama and a 2-layer Mixtral (4 experts, top-2, the balance loss) for the bytes tokenizer's 257 ids (260: tp=2 splits the vocabulary),
+    and a token folder of 120 documents of 2 to 12 bytes (several to a window of 16 tokens)."""
+    from plait.data import prepare
+
+    root = tmp_path_factory.mktemp("certify-hf")
+    common = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(7)
+    llama = transformers.LlamaConfig(**common, num_hidden_layers=3, intermediate_size=64)
+    transformers.LlamaForCausalLM(llama).save_pretrained(root / "llama")
+    mixtral = transformers.MixtralConfig(
+        **common,
+        num_hidden_layers=2,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )
+    transformers.MixtralForCausalLM(mixtral).save_pretrained(root / "mixtral")
+    texts = [("the quick brown fox jumps over the lazy dog " * 2)[: 2 + (5 * i) % 11] for i in range(120)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    prepare([root / "docs.jsonl"], root / "tokens", val_fraction=0.0, progress=False)
+    return {"llama": root / "llama", "mixtral": root / "mixtral", "tokens": root / "tokens"}
+
+
+def job(folders: dict[str, Path], kind: str, *extra: str) -> list[str]:
+    """The ``--set`` values of a job on ``kind``'s folder: packed documents with uneven scored tokens, 8 rows of 16
+    tokens a step, clipping at ``CLIP``, eager attention (the tests' references use it too)."""
+    return [
+        f"model.hf={str(folders[kind])!r}",
+        'model.attn_implementation="eager"',
+        'data.name="tokens"',
+        f"data.path={str(folders['tokens'])!r}",
+        f"data.seq_len={SEQ}",
+        'data.attention="document"',
+        "data.eod_mask_loss=true",
+        "train.global_batch=8",
+        f"train.max_grad_norm={CLIP}",
+        *extra,
+    ]
+
+
+def assert_equal(certificate, clipped: bool = True) -> None:  # noqa: ANN001
+    verdicts = {r.layout: (r.verdict, r.divergence and r.divergence.describe()) for r in certificate.layouts}
+    assert certificate.equal and {v for v, _ in verdicts.values()} <= {BITWISE, EQUAL}, verdicts
+    worst = max(d.ratio for r in certificate.layouts for s in r.steps for d in s.grads.values())
+    assert worst < 0.5, f"plait's own layouts use up to {worst:.2f} of the gradient budget"
+    norms = certificate.reference["grad_norms"]
+    assert not clipped or min(norms) > CLIP, f"clipping must be active: norms {norms} against {CLIP}"
+
+
+# ----------------------------------------------------------------- the data and the slice (one process)
+def test_the_job_packs_documents_whose_rows_score_uneven_tokens(folders):
+    from plait.data import TokenDataset
+
+    dataset = TokenDataset(folders["tokens"], seq_len=SEQ, seed=0, attention="document", eod_mask_loss=True)
+    (tokens, positions), targets = dataset.batch(list(range(8)))
+    restarts = int((positions[:, 1:] == 0).sum())
+    scored = (targets != -100).sum(1).tolist()
+    assert tokens.shape == (8, SEQ) and restarts >= 12, restarts  # several documents to a window
+    assert len(set(scored)) > 1 and max(scored) <= SEQ, scored  # uneven rows
+
+
+def test_a_slice_of_a_folder_holds_its_first_layers_weights(folders):
+    """``model.num_hidden_layers=2`` of the 3-layer folder: 2 layers of the same widths, each tensor the folder's
+    own (read by the meta-device path certify's ranks take, and by ``from_pretrained``), layer 2 not read."""
+    import plait
+    from plait.layout import Layout
+    from plait.models.build import build_model
+    from plait.train.loop import build_on_meta
+
+    whole = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"])
+    expected = dict(whole.named_parameters())
+    config = load_config(None, [*job(folders, "llama"), "model.num_hidden_layers=2"])
+    meta, source = build_on_meta(config, 257, SEQ)
+    engine = plait.parallelize(meta, Layout(dp=1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), weights=source)
+    eager = build_model(config.model, 257, SEQ)
+    for model in (engine.model, eager):
+        assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+        params = dict(model.named_parameters())
+        assert len(params) == len(expected) - len([n for n in expected if n.startswith("model.layers.2.")])
+        for name, value in params.items():
+            assert torch.equal(value.detach(), expected[name].detach()), name
+
+
+def test_layers_slices_a_hugging_face_model_and_refuses_a_deeper_slice(folders):
+    config = load_config(None, job(folders, "llama"))
+    sliced = CertifyJob(config, ["dp=2"], layers=2).check()
+    assert sliced.config.model["num_hidden_layers"] == 2 and sliced.config.model["hf"] == str(folders["llama"])
+    with pytest.raises(ConfigError) as error:
+        CertifyJob(config, ["dp=2"], layers=4).check()
+    message = str(error.value)
+    assert "has 3 layers" in message and "Fix: a whole number from 1 to 3" in message and "\n" not in message
+
+
+def test_muons_allowance_covers_its_newton_schulz_on_ill_conditioned_gradients():
+    """Muon's bf16 Newton-Schulz amplifies a tiny difference of its input (a reordered sum's rounding) in the
+    directions of small singular values (``budget.MUON_ULPS``): gradients with singular values from 1 to 1e-9
+    (a tiny Llama's are that ill-conditioned), perturbed by 1e-7 of their largest element, move the update by
+    more than 2^3 bf16 ulps of its largest element (the allowance certify had, which a Llama with Muon under
+    ZeRO-3 exceeded: 112 ulps) and by a quarter of today's at most."""
+    from plait.certification.budget import MUON_ULPS
+
+    worst = 0.0
+    for seed in range(10):  # most nudges flip no bf16 rounding; those that do move the update by 6 to 44 ulps
+        generator = torch.Generator().manual_seed(seed)
+        u, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
+        v, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
+        grad = u @ torch.diag(torch.logspace(0, -9, 32)) @ v.T
+        for _ in range(5):
+            nudged = grad + torch.randn(32, 32, generator=generator) * 1e-7 * grad.abs().max()
+            updates = []
+            for g in (grad, nudged):
+                param = torch.nn.Parameter(torch.zeros(32, 32))
+                muon = torch.optim.Muon([param], lr=1.0, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+                param.grad = g.clone()
+                muon.step()
+                updates.append(param.detach())
+            worst = max(worst, float((updates[0] - updates[1]).abs().max() / updates[0].abs().max()) / 2**-8)
+    assert 2**3 < worst <= MUON_ULPS / 4, f"{worst:.1f} bf16 ulps"
+
+
+# ----------------------------------------------------------------- certified equal (processes)
+@pytest.mark.distributed
+def test_hugging_face_llama_and_mixtral_are_equal_from_their_folders(folders, tmp_path, capsys):
+    """The CLI on a 2-layer slice of the Llama folder with Muon, under ZeRO-3, tp and cp (ring); Mixtral under
+    expert parallelism. Packed documents, uneven rows, clipping."""
+    out = tmp_path / "cert"
+    sets = sum((["--set", item] for item in job(folders, "llama", 'train.optimizer="muon"')), [])
+    argv = ["certify", *sets, "--layers", "2", "--steps", "2", "--out", str(out)]
+    assert main([*argv, "--layouts", "dp=2,zero=3", "tp=2", "cp=2"]) == 0, capsys.readouterr()
+    data = json.loads((out / "certificate.json").read_text())
+    assert data["equal"] is True and [layout["verdict"] in (BITWISE, EQUAL) for layout in data["layouts"]] == [True] * 3
+    mixtral = certify(None, ["dp=2,ep=2"], steps=2, overrides=job(folders, "mixtral"))
+    assert_equal(mixtral)
+
+
+@pytest.mark.distributed
+@pytest.mark.long
+def test_hugging_face_llama_is_equal_under_four_process_layouts(folders):
+    """HSDP (2 replicas of ZeRO-3 over 2), dp x tp, pp x cp (1F1B), tp x cp (ring), dp x pp with Muon."""
+    layouts = [
+        "dp=4,dp_replicate=2,zero=3",
+        "dp=2,tp=2",
+        "pp=2,cp=2,microbatches=2",
+        "tp=2,cp=2",
+    ]
+    assert_equal(certify(None, layouts, steps=3, overrides=job(folders, "llama")))
+    muon = job(folders, "llama", 'train.optimizer="muon"')
+    assert_equal(certify(None, ["dp=2,pp=2,microbatches=2", "dp=2,zero=3,cp=2"], steps=3, overrides=muon))
+
+
+@pytest.mark.distributed
+@pytest.mark.long
+def test_hugging_face_mixtral_is_equal_under_more_layouts(folders):
+    """ep with ZeRO-3, ep inside HSDP, tp, pp, cp (Ulysses), on 2 and 4 processes."""
+    assert_equal(
+        certify(
+            None,
+            ["dp=2,ep=2,zero=3", "tp=2", "pp=2,microbatches=2", "cp=2,cp_mode=ulysses"],
+            steps=3,
+            overrides=job(folders, "mixtral"),
+        )
+    )
+    four = ["dp=4,ep=2,dp_replicate=2,zero=3", "dp=2,cp=2,ep=2"]
+    assert_equal(certify(None, four, steps=2, overrides=job(folders, "mixtral")))
+
+
+# ----------------------------------------------------------------- the mutant: a wrong rotary offset under cp
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "factory, layout, module",
+    [
+        ("tiny_rope_gpt", "cp=2", None),  # the same model, plait unbroken: equal
+        ("cp_rotary_offset_dropped", "cp=2", "blocks.0.attn.core"),
+        pytest.param(
+            "hf_cp_rotary_offset_dropped", "cp=2,cp_mode=ulysses", "model.rotary_emb", marks=pytest.mark.long
+        ),  # transformers' import in every process: ~80 s on a loaded 2-core machine
+    ],
+)
+def test_a_rotary_offset_dropped_under_cp_differs_at_the_attention(factory, layout, module):
+    """Each cp rank rotating its tokens from position 0: the rotation of plait's GPT happens inside its attention
+    (q and k are right until rotated), so the first wrong output is the attention core's; transformers' Llama
+    computes its cos / sin table in ``model.rotary_emb`` from the position_ids."""
+    overrides = ["train.global_batch=8", "train.max_grad_norm=0"]
+    certificate = certify(None, [layout], steps=2, overrides=overrides, model=f"{MUTANTS}:{factory}")
+    (result,) = certificate.layouts
+    divergence = result.divergence
+    if module is None:
+        assert result.verdict in (BITWISE, EQUAL) and divergence is None, divergence and divergence.describe()
+        return
+    assert result.verdict == DIFFERS and divergence is not None and divergence.step == 0, divergence
+    assert (divergence.module, divergence.direction) == (module, "forward"), divergence.describe()
