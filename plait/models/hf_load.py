@@ -241,8 +241,8 @@ def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Modul
     if unknown or ("hf" in section) == ("hf_config" in section):
         raise ConfigError(
             f"[model] with a Hugging Face model takes exactly one of hf / hf_config (and attn_implementation, "
-            f"num_hidden_layers); "
-            f"got {sorted(section)}. Fix: drop {unknown or ['hf_config']} (the model's sizes come from its config)."
+            f"num_hidden_layers); got {sorted(section)}. Fix: drop {unknown or ['hf_config']} (the model's sizes "
+            f"come from its config)."
         )
     transformers = _require_transformers()
     options: dict[str, Any] = {"attn_implementation": section.get("attn_implementation", "sdpa")}

@@ -116,24 +116,12 @@ def tiny_rope_gpt() -> GPT:
 
 
 def tiny_hf_llama() -> torch.nn.Module:
-    """A tiny Hugging Face Llama (2 layers, d 16, 4 heads over 2 key/value heads, RoPE) for the addition task's
-    vocabulary (12) and sequence (8), eager attention, with the uneven rows of ``tiny_gpt``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The HF parity tests' tiny Llama (``helpers.hf.make_model``: RoPE, 4 heads over 2 key/value heads, eager
+    attention) at d 16 for the addition task's vocabulary (12) and sequence (8), with ``tiny_gpt``'s uneven rows."""
+    from helpers.hf import make_model
 
     uneven_rows()
-    config = LlamaConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=12,
-        max_position_embeddings=8,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config)
+    return make_model("llama", hidden_size=16, intermediate_size=32, vocab_size=12, max_position_embeddings=8)
 
 
 def _rotary_offset_dropped() -> None:
