@@ -63,10 +63,12 @@ def test_a_hugging_face_model_is_sliced_to_its_first_layers(tmp_path):
 
 
 def test_layouts_resolve_on_the_configured_layout_and_slices_keep_widths():
-    job = _job(["tp=2", "dp=2,zero=3", "pp=2,microbatches=2"], layers=1).check()
+    job = _job(["tp=2", "dp=2,zero=3", "pp=2,microbatches=2"], layers=2).check()
     assert [layout.world_size for layout in job.resolved] == [2, 2, 2]
     assert job.resolved[0].dp == 1 and job.resolved[1].zero == 3 and job.resolved[2].microbatches == 2
-    assert job.config.model["n_layer"] == 1 and job.config.model["d_model"] == 64
+    assert job.config.model["n_layer"] == 2 and job.config.model["d_model"] == 64
+    with pytest.raises(ConfigError, match="layout 'pp=2,microbatches=2': the pipeline needs .* 2 stages.*Fix:"):
+        _job(["pp=2,microbatches=2"], layers=1).check()  # one block cannot make two stages: refused before any process
     assert parse_layout("tp=2, sequence_parallel=true", Layout()).sequence_parallel is True
 
 

@@ -143,6 +143,23 @@ def test_muons_allowance_covers_its_newton_schulz_on_ill_conditioned_gradients()
     assert 2**3 < worst <= MUON_ULPS / 4, f"{worst:.1f} bf16 ulps"
 
 
+@pytest.mark.parametrize(
+    "kind, layout, words",
+    [
+        ("llama", "tp=2,sequence_parallel=true", "sequence_parallel=True is not supported for LlamaAttention"),
+        ("llama", "pp=2,cp=2,microbatches=2", "not for Hugging Face models"),
+        ("mixtral", "ep=3", "ep=3"),
+    ],
+)
+def test_a_layout_the_model_refuses_is_refused_before_any_process(folders, kind, layout, words):
+    """What a rank would refuse when it builds the model (its tensor-parallel plan, pp with cp, experts ep does
+    not divide) is one line with the fix from ``check``, as parallelize's pure checks on the meta model give it."""
+    with pytest.raises(ConfigError) as error:
+        CertifyJob(load_config(None, job(folders, kind)), [layout], nproc=3 if "ep=3" in layout else None).check()
+    message = str(error.value)
+    assert f"layout {layout!r}" in message and words in message and "Fix:" in message and "\n" not in message
+
+
 # ----------------------------------------------------------------- certified equal (processes)
 @pytest.mark.distributed
 def test_hugging_face_llama_and_mixtral_are_equal_from_their_folders(folders, tmp_path, capsys):

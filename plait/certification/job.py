@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import ConfigError, LayoutError, PlaitError
+from plait.errors import ConfigError, LayoutError, PlaitError, ScheduleError
 from plait.layout import Layout
 from plait.train.config import RunConfig, parse_value
 
@@ -136,6 +136,38 @@ class CertifyJob:
                     SequenceSharding(str(layout.cp_mode), layout.cp, 0).check_length(dataset.seq_len)
                 except LayoutError as error:
                     raise ConfigError(f"layout {text!r}: {_one_line(error)}") from error
+        if not self.model_factory:
+            self._check_plans(dataset.vocab_size, dataset.seq_len)
+
+    def _check_plans(self, vocab_size: int, seq_len: int) -> None:
+        """Each layout's plans for the job's model as ``plait.parallelize`` makes them before any collective: the
+        pipeline split, context, expert and tensor parallelism, pure checks on the model built on the meta device
+        (nothing allocated). What every rank would refuse (a Hugging Face Llama's attention under
+        sequence_parallel, a vocabulary tp does not divide, pp with cp on a Hugging Face model) is refused here in
+        one line, before any process. A ``--model`` factory is not built here: it may patch the process it runs in."""
+        from plait.models.build import build_model
+        from plait.models.hf import is_hf_model, return_logits
+        from plait.models.hf_moe import adapt_hf_moe
+        from plait.parallel.context.apply import plan_context_parallel
+        from plait.parallel.expert.plan import plan_expert_parallel
+        from plait.parallel.materialize import deferred_init
+        from plait.parallel.pipeline.apply import plan_pipeline
+        from plait.parallel.tensor.apply import plan_tensor_parallel
+        from plait.train.optim import optimizer_factory
+
+        optimizer = optimizer_factory(self.config.train, "cpu")
+        for text, layout in zip(self.layouts, self.resolved):
+            model = deferred_init(build_model, self.config.model, vocab_size, seq_len, weights=False)
+            if is_hf_model(model):  # as parallelize adapts it: logits out, MoE blocks as plait's
+                return_logits(model)
+                adapt_hf_moe(model)
+            try:
+                plan_pipeline(model, layout, list(layout.pipeline_cuts) or None)
+                plan_context_parallel(model, layout)
+                plan_expert_parallel(model, layout, optimizer)
+                plan_tensor_parallel(model, layout)
+            except (LayoutError, ScheduleError) as error:
+                raise ConfigError(f"layout {text!r}: {_one_line(error)}") from error
 
 
 def _needed(layout: Layout) -> int:
