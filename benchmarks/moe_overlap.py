@@ -1,10 +1,11 @@
-"""``python -m benchmarks.moe_overlap [--steps 4] [--schedules 1f1b,dualpipev]``: how much of expert parallelism's
-token exchange lies off the critical path, per step, under each pipeline schedule, read from plait's trace.
+"""``python -m benchmarks.moe_overlap [--steps 4] [--schedules 1f1b,dualpipev] [--zero 3]``: how much of expert
+parallelism's token exchange lies off the critical path, per step, under each pipeline schedule, read from plait's
+trace.
 
-Every rank trains the same MoE GPT under ``Layout(dp=2, pp=2, ep=2, microbatches=m, schedule=S)`` (4 processes on
-gloo) with a ``plait.observe.trace.Tracer`` recording. For each ``all_to_all_v`` over "ep" (the dispatch and the
-combine of routed rows, forward and backward) the trace holds the launch, the start and the end of its wait. Per
-step and rank:
+Every rank trains the same MoE GPT under ``Layout(dp=2, pp=2, ep=2, microbatches=m, schedule=S, zero=Z)`` (4
+processes on gloo) with a ``plait.observe.trace.Tracer`` recording. For each ``all_to_all_v`` over "ep" (the
+dispatch and the combine of routed rows, forward and backward) the trace holds the launch, the start and the end of
+its wait. Per step and rank:
 
 - *exchange*: the summed time the exchanges take from launch to the end of their wait;
 - *exposed*: the part the rank spends blocked in them (a blocking call: all of it; an asynchronous one: its wait);
@@ -81,7 +82,7 @@ def exchange_times(record: dict[str, Any]) -> list[dict[str, float]]:
     return out
 
 
-def run_rank(schedule: str, microbatches: int, serial: bool, steps: int, text: str) -> dict[str, Any]:
+def run_rank(schedule: str, microbatches: int, serial: bool, steps: int, text: str, zero: int = 0) -> dict[str, Any]:
     """Train ``steps`` traced steps (after 2 untraced) on this rank; its per-step exchange times and step ms."""
     import plait
     from plait.data import ByteTextDataset, ShardedBatches
@@ -91,7 +92,7 @@ def run_rank(schedule: str, microbatches: int, serial: bool, steps: int, text: s
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    layout = plait.Layout(dp=2, pp=2, ep=2, microbatches=microbatches, schedule=schedule)
+    layout = plait.Layout(dp=2, pp=2, ep=2, microbatches=microbatches, schedule=schedule, zero=zero)
     engine = plait.parallelize(model, layout, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     if serial:
         for layer in moe_layers(engine.model):
@@ -118,12 +119,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--schedules", default="1f1b,dualpipev")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (3: each chunk of a pair gathers its units)")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(
         f"dp2 x pp2 x ep2 MoE GPT {MODEL['n_layer']} blocks, d {MODEL['d_model']}, {MODEL['n_experts']} experts "
-        f"top-{MODEL['top_k']} + 1 shared; global batch 16, m={args.microbatches}; {args.steps} traced steps; "
-        f"1-minute load {load:.2f} on {os.cpu_count()} cores before the run"
+        f"top-{MODEL['top_k']} + 1 shared; global batch 16, m={args.microbatches}, zero={args.zero}; {args.steps} traced "
+        f"steps; 1-minute load {load:.2f} on {os.cpu_count()} cores before the run"
     )
     print(
         f"{'schedule':10s} {'variant':8s} {'step ms':>8s} {'exchange ms':>12s} {'exposed ms':>11s} {'hidden ms':>10s}"
@@ -132,7 +134,9 @@ def main() -> None:
         text = str(write_text(Path(folder) / "text.txt"))
         for schedule in args.schedules.split(","):
             for serial in (True, False):
-                ranks = run_local(run_rank, 4, schedule, args.microbatches, serial, args.steps, text, timeout=900)
+                ranks = run_local(
+                    run_rank, 4, schedule, args.microbatches, serial, args.steps, text, args.zero, timeout=900
+                )
                 per_step = [t for r in ranks for t in r["times"]]  # every rank's every step
                 step_ms = statistics.median(max(r["step_ms"][i] for r in ranks) for i in range(args.steps))
                 row = {key: statistics.median(t[key] for t in per_step) for key in ("exchange", "exposed", "hidden")}

@@ -44,7 +44,7 @@ from plait.mesh import Mesh
 from plait.models import inputs as model_inputs
 from plait.models.loss import LossFn, MeanLoss, apply_loss, apply_total
 from plait.observe.trace import no_span
-from plait.parallel.loss_normalization import step_loss
+from plait.parallel.loss_normalization import StepLoss, step_loss
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.runner import StepRunner
 from plait.parallel.strategy import DataParallelStrategy
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from plait.parallel.expert.stats import MoEStepStats, RouterStats
     from plait.parallel.pipeline.runtime import PipelineRunner
     from plait.parallel.pipeline.simulate import SimResult
+    from plait.parallel.semisync import OuterLoop
 
 Metric = Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
 
@@ -190,9 +191,20 @@ class Engine:
         into a checkpoint folder that has no run id yet)."""
         self.before_optimizer_step: list[Callable[[Engine], None]] = []
         """Hooks called with the engine once gradients are synchronised (and clipped), before the step."""
+        self.commit_gradients: Callable[[Engine], bool] | None = None
+        """Per-step fault tolerance (``plait.ft``): called once the gradients are synchronised inside this
+        layout, before unscaling and clipping; it combines them across replica groups and returns whether the
+        update is committed. False skips the update as an fp16 overflow does (no optimizer or lr step)."""
+        self.step_loss: StepLoss | None = None
+        """The running step's loss normalisation (its token counts), for ``commit_gradients``."""
+        self.step_total: torch.Tensor | None = None
+        """The running step's accumulated loss (what ``StepLoss.report`` reads), for ``commit_gradients``."""
         self.experts: RouterStats | None = None
         """Mixture-of-Experts models (set by ``plait.parallelize``): the balance loss's weight set before each step,
         the routing statistics gathered after it (``plait.parallel.expert.stats``)."""
+        self.outer: OuterLoop | None = None
+        """Semi-synchronous training (set by ``plait.parallelize``): inner steps inside each HSDP replica group, an
+        outer step across the groups every H steps (``plait.parallel.semisync``); None: every step synchronous."""
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -226,12 +238,19 @@ class Engine:
         micro = self._split(batch)
         self.model.train()
         window = self.runner.update_window(len(micro))
-        loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window)
+        if self.outer is not None:  # DiLoCo keeps theta at a window's start
+            self.outer.begin_step(self.step)
+        group = "shard" if self.outer is not None else None  # semi-synchronous: token means over one replica group
+        loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window, group)
         sequences = batch[1].shape[0] * self.mesh.size("dp")  # the global batch's sequences (balance loss)
         if self.experts is not None:
             self.experts.begin(sequences, self.precision.loss_scale)
+        self.step_loss, self.step_total = loss, None
         total = self.runner.run(micro, self.apply_update, loss)
+        self.step_total = total
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()
+        if self.outer is not None:  # after steps H, 2H, ...: the outer step across the replica groups
+            self.outer.end_step(self.step + 1)
         staleness = self.runner.staleness()
         reported = loss.report(total)
         moe = self.experts.end(sequences, update_biases=not skipped) if self.experts is not None else None
@@ -264,7 +283,8 @@ class Engine:
 
     def _update(self) -> tuple[bool, torch.Tensor | None]:
         """``apply_update`` once the gradients are synchronised: unscale, check, clip, step, zero, lr step."""
-        skipped = not self.precision.unscale_and_check(self.strategy)
+        committed = self.commit_gradients is None or self.commit_gradients(self)
+        skipped = not committed or not self.precision.unscale_and_check(self.strategy)
         grad_norm = None
         if not skipped:
             grad_norm = self.strategy.clip_grad_norm(self.max_grad_norm) if self.max_grad_norm else None

@@ -192,6 +192,7 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     owner: int,
+    env: dict[str, str],
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -201,6 +202,7 @@ def _worker(
         OMP_NUM_THREADS="1",
         PLAIT_TIMEOUT_S=str(comm_timeout_s),
     )
+    os.environ.update(env)  # before the process group starts: NCCL reads NCCL_ALGO / NCCL_PROTO when it does
     try:
         die_with_process(f"rank {rank}", owner)  # the process that called run_local
         import torch
@@ -231,18 +233,21 @@ def run_local(
     timeout: float = 120.0,
     comm_timeout_s: float = 30.0,
     backend: str = "gloo",
+    env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` local ranks; return their results in rank order. ``fn`` and
-    its arguments must be picklable (a module-level function); results are sent back by value."""
+    its arguments must be picklable (a module-level function); results are sent back by value. ``env``: variables
+    set in each rank's environment before its process group starts (``plait.determinism.DETERMINISTIC_ENV``)."""
     ctx = spawn_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        owner = os.getpid()  # the ranks die with this process
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs, os.getpid()),
+                args=(fn, r, world_size, init_file, comm_timeout_s, backend, results, args, kwargs, owner, env or {}),
                 daemon=True,
             )
             for r in range(world_size)

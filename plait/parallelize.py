@@ -40,10 +40,12 @@ from plait.parallel.pipeline.stage import PipelineStage
 from plait.parallel.precision import MixedPrecision
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.runner import PlainRunner, StepRunner
+from plait.parallel.semisync import SemiSync, attach
 from plait.parallel.strategy import DataParallelStrategy, OptimizerFactory, data_axes
 from plait.parallel.tensor import apply_tensor_parallel, plan_tensor_parallel
 from plait.parallel.tensor.plan import Plan
 from plait.parallel.tensor.sequence import hand_stage_positions
+from plait.parallel.whole_tensor import adopt_plain_factory
 from plait.parallel.whole_tensor import check_layout as check_whole_tensors
 from plait.parallel.zero.fsdp import FullyShardedStrategy
 from plait.parallel.zero.sharded import ShardedOptimizerStrategy
@@ -76,15 +78,36 @@ def make_strategy(
     offload_dir: str | None = None,
     param_groups: GroupOf | None = None,
     init_shards: Callable[[list[Any]], None] | None = None,
+    across_replicas: bool = True,
 ) -> DataParallelStrategy:
     """The data-parallel strategy for ``layout.zero``: 0 -> DDP, 1/2 -> sharded optimizer (+ sharded
     gradients), 3 -> fully sharded parameters (FSDP-style; ``init_shards`` fills a meta-built model's shards);
-    ZeRO over the data axis of ``data_axes`` (HSDP: one replica group's ``shard``)."""
+    ZeRO over the data axis of ``data_axes`` (HSDP: one replica group's ``shard``). Without ``across_replicas``
+    (semi-synchronous training) every stage reduces inside one replica group only."""
+    axis, replica = data_axes(layout, across_replicas)  # HSDP: one replica group (each shard then averaged over R)
+    strategy = _make_strategy(
+        model, comm, optimizer, layout, axis, find_unused_parameters, offload_dir, param_groups, init_shards
+    )
+    strategy.replica_axis = replica
+    return strategy
+
+
+def _make_strategy(
+    model: nn.Module,
+    comm: Comm,
+    optimizer: OptimizerFactory | torch.optim.Optimizer,
+    layout: Layout,
+    axis: str,
+    find_unused_parameters: bool,
+    offload_dir: str | None,
+    param_groups: GroupOf | None,
+    init_shards: Callable[[list[Any]], None] | None,
+) -> DataParallelStrategy:
     if layout.zero == 0:
         return DistributedDataParallel(
-            model, comm, optimizer, layout, find_unused_parameters=find_unused_parameters, param_groups=param_groups
-        )
-    axis, _ = data_axes(layout)  # HSDP: ZeRO shards over one replica group (each shard then averaged over R)
+            model, comm, optimizer, layout, axis,
+            find_unused_parameters=find_unused_parameters, param_groups=param_groups,
+        )  # fmt: skip
     if layout.zero in (1, 2):
         return ShardedOptimizerStrategy(
             model, comm, optimizer, layout, axis, offload_dir=offload_dir, param_groups=param_groups
@@ -188,6 +211,7 @@ def parallelize(
     pipedream: PipeDreamOptions | None = None,
     param_groups: GroupOf | None = None,
     weights: WeightSource | None = None,
+    sync: SemiSync | None = None,
 ) -> Engine:
     """Spread ``model`` over the ranks of this job as ``layout`` says and return the Engine that trains it.
 
@@ -224,6 +248,9 @@ def parallelize(
         weights: with a model on the meta device, where to read its tensors from (``plait.train.weights``: a
             safetensors file, an HF folder, a plait checkpoint): each rank reads only the rectangles it keeps;
             tensors the source lacks are initialised as the model's own code would (docs/startup.md).
+        sync: semi-synchronous training over ``layout.dp_replicate`` replica groups (``SemiSync("localsgd" |
+            "diloco", every=H)``: H inner steps per group, then an outer step; ``plait.parallel.semisync``);
+            None: every step synchronous.
 
     A model whose parameters and buffers are on the meta device (``plait.parallel.materialize.deferred_init``,
     or built under ``torch.device("meta")``) is materialised where the layout knows what each rank keeps: after
@@ -263,6 +290,7 @@ def parallelize(
     cuts = pipeline_cuts if pipeline_cuts is not None else (list(layout.pipeline_cuts) or None)
     pipeline = plan_pipeline(model, layout, cuts, pipeline_schedule)  # pure checks, before any collective
     check_pipedream(layout, pipedream, max_grad_norm)
+    optimizer = adopt_plain_factory(layout, optimizer, model)  # a plain Muon factory under tp / ZeRO: made whole
     check_whole_tensors(layout, optimizer, model)  # optimizers that need whole tensors (Muon): docs/optimizers.md
     check_head_chunks(requested_loss, layout.zero, str(layout.tp_mode), layout.tp)  # not ZeRO-3, not 2D-3D tp
     context = plan_context_parallel(model, layout)  # cp > 1: pure checks too (heads, positions, dropout)
@@ -271,6 +299,8 @@ def parallelize(
     compile_backend = plan_compile(layout)  # pure: a known torch.compile backend
     check_precompiled(model, layout)
     meta = plan_meta(model, layout, weights)  # pure: what builds each tensor; a module plait cannot initialise
+    if sync is not None:
+        sync.check(layout)  # pure: replica groups to average, a synchronous schedule, no fp16 loss scaling
 
     device = torch.device(device) if device is not None else default_device()
     mesh = Mesh.build(layout)
@@ -323,6 +353,7 @@ def parallelize(
         offload_dir or default_offload_dir(),
         param_groups,
         init_shards,
+        across_replicas=sync is None,
     )
     scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler is not None else None
     comm.stats.reset()  # report training traffic only, not the start-up broadcast
@@ -330,4 +361,5 @@ def parallelize(
     runner = make_runner(model, layout, comm, strategy, precision, pipeline, stages, context, pipedream)
     engine = Engine(model, layout, mesh, comm, strategy, runner, loss_fn, device, precision, max_grad_norm, scheduler)
     engine.experts = router_stats
+    attach(engine, sync)
     return engine

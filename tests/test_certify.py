@@ -41,6 +41,8 @@ def _job(layouts: list[str], **kwargs) -> CertifyJob:  # noqa: ANN003
         (["cp=3"], {}, "layout 'cp=3'"),
         (["dp=2"], {"model_factory": "nowhere_at_all:make"}, "cannot import 'nowhere_at_all'"),
         (["dp=2"], {"model_factory": "plait"}, "is not MODULE:FUNCTION"),
+        (["dp=2"], {"optimizer_factory": "nowhere_at_all:make"}, "--optimizer 'nowhere_at_all:make': cannot import"),
+        (["dp=2"], {"optimizer_factory": "torch:no_such_factory"}, "torch has no function 'no_such_factory'"),
         (["dp=2"], {"model_factory": f"{MUTANTS}:tiny_gpt", "layers": 1}, "cannot set the depth of --model's factory"),
     ],
 )
@@ -157,32 +159,54 @@ def test_moe_gpt_is_equal_under_expert_parallelism():
 
 # ----------------------------------------------------------------- mutants: DIFFERS, at the right module
 @pytest.mark.distributed
+def test_a_plain_muon_factory_is_certified_under_tp_and_zero3():
+    """The user's own ``torch.optim.Muon`` factory (``--optimizer``), which plait adopts under tp and ZeRO (every
+    trainable parameter a matrix): equal within the budget, which allows Muon's bf16 Newton-Schulz."""
+    certificate = certify(
+        None,
+        ["tp=2", "dp=2,zero=3"],
+        steps=2,
+        overrides=JOB,
+        model=f"{MUTANTS}:tiny_matrices_gpt",
+        optimizer=f"{MUTANTS}:plain_muon",
+    )
+    assert certificate.equal, [(r.layout, r.verdict, r.divergence) for r in certificate.layouts]
+    assert all(r.budget.muon for r in certificate.layouts)
+
+
+MUON = ['train.optimizer="muon"']
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(
-    "mutant, layout, module, direction",
+    "mutant, layout, extra, module, direction, parameter",
     [
-        ("cp_gradients_summed", "cp=2", "lm_head", "gradient sync"),
-        ("micro_batch_mean", "dp=2,microbatches=2", "lm_head", "backward"),
-        ("tp_without_all_reduce", "tp=2", "blocks.0.attn.o", "forward"),
+        ("cp_gradients_summed", "cp=2", [], "lm_head", "gradient sync", "lm_head.weight"),
+        ("micro_batch_mean", "dp=2,microbatches=2", [], "lm_head", "backward", "lm_head.weight"),
+        ("tp_without_all_reduce", "tp=2", [], "blocks.0.attn.o", "forward", "lm_head.weight"),
+        ("muon_stepping_slices", "tp=2", MUON, "blocks.0.attn.q", "optimizer step", "blocks.0.attn.q.weight"),
     ],
 )
-def test_a_mutant_differs_at_the_right_module(mutant, layout, module, direction):
-    certificate = certify(None, [layout], steps=2, overrides=JOB, model=f"{MUTANTS}:{mutant}")
+def test_a_mutant_differs_at_the_right_module(mutant, layout, extra, module, direction, parameter):
+    """The parameter: the first gradient backward computes (lm_head's), or for an optimizer step that goes wrong,
+    the first parameter in the model's order whose value after the step leaves the budget."""
+    certificate = certify(None, [layout], steps=2, overrides=[*JOB, *extra], model=f"{MUTANTS}:{mutant}")
     (result,) = certificate.layouts
     divergence = result.divergence
     assert result.verdict == DIFFERS and divergence is not None and divergence.step == 0, divergence
     assert (divergence.module, divergence.direction) == (module, direction), divergence.describe()
-    assert divergence.parameter == "lm_head.weight"  # the first gradient backward computes
+    assert divergence.parameter == parameter, divergence.describe()
 
 
 @pytest.mark.distributed
 def test_cli_writes_the_certificate_and_exits_1_on_a_divergence(tmp_path, capsys):
     out = tmp_path / "cert"
     argv = ["certify", *sum((["--set", item] for item in JOB), []), "--steps", "2", "--out", str(out)]
-    code = main([*argv, "--layouts", "dp=2", "tp=2", "--model", f"{MUTANTS}:tp_without_all_reduce"])
+    code = main([*argv, "--layouts", "dp=2", "tp=2", "--model", f"{MUTANTS}:tp_without_all_reduce", "--deterministic"])
     printed = capsys.readouterr().out
     assert code == 1 and "DIFFERS" in printed and "blocks.0.attn.o (forward)" in printed, printed
     data = json.loads((out / "certificate.json").read_text())
-    assert data["equal"] is False and data["differs"] == ["tp=2"]
+    assert data["equal"] is False and data["differs"] == ["tp=2"] and data["deterministic"] is True
     assert [layout["verdict"] for layout in data["layouts"]] == [EQUAL, DIFFERS] or data["layouts"][0][
         "verdict"
     ] == BITWISE
@@ -190,3 +214,26 @@ def test_cli_writes_the_certificate_and_exits_1_on_a_divergence(tmp_path, capsys
     summary = (out / "summary.md").read_text()
     assert "first module blocks.0.attn.o (forward)" in summary and "Budget: fp32" in summary
     assert (out / "certificate.png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+def test_deterministic_certify_reruns_are_bitwise_equal_and_recorded(tmp_path):
+    """``--deterministic``: every process (the reference's and each layout's ranks) reports deterministic mode in
+    force, certificate.json records it, and a second certify gives the same bits: losses, norms, and every
+    gradient's and parameter's difference from the reference."""
+    runs = [
+        certify(None, ["dp=2"], steps=2, overrides=JOB, model=f"{MUTANTS}:tiny_gpt", deterministic=True)
+        for _ in range(2)
+    ]
+
+    def bits(certificate):  # noqa: ANN001, ANN202
+        (layout,) = certificate.layouts
+        diffs = [(n, d.max_abs, d.max_rel) for s in layout.steps for n, d in [*s.grads.items(), *s.params.items()]]
+        return certificate.reference["losses"], [(s.loss, s.grad_norm) for s in layout.steps], diffs
+
+    assert bits(runs[0]) == bits(runs[1])
+    runs[0].write(tmp_path)
+    data = json.loads((tmp_path / "certificate.json").read_text())
+    assert data["deterministic"] is True and data["config"]["train"]["deterministic"] is True
+    ranks = [data["reference"]["determinism"], *data["layouts"][0]["determinism"]]
+    assert len(ranks) == 3 and all(r["deterministic_algorithms"] and r["env"]["NCCL_ALGO"] == "Ring" for r in ranks)

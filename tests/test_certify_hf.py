@@ -116,33 +116,6 @@ def test_layers_slices_a_hugging_face_model_and_refuses_a_deeper_slice(folders):
     assert "has 3 layers" in message and "Fix: a whole number from 1 to 3" in message and "\n" not in message
 
 
-def test_muons_allowance_covers_its_newton_schulz_on_ill_conditioned_gradients():
-    """Muon's bf16 Newton-Schulz amplifies a tiny difference of its input (a reordered sum's rounding) in the
-    directions of small singular values (``budget.MUON_ULPS``): gradients with singular values from 1 to 1e-9
-    (a tiny Llama's are that ill-conditioned), perturbed by 1e-7 of their largest element, move the update by
-    more than 2^3 bf16 ulps of its largest element (the allowance certify had, which a Llama with Muon under
-    ZeRO-3 exceeded: 112 ulps) and by a quarter of today's at most."""
-    from plait.certification.budget import MUON_ULPS
-
-    worst = 0.0
-    for seed in range(10):  # most nudges flip no bf16 rounding; those that do move the update by 6 to 44 ulps
-        generator = torch.Generator().manual_seed(seed)
-        u, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
-        v, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
-        grad = u @ torch.diag(torch.logspace(0, -9, 32)) @ v.T
-        for _ in range(5):
-            nudged = grad + torch.randn(32, 32, generator=generator) * 1e-7 * grad.abs().max()
-            updates = []
-            for g in (grad, nudged):
-                param = torch.nn.Parameter(torch.zeros(32, 32))
-                muon = torch.optim.Muon([param], lr=1.0, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-                param.grad = g.clone()
-                muon.step()
-                updates.append(param.detach())
-            worst = max(worst, float((updates[0] - updates[1]).abs().max() / updates[0].abs().max()) / 2**-8)
-    assert 2**3 < worst <= MUON_ULPS / 4, f"{worst:.1f} bf16 ulps"
-
-
 @pytest.mark.parametrize(
     "kind, layout, words",
     [
@@ -163,15 +136,15 @@ def test_a_layout_the_model_refuses_is_refused_before_any_process(folders, kind,
 # ----------------------------------------------------------------- certified equal (processes)
 @pytest.mark.distributed
 def test_hugging_face_llama_and_mixtral_are_equal_from_their_folders(folders, tmp_path, capsys):
-    """The CLI on a 2-layer slice of the Llama folder with Muon, under ZeRO-3, tp and cp (ring); Mixtral under
-    expert parallelism. Packed documents, uneven rows, clipping."""
+    """The CLI on a 2-layer slice of the Llama folder with Muon, under ZeRO-3, cp (ring) and pp; Mixtral under
+    expert parallelism and tp. Packed documents, uneven rows, clipping."""
     out = tmp_path / "cert"
     sets = sum((["--set", item] for item in job(folders, "llama", 'train.optimizer="muon"')), [])
     argv = ["certify", *sets, "--layers", "2", "--steps", "2", "--out", str(out)]
-    assert main([*argv, "--layouts", "dp=2,zero=3", "tp=2", "cp=2"]) == 0, capsys.readouterr()
+    assert main([*argv, "--layouts", "dp=2,zero=3", "cp=2", "pp=2,microbatches=2"]) == 0, capsys.readouterr()
     data = json.loads((out / "certificate.json").read_text())
     assert data["equal"] is True and [layout["verdict"] in (BITWISE, EQUAL) for layout in data["layouts"]] == [True] * 3
-    mixtral = certify(None, ["dp=2,ep=2"], steps=2, overrides=job(folders, "mixtral"))
+    mixtral = certify(None, ["dp=2,ep=2", "tp=2"], steps=2, overrides=job(folders, "mixtral"))
     assert_equal(mixtral)
 
 
@@ -200,6 +173,32 @@ def test_hugging_face_mixtral_is_equal_under_more_layouts(folders):
     )
     four = ["dp=4,ep=2,dp_replicate=2,zero=3", "dp=2,cp=2,ep=2"]
     assert_equal(certify(None, four, steps=2, overrides=job(folders, "mixtral")))
+
+
+@pytest.mark.distributed
+@pytest.mark.long
+@pytest.mark.xfail(strict=True, reason="certify's Muon allowance (docs/certify.md, Not yet): a false DIFFERS")
+def test_muon_under_zero3_is_equal_although_newton_schulz_amplifies_rounding(folders, tmp_path):
+    """A 2-layer slice of a 3-layer Llama (seed 7) with Muon under ZeRO-3: every gradient within 0.3 % of its budget, yet o_proj's
+    step 112 bf16 ulps from the one-process one (2.2 x the allowance), as torch.optim.Muon alone makes it from the
+    two runs' gradients: its bf16 Newton-Schulz amplifies their rounding difference. Said to DIFFER today."""
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    muon = job(folders, "llama", 'train.optimizer="muon"', "model.num_hidden_layers=2")
+    overrides = [*muon, f"model.hf={str(tmp_path / 'llama')!r}"]
+    assert_equal(certify(None, ["dp=2,zero=3"], steps=2, overrides=overrides))
 
 
 # ----------------------------------------------------------------- the mutant: a wrong rotary offset under cp

@@ -17,7 +17,7 @@ PLAIT = Path(__file__).resolve().parent.parent / "plait"
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors", "plait.logging", "plait.files", "plait.threads", "plait.hf_folders"),
     ("plait.layout",),
-    ("plait.mesh", "plait.distributed", "plait.launch", "plait.rendezvous"),
+    ("plait.mesh", "plait.distributed", "plait.determinism", "plait.launch", "plait.rendezvous"),
     ("plait.comm",),
     ("plait.observe",),
     ("plait.models", "plait.data"),
@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.planner",),
     ("plait.checkpoint",),
     ("plait.parallelize", "plait.engine", "plait.param_server"),
+    ("plait.ft",),
     ("plait.train",),
     ("plait.certification",),
     ("plait.cli",),
@@ -157,7 +158,7 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "module, layer", [("plait.parallel.zero.fsdp", 6), ("plait.cli.main", 12), ("plait.layout", 1)]
+    "module, layer", [("plait.parallel.zero.fsdp", 6), ("plait.cli.main", 13), ("plait.layout", 1)]
 )
 def test_layers_of_known_modules(module, layer):
     assert _layer(module) == layer

@@ -12,6 +12,7 @@ Muon's state reshard between ZeRO-1, DDP and tp, and the tensor-atomic layout's 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -27,7 +28,9 @@ from helpers.muon import (
     CLIP,
     RESHARD_PAIRS,
     SAVE_AT,
+    matrices_model,
     muon_spec,
+    plain_muon,
     reference,
     reshard,
     train_many,
@@ -36,7 +39,12 @@ from helpers.reference import assert_tensors_close
 
 from plait import Layout
 from plait.errors import LayoutError
-from plait.parallel.whole_tensor import WholeTensorOptimizer, hidden_matrices, needs_whole_tensors
+from plait.parallel.whole_tensor import (
+    WholeTensorOptimizer,
+    adopt_plain_factory,
+    hidden_matrices,
+    needs_whole_tensors,
+)
 from plait.parallel.zero.flat import owned_layout
 
 WORLD2 = {
@@ -198,10 +206,51 @@ def test_unsupported_layouts_refused_before_any_collective(world: int, layout: L
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(dp=2, zero=1), Layout(dp=2, zero=3)])
-def test_plain_muon_factory_refused_where_it_would_step_pieces(layout: Layout) -> None:
-    """A plain ``lambda p: Muon(p)`` would orthogonalise tp slices (silently, before) or flat shards: refused."""
-    with pytest.raises(LayoutError, match="WholeTensorOptimizer"):
+def test_plain_muon_factory_that_leaves_parameters_out_is_refused(layout: Layout) -> None:
+    """A plain ``lambda p: Muon(p)`` on a model with norms: Muon takes only the matrices, and which optimizer steps
+    the norms is the user's to say (here as on one device, where the factory fails on them): refused, naming
+    the fix, before any collective."""
+    with pytest.raises(LayoutError, match="takes only 2-D matrices.*Fix: optimizer=.*WholeTensorOptimizer") as info:
         check_in_one_process(2, layout, optimizer=lambda p: torch.optim.Muon(p))
+    assert "blocks.0.norm1.weight" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(dp=2, zero=3)])
+def test_plain_muon_factory_adopted_when_it_takes_every_parameter(layout: Layout, caplog) -> None:
+    """The same factory on a model whose trainable parameters are all matrices: plait wraps it (Muon on every
+    parameter, each whole), saying so in one info line; a plain elementwise factory is left as it is."""
+    model, _ = matrices_model()
+    with caplog.at_level(logging.INFO, logger="plait.parallel.whole_tensor"):
+        adopted = adopt_plain_factory(layout.resolve(2), plain_muon, model)
+    assert isinstance(adopted, WholeTensorOptimizer) and adopted.whole is plain_muon and adopted.rest is None
+    assert adopted.chosen(model) == {id(p) for p in model.parameters() if p.requires_grad}
+    lines = [r.getMessage() for r in caplog.records if "needs whole tensors" in r.getMessage()]
+    assert len(lines) == 1 and "Muon" in lines[0], lines
+    adamw = lambda p: torch.optim.AdamW(p)  # noqa: E731
+    assert adopt_plain_factory(layout.resolve(2), adamw, model) is adamw
+    assert adopt_plain_factory(Layout(dp=2).resolve(2), plain_muon, model) is plain_muon  # DDP: whole already
+
+
+PLAIN = {"tp2": Layout(tp=2), "zero3": Layout(dp=2, zero=3)}
+
+
+@pytest.fixture(scope="module")
+def plain_runs() -> list[dict]:
+    """The plain factory under tp=2 and ZeRO-3 dp=2: fp32 and bf16 Newton-Schulz, clipped and not (one spawn)."""
+    cases = {}
+    for name, layout in PLAIN.items():
+        cases[f"plain-{name}-fp32ns"] = (layout, True, CLIP, False, True)
+        cases[f"plain-{name}-bf16"] = (layout, False, CLIP, False, True)
+        cases[f"plain-{name}-bf16-unclipped"] = (layout, False, None, False, True)
+    return run_distributed(train_many, 2, cases)
+
+
+@pytest.mark.parametrize("case", [f"plain-{n}-{k}" for n in PLAIN for k in ("fp32ns", "bf16", "bf16-unclipped")])
+def test_plain_muon_factory_equals_one_device(plain_runs: list[dict], case: str) -> None:
+    """``lambda p: torch.optim.Muon(p, ...)`` under tp=2 and ZeRO-3 equals the same factory on one device: losses,
+    step-0 gradients, parameters after 3 steps; the tolerances of the hybrid's tests (helpers/muon.py)."""
+    fp32, clipped = case.endswith("fp32ns"), "unclipped" not in case
+    _check(plain_runs, case, {(fp32, clipped): reference(fp32, CLIP if clipped else None, plain=True)})
 
 
 def test_plain_muon_accepted_where_tensors_are_whole() -> None:

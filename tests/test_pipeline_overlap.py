@@ -83,7 +83,7 @@ def test_dualpipev_pairs_swapped_are_deadlock_free(p):
 
 
 # ----------------------------------------------------------------- bitwise against the pair in order
-def _train(overlap: bool) -> dict:
+def _train(overlap: bool, zero: int) -> dict:
     from helpers.composition import optimizer, whole_gradients, whole_parameters
     from helpers.moe import GLOBAL_BATCH, make_model
 
@@ -93,10 +93,10 @@ def _train(overlap: bool) -> dict:
     from plait.parallel.pipeline import overlap as overlap_module
 
     model, task = make_model()
-    layout = plait.Layout(dp=2, pp=2, ep=2, microbatches=4, schedule="dualpipev")
+    layout = plait.Layout(dp=2, pp=2, ep=2, microbatches=4, schedule="dualpipev", zero=zero)
     engine = plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=0.05)
     runner = engine.pipeline
-    assert runner.overlap_pairs, "ep > 1 on gloo without ZeRO-3: the pairs are overlapped by default"
+    assert runner.overlap_pairs, "ep > 1 on gloo (ZeRO-3 too): the pairs are overlapped by default"
     runner.overlap_pairs = overlap
     pairs = [0]
     original = overlap_module.run_pair
@@ -121,13 +121,17 @@ def _train(overlap: bool) -> dict:
     return {"losses": losses, "grads": grads, "params": whole_parameters(engine), "pairs": pairs[0], "flights": flights}
 
 
-def _both() -> dict:
-    return {"in order": _train(False), "overlapped": _train(True)}
+def _both(zero: int) -> dict:
+    return {"in order": _train(False, zero), "overlapped": _train(True, zero)}
 
 
 @pytest.mark.distributed
-def test_overlapped_pairs_are_bitwise_the_pairs_in_order():
-    per_rank = run_distributed(_both, 4, timeout=300)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_overlapped_pairs_are_bitwise_the_pairs_in_order(zero):
+    """zero=3: each chunk of a pair gathers its own stage's units in its own scope, and rank 0's pairs (stage 0's
+    forward with stage 3's backward, and the reverse) share the root unit (embeddings and head), freed when the
+    later of the two ends."""
+    per_rank = run_distributed(_both, 4, zero, timeout=300)
     for rank, runs in enumerate(per_rank):
         plain, fused = runs["in order"], runs["overlapped"]
         assert plain["pairs"] == 0 and fused["pairs"] > 0, (rank, fused["pairs"])

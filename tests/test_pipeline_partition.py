@@ -269,6 +269,20 @@ def test_auto_partition_gpt_cuts_are_block_indices_for_split_model():
     assert result.stage_memory[0] == want
 
 
+def test_auto_partition_prices_zb_h1_s_last_stage_with_p_micro_batches_in_flight():
+    """plait's I keeps the graph for W, so under ZB-H1 every stage holds p micro-batches until their W
+    (tests/test_vshape_memory.py measures it): the last stage's memory counts 2 at p = 2, not 1F1B's 1."""
+    model = small_gpt(n_layer=4)
+    tokens = torch.randint(0, 32, (4, 16))
+    chain = gpt_layers(model)
+    runs = {s: auto_partition(chain, tokens, 2, schedule=s, repeats=1, measure=False) for s in ("1f1b", "zero-bubble")}
+    profiles = profile_layers(chain, tokens, repeats=1, warmup=0)
+    for schedule, held in (("1f1b", 1), ("zero-bubble", 2)):
+        last = range(runs[schedule].cuts[0] + 1, len(profiles))  # chain index 0 is the embedding + block 0
+        want = sum(4 * profiles[i].param_bytes + held * profiles[i].activation_bytes for i in last)
+        assert runs[schedule].stage_memory[1] == want, schedule
+
+
 def test_measure_stages_runs_each_piece():
     layers = LayerChain((Repeated(1), Repeated(1), Repeated(1)), ("a", "b", "c"))
     times = measure_stages(layers, torch.randn(8, 64), [0, 1, 3], repeats=2, warmup=1)

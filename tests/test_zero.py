@@ -462,18 +462,19 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_optimizers_that_cannot_run_are_refused(stage):
     """LBFGS needs a closure (refused at every stage); under ZeRO, torch.optim's optimizers that are not
-    elementwise are refused: SparseAdam when parallelize builds it; those that need whole tensors (Adafactor,
-    Muon) before any collective, naming WholeTensorOptimizer (docs/optimizers.md)."""
+    elementwise are refused: SparseAdam when parallelize builds it; one that needs whole tensors and does not take
+    every parameter (Muon: matrices only) before any collective, naming WholeTensorOptimizer; one that does
+    (Adafactor, a subclass too) is stepped whole on every parameter (docs/optimizers.md)."""
     with pytest.raises(TypeError, match=r"LBFGS.step\(closure\) needs a closure.*Fix: use an optimizer whose closure"):
         plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: torch.optim.LBFGS(params))
     if stage == 0:
         return  # DDP steps whole parameters: the optimizers below are fine there
-    refused = {"Adafactor": torch.optim.Adafactor, "SparseAdam": torch.optim.SparseAdam, "Muon": torch.optim.Muon}
+    refused = {"SparseAdam": torch.optim.SparseAdam, "Muon": torch.optim.Muon}
     for name, optimizer in refused.items():
         pattern = (  # optimizers that need whole tensors are refused before any collective, naming the way to run them
             f"zero={stage} cannot run torch.optim.{name}.*Fix: use zero=0"
             if name == "SparseAdam"
-            else f"{name} needs whole tensors.*zero={stage}.*Fix: pass optimizer=.*WholeTensorOptimizer"
+            else f"builds {name}, which needs whole tensors, but not on every trainable.*Fix: optimizer=.*WholeTensor"
         )
         with pytest.raises(plait.LayoutError, match=pattern):
             plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params, o=optimizer: o(params))
@@ -481,8 +482,11 @@ def test_optimizers_that_cannot_run_are_refused(stage):
     class MyAdafactor(torch.optim.Adafactor):  # a subclass is still factored
         pass
 
-    with pytest.raises(plait.LayoutError, match="MyAdafactor needs whole tensors"):
-        plait.parallelize(make_model()[0], Layout(zero=stage), optimizer=lambda params: MyAdafactor(params))
+    for factored in (torch.optim.Adafactor, MyAdafactor):
+        model = make_model()[0]
+        engine = plait.parallelize(model, Layout(zero=stage), optimizer=lambda params, o=factored: o(params))
+        (part,) = engine.strategy.optimizer.parts  # whole tensors, every one of them: no elementwise part
+        assert type(part) is factored and len(engine.strategy.optimizer.slots) == len(list(model.parameters()))
 
 
 def test_adafactor_on_a_flat_shard_is_another_algorithm():

@@ -8,6 +8,7 @@ reference too, once per step located) with every module recorded at its first ba
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from typing import Any
 
 from plait.certification.budget import budget_for
 from plait.certification.certificate import DIFFERS, LayoutCertificate, locate, merge
-from plait.certification.job import CertifyJob, reference_layout
+from plait.certification.job import CertifyJob, reference_layout, uses_muon
 from plait.certification.run import layout_rank, reference_rank
+from plait.determinism import DETERMINISTIC_ENV
 from plait.launch import run_local
 from plait.logging import get_logger
 from plait.train.config import RunConfig, load_config
@@ -55,6 +57,8 @@ def certify(
     preset: str | None = None,
     model: str = "",
     layers: int = 0,
+    optimizer: str = "",
+    deterministic: bool = False,
     nproc: int | None = None,
     locate_divergence: bool = True,
     backend: str = "gloo",
@@ -64,16 +68,23 @@ def certify(
     """Certify the job ``config`` (a RunConfig, or a TOML path with ``overrides``/``preset`` as ``plait train``
     takes them) under each of ``layouts`` (``"tp=2,pp=2,microbatches=4"``) for ``steps`` steps. ``model``: a
     ``"module:function"`` factory of the user's own nn.Module (trained with the LM loss on the job's data);
-    ``layers``: certify a depth-``layers`` slice. Bad input raises ConfigError before any process starts."""
+    ``layers``: certify a depth-``layers`` slice; ``optimizer``: ``"module:name"`` of the user's own optimizer
+    factory (or ``WholeTensorOptimizer``) in place of ``train.optimizer``; ``deterministic``: deterministic mode
+    (``train.deterministic``, ``plait.determinism``) in every process. Bad input raises ConfigError before any
+    process starts."""
     if not isinstance(config, RunConfig):
         config = load_config(config, list(overrides or []), preset)
     elif overrides or preset:
         raise ValueError("overrides and preset apply to a TOML configuration; pass a RunConfig without them")
-    job = CertifyJob(config, list(layouts), steps, nproc, model, layers).check()
+    if deterministic:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, deterministic=True))
+    job = CertifyJob(config, list(layouts), steps, nproc, model, layers, optimizer).check()
     started = time.perf_counter()
     launch: dict[str, Any] = {"timeout": timeout_s, "comm_timeout_s": comm_timeout_s, "backend": backend}
+    if job.config.train.deterministic:  # in every rank's environment before its process group starts
+        launch["env"] = dict(DETERMINISTIC_ENV)
     reference_run = reference_layout(job.config.layout)
-    muon = job.config.train.optimizer == "muon"
+    muon = uses_muon(job)
     with tempfile.TemporaryDirectory(prefix="plait-certify-") as folder:
         log.info("certify: the reference (one process), %d steps", steps)
         reference = run_local(reference_rank, 1, job, folder, **launch)[0]
@@ -84,6 +95,7 @@ def certify(
             log.info("certify: %s (%s) on %d processes", text, layout.short(), layout.world_size)
             per_rank = run_local(layout_rank, layout.world_size, job, index, budget, folder, **launch)
             result = merge(text, layout, budget, reference, per_rank)
+            result.determinism = [rank["determinism"] for rank in per_rank]
             divergence = result.divergence
             if divergence is not None and locate_divergence and divergence.what != "parameter":
                 step = divergence.step

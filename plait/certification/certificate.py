@@ -94,6 +94,8 @@ class LayoutCertificate:
     steps: list[StepRecord]
     verdict: str = EQUAL
     divergence: Divergence | None = None
+    determinism: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank, the deterministic-mode settings in force (``plait.determinism.state``)."""
 
     @property
     def differs(self) -> bool:

@@ -73,6 +73,10 @@ class CertifyJob:
     """``"module:function"``: a zero-argument function returning the user's own nn.Module."""
     layers: int = 0
     """Certify a depth-``layers`` slice of the model (0: the whole model)."""
+    optimizer_factory: str = ""
+    """``"module:name"``: the user's own optimizer, a factory ``params -> torch.optim.Optimizer`` (a plain Muon
+    factory too: ``plait.parallel.whole_tensor.adopt_plain_factory``) or a ``WholeTensorOptimizer``, in place of
+    the configuration's ``train.optimizer`` (its lr schedule and clipping stay)."""
     resolved: list[Layout] = field(default_factory=list)
     """The layouts resolved to ``world`` (set by ``check``)."""
 
@@ -112,6 +116,8 @@ class CertifyJob:
             self.resolved.append(resolved)
         if self.model_factory:
             load_factory(self.model_factory)  # importable and callable, before any process starts
+        if self.optimizer_factory:
+            load_factory(self.optimizer_factory, "--optimizer", "params -> torch.optim.Optimizer")
         self._check_data()
         return self
 
@@ -193,21 +199,38 @@ def sliced(config: RunConfig, layers: int, own_model: bool) -> RunConfig:
     return dataclasses.replace(config, model={**config.model, key: layers})
 
 
-def load_factory(spec: str) -> Any:
-    """The function named ``"module:function"``; ConfigError naming the fix when it cannot be found."""
+def load_factory(spec: str, flag: str = "--model", what: str = "a function returning the nn.Module") -> Any:
+    """The callable named ``"module:function"`` (``flag``'s value); ConfigError naming the fix when it cannot be
+    found."""
     module_name, sep, function = spec.partition(":")
     if not sep or not module_name or not function:
-        raise ConfigError(f"--model {spec!r} is not MODULE:FUNCTION. Fix: e.g. --model mypkg.models:make_model.")
+        raise ConfigError(f"{flag} {spec!r} is not MODULE:FUNCTION. Fix: e.g. {flag} mypkg.models:make_it ({what}).")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ConfigError(
-            f"--model {spec!r}: cannot import {module_name!r} ({error}). Fix: put it on PYTHONPATH."
+            f"{flag} {spec!r}: cannot import {module_name!r} ({error}). Fix: put it on PYTHONPATH."
         ) from error
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise ConfigError(f"--model {spec!r}: {module_name} has no function {function!r}. Fix: name a function.")
+        raise ConfigError(f"{flag} {spec!r}: {module_name} has no function {function!r}. Fix: name {what}.")
     return factory
+
+
+def uses_muon(job: CertifyJob) -> bool:
+    """Whether the job's optimizer steps with torch.optim.Muon (its budget then allows Muon's bf16 Newton-Schulz):
+    ``train.optimizer = "muon"``, or a user's optimizer whose whole-tensor part, tried on one meta matrix, is one."""
+    if not job.optimizer_factory:
+        return job.config.train.optimizer == "muon"
+    from plait.parallel.whole_tensor import WholeTensorOptimizer
+
+    factory = load_factory(job.optimizer_factory, "--optimizer")
+    factory = factory.whole if isinstance(factory, WholeTensorOptimizer) else factory
+    try:
+        built = factory([nn.Parameter(torch.empty(2, 2, device="meta"))])
+    except Exception:  # noqa: BLE001 - a factory that needs real tensors: not Muon as far as certify can tell
+        return False
+    return isinstance(built, torch.optim.Muon)
 
 
 def build_engine(job: CertifyJob, layout: Layout, world: Any) -> tuple[Any, Any]:
@@ -216,8 +239,9 @@ def build_engine(job: CertifyJob, layout: Layout, world: Any) -> tuple[Any, Any]
     from plait.train.loop import build
 
     config = dataclasses.replace(job.config, layout=layout)
+    optimizer = load_factory(job.optimizer_factory, "--optimizer") if job.optimizer_factory else None
     if not job.model_factory:
-        engine, dataset, _ = build(config, world)
+        engine, dataset, _ = build(config, world, optimizer)
         return engine, dataset
     from plait.data import make_dataset
     from plait.models import lm_loss
@@ -233,7 +257,7 @@ def build_engine(job: CertifyJob, layout: Layout, world: Any) -> tuple[Any, Any]
     engine = parallelize(
         model,
         layout,
-        optimizer=optimizer_factory(train, world.device),
+        optimizer=optimizer if optimizer is not None else optimizer_factory(train, world.device),
         loss_fn=lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),

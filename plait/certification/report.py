@@ -55,6 +55,7 @@ def layout_dict(result: LayoutCertificate) -> dict[str, Any]:
         "world_size": result.world,
         "verdict": result.verdict,
         "budget": result.budget.to_dict(),
+        "determinism": result.determinism,
         "steps": steps,
     }
     if result.divergence is not None:
@@ -169,7 +170,12 @@ def write_report(certificate: Certificate, out: Path) -> list[Path]:
         "config": job.config.to_dict(),
         "model_factory": job.model_factory or None,
         "layers": job.layers or None,
-        "reference": {"losses": certificate.reference["losses"]},
+        "optimizer": job.optimizer_factory or None,
+        "deterministic": job.config.train.deterministic,
+        "reference": {
+            "losses": certificate.reference["losses"],
+            "determinism": certificate.reference.get("determinism"),
+        },
         "layouts": [layout_dict(result) for result in certificate.layouts],
         "differs": [r.layout for r in certificate.layouts if r.verdict == DIFFERS],
     }

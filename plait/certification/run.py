@@ -23,11 +23,15 @@ from plait.certification.gather import whole_activation, whole_gradients, whole_
 from plait.certification.job import CertifyJob, build_engine, reference_layout
 from plait.certification.tape import ModuleTape
 from plait.data import ShardedBatches
+from plait.determinism import check_group, make_deterministic, state
 from plait.distributed import init
 from plait.parallel.strategy import GRAD_AXIS
 
 
 def _engine(job: CertifyJob, layout: Any) -> tuple[Any, Any, ShardedBatches]:
+    if job.config.train.deterministic:  # before any work (the launcher set the environment before the group)
+        check_group()
+        make_deterministic()
     world = init()
     engine, dataset = build_engine(job, layout, world)
     loader = ShardedBatches(
@@ -57,7 +61,7 @@ def reference_rank(job: CertifyJob, folder: str, locate: int | None = None) -> d
         torch.save(whole_parameters(engine), root / "init.pt")
     caught = _grad_catcher(engine)
     tape = ModuleTape(engine.model) if locate is not None else None
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "order": []}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "order": [], "determinism": state()}
     for step in range(job.steps if locate is None else locate + 1):
         caught.clear()
         if tape is not None:
@@ -96,6 +100,7 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
     previous = torch.load(root / "init.pt", mmap=True, weights_only=True)
     noise: dict[str, torch.Tensor] = {}
     out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "grads": [], "params": []}
+    out["determinism"] = state()
     for step in range(job.steps):
         caught.clear()
         stats = engine.train_step(loader.batch_at(step))

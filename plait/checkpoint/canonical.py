@@ -6,6 +6,8 @@ Keys (parameter names are the single-device model's: plait keeps them under pipe
     master/<param>                the fp32 master copy, only where ZeRO keeps one beside 16-bit parameters
     optim/<param>/<state key>     optimizer state: elementwise tensors (the parameter's global shape) and
                                   0-dim scalars (Adam's ``step``); others replicated, only without tp slicing
+    group<g>/optim/...            semi-synchronous training: replica group g's inner optimizer state (g >= 1)
+    outer/<param>/momentum        DiLoCo's outer momentum (``plait.parallel.semisync``)
 
 Where the pieces come from depends on the data-parallel strategy: whole (tp-local) tensors with zero=0 and for
 ZeRO-1/2's replicated parameters; the flat shards (``buckets`` of ZeRO-1/2, ``units`` of ZeRO-3, read through
@@ -27,7 +29,7 @@ from plait.layout import TpMode
 from plait.logging import get_logger
 
 log = get_logger(__name__)
-MODEL, MASTER, OPTIM = "model/", "master/", "optim/"
+MODEL, MASTER, OPTIM, OUTER = "model/", "master/", "optim/", "outer/"
 
 
 @dataclass(eq=False)
@@ -167,6 +169,23 @@ class EngineState:
                 )
             )
 
+    # ----------------------------------------------------------------- semi-synchronous training
+    def add_outer(self) -> None:
+        """DiLoCo's outer momentum by parameter, in the layout of what this rank holds (``OUTER``)."""
+        outer = getattr(self.engine, "outer", None)
+        if outer is None or not outer.momentum_pieces():
+            return
+        key = lambda name: f"{OUTER}{name}/momentum"  # noqa: E731
+        for flat in self.flats:
+            momentum = outer.momentum_of(flat.master)
+            if momentum is not None:
+                self._add_flat(flat, momentum, key)
+        if not self.flats:
+            for param, momentum in outer.momentum_pieces():
+                size = global_shape(param, param.shape, self.tp)
+                pieces = whole_pieces(momentum, param, self.tp_rank, self.tp)
+                self.entries[key(self.names[id(param)])] = Chunked(size, pieces, momentum.dtype)
+
     # ----------------------------------------------------------------- optimizer
     def add_optimizer(self, for_load: bool = False) -> None:
         for flat in self.flats + self.wholes:
@@ -230,11 +249,22 @@ class EngineState:
 def save_state(engine: Any) -> dict[str, Chunked]:
     """Every canonical entry this rank holds a part of (views of live tensors, for ``storage.write``)."""
     check_layout(engine)
+    outer = getattr(engine, "outer", None)
+    if outer is not None:  # semi-synchronous: at outer-step boundaries only (every group holds the same weights)
+        outer.check_save(engine.step)
     state = EngineState(engine)
     state.add_model()
     state.add_masters()
     state.add_optimizer()
-    return state.entries
+    state.add_outer()
+    return {optim_key(engine, key): value for key, value in state.entries.items()}
+
+
+def optim_key(engine: Any, key: str) -> str:
+    """Where canonical entry ``key`` is stored: semi-synchronous replica group g >= 1 keeps its own inner optimizer
+    state under ``group<g>/optim/...`` (``plait.parallel.semisync``); every other key as it is."""
+    outer = getattr(engine, "outer", None)
+    return outer.optim_prefix() + key if outer is not None and key.startswith(OPTIM) else key
 
 
 def group_names(engine: Any) -> list[list[str]]:

@@ -7,7 +7,9 @@ world (one all-reduce), so a missing entry raises a clear error on every rank in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from plait.checkpoint import storage
-from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout
+from plait.checkpoint.canonical import MASTER, MODEL, OPTIM, EngineState, Flat, check_layout, optim_key
 from plait.checkpoint.storage import CheckpointError
 from plait.logging import get_logger
 
@@ -73,7 +75,7 @@ def _master_from_params(flat: Flat) -> None:
         flat.master.data[piece.at : piece.at + piece.end - piece.start].copy_(values)
 
 
-def _alias_missing(state: EngineState, stored: dict[str, Any]) -> list[str]:
+def _alias_missing(state: EngineState, stored: Collection[str]) -> list[str]:
     """Model entries the checkpoint lacks, after reading a missing tied name from the name it is tied to (an
     imported HF model has ``lm_head.weight`` only as ``transformer.wte.weight``). Returns what stays missing."""
     missing = []
@@ -89,67 +91,109 @@ def _alias_missing(state: EngineState, stored: dict[str, Any]) -> list[str]:
     return sorted(missing)
 
 
-def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
-    """Fill ``engine``'s model, masters and optimizer state from the checkpoint in ``folder`` (collective)."""
-    check_layout(engine)
-    stored = metadata.state_dict_metadata
-    strategy = engine.strategy
-    has_optimizer = any(key.startswith(OPTIM) for key in stored)
-    if has_optimizer:
-        init_optimizer_state(strategy)
-    else:
-        strategy.optimizer.state.clear()
-        log.info(
-            "%s holds no optimizer state (a model-only checkpoint, or saved before the first step): the "
-            "optimizer starts fresh",
-            folder,
-        )
-    state = EngineState(engine)
-    state.add_model()
-    missing = _alias_missing(state, stored)
-    masters_saved = [
-        f
-        for f in state.flats
-        if f.master.dtype != f.params[0].dtype and all(MASTER + name in stored for name in f.names)
-    ]
-    for flat in masters_saved:
-        state._add_flat(flat, flat.master, lambda name: MASTER + name)
-    if has_optimizer:
-        state.add_optimizer(for_load=True)
-        _reset_missing_states(state, stored)
-    problem = None
-    if missing:
-        more = " ..." if len(missing) > 5 else ""
-        problem = CheckpointError(
-            f"rank {engine.mesh.rank}: checkpoint {folder} has no model entries {missing[:5]}{more}: it was saved "
-            f"from another model. Fix: load it into the model it was trained with."
-        )
-    request: dict[str, Any] = {k: v for k, v in state.entries.items() if k in stored}
-    scalars = []
-    for key, names, tensor in state.scalars:
-        found = next((f"{OPTIM}{name}/{key}" for name in names if f"{OPTIM}{name}/{key}" in stored), None)
-        if found is not None:
-            request[found] = torch.zeros((), dtype=tensor.dtype)
-            scalars.append((found, tensor))
-    if problem is None:
-        try:
-            storage.check_tensors(metadata, request)
-        except CheckpointError as error:
-            problem = error
-    _agree(engine, problem)
-    storage.read(request, folder)
-    with torch.no_grad():
-        for found, tensor in scalars:
-            tensor.copy_(request[found])
-        loaded = {id(flat) for flat in masters_saved}
-        for flat in state.flats:
+@dataclass
+class LoadPlan:
+    """What this rank reads to load canonical entries ``stored`` into an engine: ``request`` (key -> its views,
+    or a 0-dim tensor for a ZeRO scalar) filled by a reader, then ``finish``; ``problem`` when entries are missing.
+    Checkpoints read it from DCP files (``load_engine``); healing from a live replica's message (``plait.ft``)."""
+
+    state: EngineState
+    request: dict[str, Any]
+    scalars: list[tuple[str, torch.Tensor]]
+    masters_saved: list[Flat]
+    problem: CheckpointError | None
+
+    @classmethod
+    def build(
+        cls, engine: Any, stored: Collection[str], source: str, key: Callable[[str], str] = lambda k: k
+    ) -> LoadPlan:
+        """The plan for entries ``stored`` of ``source`` (its name in errors), requested under ``key``."""
+        check_layout(engine)
+        strategy = engine.strategy
+        has_optimizer = any(key.startswith(OPTIM) for key in stored)
+        if has_optimizer:
+            init_optimizer_state(strategy)
+        else:
+            strategy.optimizer.state.clear()
+            log.info(
+                "%s holds no optimizer state (a model-only checkpoint, or saved before the first step): the "
+                "optimizer starts fresh",
+                source,
+            )
+        state = EngineState(engine)
+        state.add_model()
+        missing = _alias_missing(state, stored)
+        masters_saved = [
+            f
+            for f in state.flats
+            if f.master.dtype != f.params[0].dtype and all(MASTER + name in stored for name in f.names)
+        ]
+        for flat in masters_saved:
+            state._add_flat(flat, flat.master, lambda name: MASTER + name)
+        if has_optimizer:
+            state.add_optimizer(for_load=True)
+            _reset_missing_states(state, stored)
+        state.add_outer()  # DiLoCo's outer momentum (zeros where the source has none: a fresh outer optimizer)
+        problem = None
+        if missing:
+            more = " ..." if len(missing) > 5 else ""
+            problem = CheckpointError(
+                f"rank {engine.mesh.rank}: {source} has no model entries {missing[:5]}{more}: it was saved "
+                f"from another model. Fix: load it into the model it was trained with."
+            )
+        request: dict[str, Any] = {key(k): v for k, v in state.entries.items() if k in stored}
+        scalars = []
+        for name_key, names, tensor in state.scalars:
+            found = next((f"{OPTIM}{n}/{name_key}" for n in names if f"{OPTIM}{n}/{name_key}" in stored), None)
+            if found is not None:
+                request[key(found)] = torch.zeros((), dtype=tensor.dtype)
+                scalars.append((key(found), tensor))
+        return cls(state, request, scalars, masters_saved, problem)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Once ``request`` is read: ZeRO's scalars, and masters the source did not hold."""
+        for found, tensor in self.scalars:
+            tensor.copy_(self.request[found])
+        loaded = {id(flat) for flat in self.masters_saved}
+        for flat in self.state.flats:
             if flat.shard is None and id(flat) not in loaded:
                 _master_from_params(flat)
             elif flat.shard is not None and flat.master is not flat.shard and id(flat) not in loaded:
                 flat.master.data.copy_(flat.shard.detach().to(flat.master.dtype))
 
 
-def _reset_missing_states(state: EngineState, stored: dict[str, Any]) -> None:
+def load_engine(engine: Any, folder: Path, metadata: Metadata) -> None:
+    """Fill ``engine``'s model, masters and optimizer state from the checkpoint in ``folder`` (collective)."""
+    stored = _as_canonical(engine, metadata.state_dict_metadata)
+    plan = LoadPlan.build(engine, stored, f"checkpoint {folder}", functools.partial(optim_key, engine))
+    problem = plan.problem
+    if problem is None:
+        try:
+            storage.check_tensors(metadata, plan.request)
+        except CheckpointError as error:
+            problem = error
+    _agree(engine, problem)
+    storage.read(plan.request, folder)
+    plan.finish()
+
+
+def _as_canonical(engine: Any, stored: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's entries as this rank reads them: semi-synchronous replica group g >= 1 sees its own
+    ``group<g>/optim/`` entries as the canonical ``optim/`` ones (``canonical.optim_key``); others as stored. A
+    checkpoint without them (saved by synchronous training, whose replicas hold one optimizer state) is read as
+    it is: every group starts from that state."""
+    prefix = optim_key(engine, OPTIM)[: -len(OPTIM)]
+    if not prefix or not any(key.startswith(prefix + OPTIM) for key in stored):
+        return dict(stored)
+    return {
+        key[len(prefix) :] if key.startswith(prefix + OPTIM) else key: value
+        for key, value in stored.items()
+        if not key.startswith(OPTIM)
+    }
+
+
+def _reset_missing_states(state: EngineState, stored: Collection[str]) -> None:
     """States the checkpoint lacks (a parameter that never had a gradient when saved) start fresh: removed for
     a whole parameter; zeros inside a ZeRO shard (logged)."""
     optimizer = state.optimizer

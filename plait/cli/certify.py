@@ -1,8 +1,9 @@
 """``plait certify``: prove the user's own job equal under each layout to one process, or show where it is not.
 
 Takes what ``plait train`` takes (``--config``, ``--preset``, ``--set``; the default data and model when none is
-given) plus ``--layouts``, ``--steps``, ``--model MODULE:FUNCTION`` (the user's own nn.Module factory) and
-``--layers N`` (a depth-N slice). Writes certificate.json, summary.md and certificate.png to ``--out``, prints the
+given) plus ``--layouts``, ``--steps``, ``--model MODULE:FUNCTION`` (the user's own nn.Module factory),
+``--layers N`` (a depth-N slice), ``--optimizer MODULE:NAME`` (the user's own optimizer factory) and
+``--deterministic`` (``plait.determinism``). Writes certificate.json, summary.md and certificate.png to ``--out``, prints the
 verdicts, and exits 0 when every layout is equal (bitwise or within its budget), 1 when any DIFFERS; bad input is
 one line and exit code 2, before any process starts (``plait.cli.main``). Processes are started by plait's local
 launcher (``plait.launch.run_local``), one layout after another.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from plait.cli.train import add_deterministic_flag
 from plait.errors import PlaitError
 
 
@@ -56,6 +58,14 @@ def add_certify_command(commands: Any) -> None:
     )
     certify.add_argument("--layers", type=int, default=0, metavar="N", help="certify a depth-N slice of the model")
     certify.add_argument(
+        "--optimizer",
+        default="",
+        metavar="MODULE:NAME",
+        help="your own optimizer instead of train.optimizer: a factory params -> torch.optim.Optimizer (a plain "
+        "torch.optim.Muon factory too: plait hands it whole tensors) or a plait WholeTensorOptimizer",
+    )
+    add_deterministic_flag(certify, "runs (reruns of a layout give the same bits)")
+    certify.add_argument(
         "--no-locate", action="store_true", help="do not run the module-by-module pass on a layout that differs"
     )
     certify.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="torch.distributed backend")
@@ -75,6 +85,8 @@ def run_certify(args: argparse.Namespace) -> int:
         preset=args.preset,
         model=args.model,
         layers=args.layers,
+        optimizer=args.optimizer,
+        deterministic=args.deterministic,
         nproc=args.nproc,
         locate_divergence=not args.no_locate,
         backend=args.backend,

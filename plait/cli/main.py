@@ -22,6 +22,7 @@ from plait.cli.certify import add_certify_command, run_certify
 from plait.cli.checkpoint import add_checkpoint_command, run_checkpoint
 from plait.cli.convert import add_convert_command, run_convert
 from plait.cli.data import add_data_command, run_data
+from plait.cli.ft import add_lighthouse_command, run_lighthouse
 from plait.cli.generate import add_generate_command, run_generate
 from plait.cli.plan import PLANNER_COMMANDS, add_planner_commands, run_planner
 from plait.cli.ps import add_ps_command, run_ps
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     add_runs_command(commands)
     add_generate_command(commands)
     add_data_command(commands)
+    add_lighthouse_command(commands)
     add_planner_commands(commands)
     _describe_subcommands(parser)
     return parser
@@ -73,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_schedule(args)
         if args.command == "ps":
             return run_ps(args)
+        if args.command == "lighthouse":
+            return run_lighthouse(args)
         if args.command == "convert":
             return run_convert(args)
         if args.command == "checkpoint":

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from plait.cli.ft import add_ft_arguments, set_group_environment
 from plait.errors import ConfigError, PlaitError
 
 if TYPE_CHECKING:
@@ -93,12 +94,32 @@ def add_train_command(commands: Any) -> None:
         "(default PATH <run>/trace.json; also .summary.json and .png beside it)",
     )
     train.add_argument("--trace-steps", type=int, default=10, metavar="N", help="steps to trace (default 10)")
+    add_deterministic_flag(train, "training")
+    add_ft_arguments(train)
     train.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
         default=None,
         help="torch.distributed backend (default: nccl with CUDA GPUs, gloo otherwise); gloo lets several ranks "
         "share one GPU (for tests)",
+    )
+
+
+def _launch_fault_tolerant(args: argparse.Namespace) -> int:
+    """``--ft`` / ``--ft-replay``: the quorum service and one torchrun job per replica group (``plait.ft.launch``)."""
+    from plait.ft.launch import run
+
+    return run(args, _check_before_launch(args).layout)
+
+
+def add_deterministic_flag(parser: Any, what: str) -> None:
+    """``--deterministic`` (``train.deterministic``; ``plait.determinism``), for plait train and plait certify."""
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help=f"bitwise repeatable {what}, CUDA included: torch's deterministic algorithms, cuBLAS workspace "
+        ":4096:8, cuDNN deterministic, NCCL_ALGO=Ring / NCCL_PROTO=Simple on every rank (train.deterministic; "
+        "slower on GPUs: docs/certify.md)",
     )
 
 
@@ -136,9 +157,10 @@ def resume_args(args: argparse.Namespace, out: str) -> list[str]:
     return ["plait", forwarded[0], "--nproc", str(args.nproc), *restarts, *grace, *forwarded[1:]]
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, config: RunConfig) -> int:
     """Re-run this command in ``args.nproc`` processes under torchrun's launcher, holding the run folder's lock;
-    returns the exit code."""
+    returns the exit code. With ``train.deterministic`` the workers inherit ``plait.determinism``'s environment
+    (NCCL reads it when their process group starts)."""
     import shlex
 
     from plait.launch import LAUNCHER_PID_ENV
@@ -154,6 +176,10 @@ def _launch(args: argparse.Namespace) -> int:
         RESUME_COMMAND_ENV: shlex.join(resume_args(args, out)),  # what rank 0 names when a signal stops the run
         JOB_STARTED_ENV: str(time.time()),  # a restarted attempt reports the job's whole time too
     }
+    if config.train.deterministic:
+        from plait.determinism import DETERMINISTIC_ENV
+
+        env.update(DETERMINISTIC_ENV)
     previous = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -282,8 +308,8 @@ def _run_torchrun(args: argparse.Namespace, forwarded: list[str]) -> int:
     return 0
 
 
-def _check_before_launch(args: argparse.Namespace) -> None:
-    """Raise the error a worker would raise for bad input, before any process is started."""
+def _check_before_launch(args: argparse.Namespace) -> RunConfig:
+    """Raise the error a worker would raise for bad input, before any process is started; the configuration."""
     from plait.data import make_dataset
     from plait.train.config import check_model_fits_data, load_config
     from plait.train.fault import RankGuard
@@ -328,6 +354,7 @@ def _check_before_launch(args: argparse.Namespace) -> None:
             f"train.init_from={config.train.init_from!r} does not exist. Fix: give a plait checkpoint folder, a "
             f".safetensors file or a Hugging Face folder."
         )
+    return config
 
 
 def check_backend(backend: str | None, nproc: int) -> str:
@@ -378,6 +405,10 @@ def _train(args: argparse.Namespace) -> int:
     stop = StopRequest(lone=not _in_torchrun()).install()  # a signal from here on: stop after a saved step
     try:
         config = load_config(args.config, overrides, args.preset)
+        if config.train.deterministic:  # before the process group and CUDA start (plait.determinism)
+            from plait.determinism import make_deterministic
+
+            make_deterministic()
         lock = _lock_run_folder(config)
         try:
             summary = run(
@@ -403,6 +434,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--trace-steps {args.trace_steps} must be at least 1. Fix: e.g. --trace-steps 5.")
     if args.stop_grace < 0:
         raise ConfigError(f"--stop-grace {args.stop_grace} must be >= 0 seconds. Fix: e.g. --stop-grace 120.")
+    if args.deterministic:
+        args.overrides = [*args.overrides, "train.deterministic=true"]  # the workers get it through --set
     if args.max_restarts < 0:
         raise ConfigError(
             f"--max-restarts {args.max_restarts} must be >= 0. Fix: 0 (a failed rank fails the "
@@ -410,9 +443,12 @@ def run_train(args: argparse.Namespace) -> int:
         )
     if not _in_torchrun():
         check_backend(args.backend, args.nproc)
+    if not _in_torchrun() and (args.ft or args.ft_replay):
+        return _launch_fault_tolerant(args)
+    if args.ft_group is not None:
+        set_group_environment(args)
     if not _in_torchrun() and (args.nproc > 1 or args.max_restarts > 0):
-        _check_before_launch(args)
-        return _launch(args)
+        return _launch(args, _check_before_launch(args))
     agent_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if _in_torchrun() and args.max_restarts not in (0, agent_restarts):
         note = (
@@ -423,4 +459,4 @@ def run_train(args: argparse.Namespace) -> int:
     return _train(args)
 
 
-__all__ = ["add_train_command", "check_backend", "run_train"]
+__all__ = ["add_deterministic_flag", "add_train_command", "check_backend", "run_train"]

@@ -12,6 +12,9 @@ reported once, when its ``Pending`` is waited for, with its op, axis, payload an
 ``async_op=True`` call is shown as in flight from launch to wait end and as blocking only while ``wait()``
 runs. With no tracer the cost is one attribute check per launch and per wait.
 
+Timing (``Comm.timed``, set by ``plait.observe.stragglers``): each wait's host seconds go into ``stats``. On CUDA
+with NCCL a wait does not block the host (the stream waits), so those seconds are host time, not the device's.
+
 Under ``torch.compile`` every collective (and ``Pending.wait``) runs eagerly once ``run_eagerly_under_compile``
 has been called (``Layout(compile=...)`` does): compiled code breaks its graph around it.
 
@@ -101,11 +104,14 @@ class Pending:
         if not self._done:
             traced = self._traced
             tracer = self._comm.tracer if traced is not None else None
-            waited = time.perf_counter_ns() if tracer is not None else 0
+            timed = self._comm.timed
+            waited = time.perf_counter_ns() if tracer is not None or timed else 0
             for work in self._works:
                 self._comm._guard(self._axis, self._op, functools.partial(work.wait, timeout=self._comm.timeout))
             self._result = self._finish()
             self._done = True
+            if timed:
+                self._comm.stats.add_seconds(self._axis, self._op, (time.perf_counter_ns() - waited) / 1e9)
             if tracer is not None and traced is not None:
                 sent, received, launched = traced
                 tracer.collective(
@@ -137,6 +143,9 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.tracer: Any = None
         """A ``plait.observe.trace.Tracer`` while one records this Comm's collectives (set by ``Tracer.start``)."""
+        self.timed = False
+        """While set (``plait.observe.stragglers``), each call's host seconds in ``Pending.wait`` are added to
+        ``stats`` (``CommStats.add_seconds``); off, the cost is this one check per wait."""
         self.overlap: Callable[[], None] | None = None
         """Set by the pipeline runtime while it runs an overlapped pair (``pipeline/overlap.py``): called by an
         exchange that may be overlapped (expert parallelism's all-to-alls) after issuing it asynchronously and

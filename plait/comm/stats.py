@@ -8,6 +8,11 @@ Two figures per call:
   (``all_to_all_v``: expert parallelism's token exchange) records what it really sends to the other ranks: the
   rows of its input that leave this rank.
 Theory in the issues and papers (e.g. DDP moves 2(N-1)/N x P bytes per step) is stated in wire bytes.
+
+While ``Comm.timed`` is set (``plait.observe.stragglers``), each call's host seconds inside ``Pending.wait`` are
+added too (``seconds``): for a blocking call the whole call after its launch, for an ``async_op=True`` call the
+part the rank spent blocked in ``wait()``. They are kept out of ``to_dict`` (bytes and calls are deterministic,
+seconds are not).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class OpCount:
     calls: int = 0
     payload_bytes: int = 0
     wire_bytes: float = 0.0
+    seconds: float = 0.0
+    """Host seconds spent waiting for these calls (only while ``Comm.timed``; module docstring)."""
 
 
 @dataclass
@@ -53,6 +60,10 @@ class CommStats:
         entry.payload_bytes += payload
         entry.wire_bytes += wire_bytes(op, payload, group_size) if wire is None else wire
 
+    def add_seconds(self, axis: str, op: str, seconds: float) -> None:
+        """Add the host seconds one call of ``op`` on ``axis`` spent waiting (``Pending.wait``)."""
+        self.counts.setdefault((axis, op), OpCount()).seconds += seconds
+
     def snapshot(self) -> CommStats:
         return CommStats({key: replace(count) for key, count in self.counts.items()})
 
@@ -61,11 +72,12 @@ class CommStats:
         delta: dict[tuple[str, str], OpCount] = {}
         for key, now in self.counts.items():
             before = earlier.counts.get(key, OpCount())
-            if now.calls != before.calls:
+            if now.calls != before.calls or now.seconds != before.seconds:
                 delta[key] = OpCount(
                     now.calls - before.calls,
                     now.payload_bytes - before.payload_bytes,
                     now.wire_bytes - before.wire_bytes,
+                    now.seconds - before.seconds,
                 )
         return CommStats(delta)
 
@@ -88,6 +100,11 @@ class CommStats:
     @property
     def total_wire_bytes(self) -> float:
         return self.wire()
+
+    @property
+    def seconds(self) -> float:
+        """Host seconds spent waiting for collectives, all axes and ops (0 unless ``Comm.timed``)."""
+        return sum(e.seconds for e in self.counts.values())
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """``{"dp/all_reduce": {"calls": .., "payload_bytes": .., "wire_bytes": ..}}`` for metrics files."""

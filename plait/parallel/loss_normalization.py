@@ -16,6 +16,13 @@ window holding k (all m micro-batches, or PipeDream's ``update_interval`` of the
 of sum_k G s_k / N_w is then sum(s) / N_w = dL/dtheta, whatever the masks. The reported loss is
 sum over dp_cp of sum_k s_k, divided by N = sum_k N_k: the same number on every rank.
 
+**Semi-synchronous training** (``plait.parallel.semisync``: gradients reduced inside one HSDP replica group, the
+mesh axis ``shard`` of G_g = dp/R x cp ranks): N_k is counted over the group's data ranks only (an all-reduce of m
+integers over ``shard``, divided by cp: the cp ranks of a data rank count the same targets) and G is G_g, so each
+group's gradient is that of its own token mean S_g / N_g. The step reports sum over every group of S_g divided by
+sum of N_g (one all-reduce of (S, n) over dp_cp): the token mean of the global batch, each group's tokens scored
+by its own parameters, the same number on every rank.
+
 A window without a scored token contributes zero gradients (N_w is clamped to 1) and the step reports NaN, as
 0/0 is.
 
@@ -75,14 +82,21 @@ class _Scale(torch.autograd.Function):
 class TokenMeanStep:
     """A ``MeanLoss`` normalised by the global batch's scored-item count (module docstring)."""
 
-    def __init__(self, loss: MeanLoss, comm: Comm, targets: Sequence[Tensor], window: int) -> None:
-        self.loss, self.comm = loss, comm
+    def __init__(
+        self, loss: MeanLoss, comm: Comm, targets: Sequence[Tensor], window: int, group: str | None = None
+    ) -> None:
+        self.loss, self.comm, self.group = loss, comm, group
         counts = torch.stack([loss.count(target).to(torch.int64).reshape(()) for target in targets])
-        comm.all_reduce(counts, COUNT_AXIS)  # N_k over the data-parallel replicas: one small all-reduce per step
+        self.local = counts.sum() if comm.mesh.index("cp") == 0 else torch.zeros_like(counts[0])
+        """This data rank's scored tokens (counted once per data rank: on its first cp rank)."""
+        if group is None:
+            comm.all_reduce(counts, COUNT_AXIS)  # N_k over the data-parallel replicas: one small all-reduce per step
+        else:  # semi-synchronous: over one replica group's data ranks (each counted by its cp ranks alike)
+            counts = comm.all_reduce(counts, group).div_(comm.size("cp"), rounding_mode="floor")
         self.counts = counts
         self.windows = counts.view(-1, window).sum(dim=1).clamp_min(1)  # N_w of each update window (>= 1)
         self.window = window
-        self.replicas = comm.size(GRAD_AXIS)
+        self.replicas = comm.size(GRAD_AXIS if group is None else group)
 
     def value(self, output: Tensor, target: Tensor) -> Tensor:
         return apply_total(self.loss, output, target)
@@ -93,6 +107,10 @@ class TokenMeanStep:
         return _Scale.apply(value, self.replicas / self.windows[k // self.window].to(value.dtype))
 
     def report(self, accumulated: Tensor) -> Tensor:
+        if self.group is not None:  # every group's (S_g, N_g) summed: the token mean over the global batch
+            pair = torch.stack([accumulated.to(torch.float64), self.local.to(accumulated.device, torch.float64)])
+            self.comm.all_reduce(pair, GRAD_AXIS)
+            return (pair[0] / pair[1]).to(accumulated.dtype)
         total = self.comm.all_reduce(accumulated.clone(), GRAD_AXIS)
         return total / self.counts.sum().to(total.dtype)
 
@@ -113,13 +131,16 @@ class MicroMeanStep:
         return self.comm.all_reduce(accumulated / self.micro_batches, GRAD_AXIS, op="avg")
 
 
-def step_loss(loss_fn: LossFn, comm: Comm, targets: Sequence[Tensor], window: int) -> StepLoss:
+def step_loss(
+    loss_fn: LossFn, comm: Comm, targets: Sequence[Tensor], window: int, group: str | None = None
+) -> StepLoss:
     """This step's normalisation for the micro-batches' ``targets``; ``window``: micro-batches per optimizer
-    update (all of them, except under PipeDream)."""
+    update (all of them, except under PipeDream); ``group``: the axis of one replica group when gradients are
+    reduced inside it only (semi-synchronous training), else None (the whole global batch)."""
     if len(targets) % window:
         raise ValueError(f"{len(targets)} micro-batches do not split into update windows of {window}")
     if isinstance(loss_fn, MeanLoss):
-        return TokenMeanStep(loss_fn, comm, targets, window)
+        return TokenMeanStep(loss_fn, comm, targets, window, group)
     return MicroMeanStep(loss_fn, comm, len(targets), window)
 
 

@@ -61,10 +61,14 @@ def is_expert_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_sharded", False))
 
 
-def data_axes(layout: Layout) -> tuple[str, str | None]:
+def data_axes(layout: Layout, across_replicas: bool = True) -> tuple[str, str | None]:
     """(the axis a strategy reduces gradients over, and ZeRO shards over; the axis each reduced shard is then
     all-reduced over, or None): (``dp_cp``, None), or under HSDP with ZeRO (``SHARD_AXIS``, ``REPLICATE_AXIS``).
-    With zero=0 nothing is sharded, and one all-reduce over ``dp_cp`` is the whole of HSDP's reduction."""
+    With zero=0 nothing is sharded, and one all-reduce over ``dp_cp`` is the whole of HSDP's reduction. Without
+    ``across_replicas`` (semi-synchronous training, ``plait.parallel.semisync``) gradients stay inside a replica
+    group: (``SHARD_AXIS``, None) at every ZeRO stage."""
+    if layout.dp_replicate > 1 and not across_replicas:
+        return SHARD_AXIS, None
     if layout.dp_replicate > 1 and layout.zero >= 1:
         return SHARD_AXIS, REPLICATE_AXIS
     return GRAD_AXIS, None
@@ -147,6 +151,9 @@ class DataParallelStrategy:
 
     sharded = False
     """True when each rank owns only part of the gradients/optimizer state (norms then need an all-reduce)."""
+    replica_axis: str | None = None
+    """HSDP under ZeRO: the axis each reduced gradient shard is averaged over next (``replica_axis``); None when
+    the strategy's own all-reduce is the whole reduction, or inside a replica group (``plait.parallel.semisync``)."""
 
     def __init__(
         self,

@@ -51,9 +51,11 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.errors import LayoutError
+from plait.logging import get_logger
 from plait.parallel.blocks import find_blocks
 from plait.parallel.zero.flat import FlatLayout
 
+log = get_logger(__name__)
 TP_AXIS = "tp"
 Factory = Callable[[Any], torch.optim.Optimizer]
 Select = Callable[[str, nn.Parameter], bool]
@@ -392,18 +394,61 @@ def slot_flats(slots: Sequence[WholeSlot]) -> list[SlotFlat]:
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _probe(factory: Any, model: nn.Module) -> torch.optim.Optimizer | None:
-    """The optimizer a plain factory builds, tried on meta copies of the model's parameters (no memory, no
-    communication), then of its matrices alone (torch.optim.Muon refuses anything but 2-D); None when the factory
-    accepts neither."""
+def _probe(factory: Any, model: nn.Module) -> tuple[torch.optim.Optimizer | None, bool]:
+    """The optimizer a plain factory builds, tried on meta copies of the model's trainable parameters (no memory,
+    no communication), then of its matrices alone (torch.optim.Muon refuses anything but 2-D); and whether it
+    was built on every trainable parameter, exactly those given. (None, False) when the factory accepts neither."""
     params = [nn.Parameter(torch.empty(p.shape, device="meta")) for p in model.parameters() if p.requires_grad]
-    for trial in (params, [p for p in params if p.dim() == 2]):
+    for every, trial in ((True, params), (False, [p for p in params if p.dim() == 2])):
         try:
             built = factory(trial)
         except Exception:  # noqa: BLE001, S112 - a factory that needs real tensors is simply not probed
             continue
-        return built if isinstance(built, torch.optim.Optimizer) else None
-    return None
+        if not isinstance(built, torch.optim.Optimizer):
+            return None, False
+        held = {id(p) for group in built.param_groups for p in group["params"]}
+        return built, every and held == {id(p) for p in trial}
+    return None, False
+
+
+def select_all(name: str, param: nn.Parameter) -> bool:
+    """``WholeTensorOptimizer.select`` taking every trainable parameter (a plain factory that took them all)."""
+    return True
+
+
+def adopt_plain_factory(layout: Any, optimizer: Any, model: nn.Module) -> Any:
+    """A plain factory ``params -> optimizer`` whose optimizer needs whole tensors (``lambda p: torch.optim.Muon
+    (p)``), under tp or ZeRO where it would step slices or flat shards, as ``WholeTensorOptimizer(whole=factory,
+    select=select_all)``: when the factory, tried on meta copies of every trainable parameter, builds its
+    optimizer on exactly those, that is the selection one device makes (all of them, each stepped whole), so
+    every strategy hands it whole tensors; one info line says so. A factory that takes only some of them (Muon
+    refuses anything but 2-D) leaves the others without an optimizer, here as on one device: which optimizer
+    steps them is the user's choice, so LayoutError names the fix. Anything else is returned unchanged."""
+    whole_layout = layout.tp > 1 or layout.zero >= 1
+    plain = callable(optimizer) and not isinstance(optimizer, (WholeTensorOptimizer, torch.optim.Optimizer))
+    if not (whole_layout and plain):
+        return optimizer
+    built, every = _probe(optimizer, model)
+    if built is None or not needs_whole_tensors(built):
+        return optimizer
+    name = type(built).__name__
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if every:
+        log.info(
+            "optimizer: %s needs whole tensors; with tp=%d, zero=%d plait hands it every parameter whole "
+            "(WholeTensorOptimizer(whole=your factory) over all %d trainable parameters, as on one device)",
+            name, layout.tp, layout.zero, len(trainable),
+        )  # fmt: skip
+        return WholeTensorOptimizer(whole=optimizer, select=select_all)
+    others = [n for n, p in trainable if p.dim() != 2] or [n for n, _ in trainable]
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    raise LayoutError(
+        f"the optimizer factory builds {name}, which needs whole tensors, but not on every trainable parameter "
+        f"({len(others)} others, e.g. {shown}: {name} takes only 2-D matrices), so which optimizer steps the rest "
+        f"is yours to say. Fix: optimizer=plait.parallel.whole_tensor.WholeTensorOptimizer(whole=your factory, "
+        f"rest=lambda p: torch.optim.AdamW(p, ...)) ({name} on the hidden matrices, AdamW on the rest, as "
+        f"train.optimizer='muon' does), or freeze the others (requires_grad_(False))."
+    )
 
 
 def check_layout(layout: Any, optimizer: Any, model: nn.Module) -> None:
@@ -413,7 +458,7 @@ def check_layout(layout: Any, optimizer: Any, model: nn.Module) -> None:
     spec = isinstance(optimizer, WholeTensorOptimizer)
     built = None if spec else optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     if not spec and built is None and (layout.tp > 1 or layout.zero >= 1) and callable(optimizer):
-        built = _probe(optimizer, model)
+        built = _probe(optimizer, model)[0]
     if not spec and (built is None or not needs_whole_tensors(built)):
         return
     name = "WholeTensorOptimizer" if spec else type(built).__name__
@@ -444,6 +489,7 @@ def check_layout(layout: Any, optimizer: Any, model: nn.Module) -> None:
 
 __all__ = [
     "HybridOptimizer",
+    "adopt_plain_factory",
     "WholeSlot",
     "WholeTensorOptimizer",
     "build_hybrid",
@@ -453,4 +499,5 @@ __all__ = [
     "slot_flats",
     "needs_whole_tensors",
     "register_whole_tensor",
+    "select_all",
 ]

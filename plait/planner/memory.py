@@ -24,7 +24,7 @@ at every stage (4 Psi, and the 4 Psi / N shard beside it under ZeRO-2/3). With p
 tensor by tensor ("plait" accounting, equal to ``SavedActivations`` to the byte for plait's GPT; another model is
 estimated as plait's GPT of its shape), or Korthikanti et al. 2022 for Megatron-style implementations; recomputation none / selective / op / full / per block; attention kernel flash (no
 s^2 term) or math; activations in the compute dtype; a pipeline rank holds the activations of the micro-batches
-its schedule keeps in flight, walked action by action over its stages (F adds a stage's bytes, B or I frees them).
+its schedule keeps in flight, walked action by action over its stages (F adds a stage's bytes, B or W frees them).
 
 **The peak** is the largest of the step's phases (device bytes; what ``torch.cuda.max_memory_allocated`` reports):
 
@@ -226,14 +226,17 @@ def _block_ranges(layers: int, stages: int, cuts: Sequence[int]) -> list[tuple[i
 
 def rank_in_flight_peaks(schedule: Any, stage_bytes: Sequence[float]) -> list[float]:
     """Per rank of a pipeline ``Schedule``: the most activation bytes it holds at once, walking its actions in
-    order (F of stage s adds ``stage_bytes[s]``, B or I of it frees them; W needs only what I leaves)."""
+    order (F of stage s adds ``stage_bytes[s]``, B or W of it frees them). Where the backward is split, plait's I
+    keeps the whole graph for W (``PipelineStage.backward_input``: ``retain_graph``), so a micro-batch's saved
+    tensors stay until its W, not only the layer inputs W needs (Qi et al. 2023's accounting): on ZB-H1 every rank
+    holds p micro-batches at its peak, not 1F1B's p - r (tests/test_vshape_memory.py measures it)."""
     peaks = []
     for actions in schedule.actions:
         held = peak = 0.0
         for action in actions:
             if action.kind == Kind.FORWARD:
                 held += stage_bytes[action.stage]
-            elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            elif action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 held -= stage_bytes[action.stage]
             peak = max(peak, held)
         peaks.append(peak)
@@ -346,12 +349,11 @@ def _run_forward(spec: ModelSpec, layout: Layout, shape: dict[str, Any], device:
     )
 
 
-def rank_activations(
+def stage_activations(
     spec: ModelSpec, layout: Layout, fwd: Forward, ends: bool = True, routing: Routing = PLAIT_ROUTING
 ) -> tuple[list[float], list[tuple[int, int]]]:
-    """Per pipeline rank, the most saved-activation bytes it holds at once (every micro-batch its schedule keeps
-    in flight, plait accounting; ``ends``: with the embeddings and the head; MoE blocks by ``routing``), and the
-    [start, end) blocks of every stage."""
+    """Per pipeline stage, the saved-activation bytes of one micro-batch (plait accounting; ``ends``: with the
+    embeddings and the head; MoE blocks by ``routing``), and the [start, end) blocks of every stage."""
     stages = layout.pp * layout.virtual_stages
     ranges = _block_ranges(spec.layers, stages, layout.pipeline_cuts)
     recomputed_any = layout.recompute in (Recompute.FULL, Recompute.OP) or isinstance(layout.recompute, tuple)
@@ -364,6 +366,16 @@ def rank_activations(
         if ends and s > 0 and any(_recompute_of(layout, i) in ("full", "op") for i in range(start, end)):
             outside += positions_bytes(fwd)  # a later stage's own positions, its checkpointed blocks' input
         stage_bytes.append(blocks + outside)
+    return stage_bytes, ranges
+
+
+def rank_activations(
+    spec: ModelSpec, layout: Layout, fwd: Forward, ends: bool = True, routing: Routing = PLAIT_ROUTING
+) -> tuple[list[float], list[tuple[int, int]]]:
+    """Per pipeline rank, the most saved-activation bytes it holds at once (every micro-batch its schedule keeps
+    in flight: ``stage_activations`` walked over the schedule, ``rank_in_flight_peaks``), and the [start, end)
+    blocks of every stage."""
+    stage_bytes, ranges = stage_activations(spec, layout, fwd, ends, routing)
     if layout.pp == 1:
         return [stage_bytes[0]], ranges
     from plait.parallel.pipeline.schedule import build_schedule
@@ -499,6 +511,7 @@ __all__ = [
     "estimate_memory",
     "rank_activations",
     "rank_in_flight_peaks",
+    "stage_activations",
     "shard_ranks",
     "zero_paper_bytes",
 ]

@@ -11,7 +11,7 @@ where T(i..j) is the time of layers i..j-1 (with ``comm_overlaps=False`` also th
 ends) and C_i the transfer at the cut before layer i (for the first stage, none). A stage is allowed only if
 its memory fits: sum of the layers' static bytes + in_flight[k] x their activation bytes per micro-batch <=
 ``memory_limit``, where in_flight[k] is how many micro-batches stage k holds at once under the schedule
-(1F1B: p - k; GPipe: m), taken from the simulator. O(p n^2) work, done by the planner's one chain DP
+(1F1B: p - k; GPipe: m; ZB-H1: p, as plait frees a micro-batch at its W), taken from the simulator. O(p n^2) work, done by the planner's one chain DP
 (``inter_op.split_chain``, with max as the combining operation; a link is a stage of its own in the max).
 
 ``auto_partition`` profiles the layers on this device (``profile.py``), runs the program on the result and
@@ -243,13 +243,14 @@ def auto_partition(
 
     Memory per stage: parameter bytes x ``state_bytes_per_param_byte`` (4: fp32 weights, gradients and Adam's
     two moments) + activation bytes x the micro-batches stage k holds under ``schedule`` with ``microbatches``
-    (default p; the simulator's ``peak_activations``). ``p2p_bytes_per_s`` models the link: a cut after a layer
+    (default p; the simulator's ``peak_unfinished``: plait's I keeps the graph for W, so a split backward frees
+    a micro-batch at its W). ``p2p_bytes_per_s`` models the link: a cut after a layer
     costs 2 x its output bytes / bandwidth (activation forward, gradient back); None ignores transfers.
     """
     chain = as_chain(layers)
     profiles = profile_layers(chain, sample_input, repeats=repeats)
     times, memory, acts, outputs, names = _units(chain, profiles, state_bytes_per_param_byte)
-    in_flight = simulate(build_schedule(schedule, p, microbatches or p)).peak_activations
+    in_flight = simulate(build_schedule(schedule, p, microbatches or p)).peak_unfinished
     comm = [2 * b / p2p_bytes_per_s for b in outputs[:-1]] if p2p_bytes_per_s else None
     result = partition(
         times, memory, p, memory_limit, activations=acts, in_flight=in_flight, comm=comm, unit_names=names

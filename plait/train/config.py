@@ -27,6 +27,7 @@ from plait.data.text import check_text_file
 from plait.data.tokens import ATTENTION_KINDS
 from plait.errors import ConfigError, DataError, LayoutError
 from plait.layout import Layout, from_mapping
+from plait.parallel.semisync import SemiSync
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,6 +218,9 @@ class TrainConfig:
     """Retention also keeps every step that is a multiple of K, for the record (0: none)."""
     async_save: bool = False
     """Write checkpoints in the background while training goes on (host copies; one save in flight at most)."""
+    deterministic: bool = False
+    """Bitwise repeatable reruns, CUDA included (``plait.determinism``: torch's deterministic algorithms, cuBLAS's
+    workspace, cuDNN, NCCL_ALGO=Ring / NCCL_PROTO=Simple), set on every rank before any work; ``--deterministic``."""
     out: str = ""
     tensorboard: bool | None = None
     """TensorBoard event files beside metrics.jsonl (default: when the tensorboard package is installed)."""
@@ -224,14 +228,30 @@ class TrainConfig:
     """Continuations of evaluation prompts written to samples.jsonl at each evaluation (0: none)."""
     sample_tokens: int = 32
     sample_temperature: float = 0.8
+    straggler_every: int = 50
+    """Straggler detection every N steps (``plait.observe.stragglers``): the slowest rank by compute time, its lag
+    over the median, per rank compute / comm / wait seconds, in the log, metrics.jsonl and TensorBoard (0: off)."""
+    straggler_lag: float = 0.2
+    """A rank is slow when its compute is this fraction above its peers' median (0.2: 20 %)."""
+    straggler_windows: int = 3
+    """A rank the slowest with lag above ``straggler_lag`` for this many windows in a row is warned about."""
     pipeline_trace: str = ""
     """With pp > 1: write the last training step's measured pipeline timeline here (Chrome/Perfetto JSON) and
     its picture next to it (same name, .png); "" turns it off."""
+    sync: str = "sync"
+    """How HSDP's replica groups (layout.dp_replicate) keep together: "sync" (every step), or semi-synchronously
+    "localsgd" / "diloco": sync_every inner steps per group, then an outer step (``plait.parallel.semisync``)."""
+    sync_every: int = 0
+    """H, the inner steps per outer step of localsgd / diloco (required by them; save_every must be a multiple)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
     def __post_init__(self) -> None:
         """Every number checked before anything runs: integers in range, and every real hyper-parameter finite
         (``--set train.lr=inf`` is a valid TOML float: it would train NaNs) and in its range."""
-        for name in ("steps", "global_batch", "eval_batches", "log_every"):
+        for name in ("steps", "global_batch", "eval_batches", "log_every", "straggler_windows"):
             _integer(f"train.{name}", getattr(self, name), 1)
         for name in (
             "eval_every",
@@ -242,6 +262,7 @@ class TrainConfig:
             "samples",
             "sample_tokens",
             "loss_chunk",
+            "straggler_every",
         ):
             _integer(f"train.{name}", getattr(self, name), 0, " (0 turns it off)")
         _integer("train.seed", self.seed, 0)
@@ -250,6 +271,7 @@ class TrainConfig:
         _number("train.momentum", self.momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
         _number("train.weight_decay", self.weight_decay, lambda v: v >= 0, "be >= 0", "0.1")
         _number("train.max_grad_norm", self.max_grad_norm, lambda v: v >= 0, "be >= 0 (0: no clipping)", "1.0")
+        _number("train.straggler_lag", self.straggler_lag, lambda v: v >= 0, "be >= 0 (0.2: 20 % slower)", "0.2")
         _number("train.sample_temperature", self.sample_temperature, lambda v: v >= 0, "be >= 0 (0: greedy)", "0.8")
         _number("train.muon_momentum", self.muon_momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.95")
         if self.muon_lr is not None:
@@ -269,13 +291,44 @@ class TrainConfig:
             raise ConfigError(
                 f"train.betas={betas!r} must be two numbers in [0, 1). Fix: e.g. train.betas=[0.9, 0.95]."
             )
-        for name in ("async_save", "tensorboard"):
+        for name in ("async_save", "deterministic", "tensorboard"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "tensorboard" and value is None):
                 raise ConfigError(f"train.{name}={value!r} must be true or false. Fix: train.{name}=true.")
+        self._check_sync()
         from plait.train.optim import check_optim_config
 
         check_optim_config(self)
+
+    def _check_sync(self) -> None:
+        """train.sync and its settings; saves at outer-step boundaries only (where every replica group holds the
+        same parameters)."""
+        modes = ("sync", "localsgd", "diloco")
+        if self.sync not in modes:
+            raise ConfigError(f"train.sync={self.sync!r} is unknown. Fix: use one of {list(modes)}.")
+        _integer("train.sync_every", self.sync_every, 0, " (0: unset)")
+        if self.sync == "sync":
+            return
+        if self.sync_every < 1:
+            raise ConfigError(
+                f"train.sync={self.sync!r} needs train.sync_every=H, the inner steps between outer steps. Fix: e.g. "
+                f"--set train.sync_every=100 (the DiLoCo paper: 500)."
+            )
+        _number("train.outer_lr", self.outer_lr, lambda v: v > 0, "be positive", "0.7")
+        _number("train.outer_momentum", self.outer_momentum, lambda v: 0 <= v < 1, "be in [0, 1)", "0.9")
+        if self.save_every % self.sync_every:
+            raise ConfigError(
+                f"train.save_every={self.save_every} is not a multiple of train.sync_every={self.sync_every}: under "
+                f"train.sync={self.sync!r} checkpoints are written at outer-step boundaries only (mid-window the "
+                f"replica groups hold different parameters). Fix: --set train.save_every="
+                f"{max(self.sync_every, self.save_every // self.sync_every * self.sync_every)}."
+            )
+
+    def semisync(self) -> SemiSync | None:
+        """The ``SemiSync`` of ``sync`` (None for "sync")."""
+        if self.sync == "sync":
+            return None
+        return SemiSync(self.sync, self.sync_every, self.outer_lr, self.outer_momentum)
 
 
 def _integer(where: str, value: Any, low: int, note: str = "") -> None:

@@ -12,6 +12,7 @@ from there when restarted on the same folder (by hand, or by torchrun's agent un
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -24,6 +25,8 @@ import torch
 from plait.checkpoint import Checkpointer, check_key, has_checkpoints
 from plait.checkpoint.identity import config_differences, describe_model
 from plait.data import ShardedBatches, make_dataset
+from plait.determinism import check_group, describe_state, make_deterministic
+from plait.determinism import state as determinism_state
 from plait.distributed import World, init
 from plait.engine import Engine, StepStats
 from plait.errors import ConfigError
@@ -31,9 +34,10 @@ from plait.logging import get_logger, job_warning
 from plait.models import lm_loss
 from plait.models.build import build_model
 from plait.models.loss import ChunkedCrossEntropy
+from plait.observe.stragglers import StragglerMeter
 from plait.parallel.materialize import WeightSource, deferred_init
 from plait.parallelize import parallelize
-from plait.train import announce
+from plait.train import announce, replicas
 from plait.train.config import RunConfig, check_model_fits_data
 from plait.train.evaluation import (
     EVAL_OFFSET,
@@ -107,8 +111,9 @@ def default_run_dir() -> Path:
     return Path("runs") / run_id
 
 
-def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
-    """Dataset, model and engine for ``config`` (validated before any collective)."""
+def build(config: RunConfig, world: World, optimizer: Any = None) -> tuple[Engine, Any, Any]:
+    """Dataset, model and engine for ``config`` (validated before any collective). ``optimizer``: a factory for
+    ``plait.parallelize`` in place of ``train.optimizer``'s (``plait certify --optimizer``)."""
     layout = config.layout.resolve(world.world_size)
     layout.check_batch(config.train.global_batch)
     if config.train.pipeline_trace and layout.pp == 1:
@@ -127,13 +132,14 @@ def build(config: RunConfig, world: World) -> tuple[Engine, Any, Any]:
     engine = parallelize(
         model,
         layout,
-        optimizer=optimizer_factory(train, world.device),
+        optimizer=optimizer if optimizer is not None else optimizer_factory(train, world.device),
         loss_fn=ChunkedCrossEntropy(train.loss_chunk) if train.loss_chunk else lm_loss,
         max_grad_norm=train.max_grad_norm or None,
         lr_scheduler=lr_scheduler_factory(train),
         device=world.device,
         param_groups=groups,
         weights=weights,
+        sync=train.semisync(),
     )
     return engine, dataset, model_config
 
@@ -181,6 +187,10 @@ def _samples(engine: Engine, dataset: Any, train: Any, step: int, run_dir: Path 
             for record in records:
                 handle.write(json.dumps(record) + "\n")
         log.info("step %d sample: %r -> %r", step, records[0]["prompt"], records[0]["completion"])
+
+
+def _data_ranks(engine: Engine) -> tuple[int, int]:
+    return engine.mesh.index("dp"), engine.mesh.size("dp")
 
 
 def _note_restart(attempt: int, step: int, save_every: int) -> None:
@@ -333,8 +343,14 @@ def run(
     path; "" for ``<run>/trace.json``) the last ``trace_steps`` steps are traced on every rank
     (``plait.observe.trace.Tracer``) and merged into that file, its ``.summary.json`` and its ``.png``. With
     ``stop`` (the CLI's SIGTERM / SIGINT record, ``plait.train.stop``) a signal to any rank stops every rank after
-    the same step, which is saved; the summary then has ``stopped_by`` set and no final evaluation."""
+    the same step, which is saved; the summary then has ``stopped_by`` set and no final evaluation. With
+    ``train.deterministic`` deterministic mode (``plait.determinism``) is set before anything else runs."""
+    if config.train.deterministic:
+        check_group(world.backend if world is not None else None)  # NCCL read its environment when it started
+        make_deterministic()
     world = world or init()
+    if config.train.deterministic and world.rank == 0:
+        log.info("deterministic mode: %s", describe_state(determinism_state()))
     with RankGuard.from_env(world.rank) as guard:
         return _run(config, world, guard, trace, trace_steps, stop)
 
@@ -365,9 +381,11 @@ def _run(
         engine, ckpt, train.keep_checkpoints, train.keep_every, train.async_save and train.save_every > 0
     )
     lead = world.rank == 0
+    ft = replicas.start(config, engine, world, run_dir)  # per-step fault tolerance (plait.ft), when launched so
     if lead:
         _note_restart(guard.attempt, engine.step, train.save_every)
-        resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
+        if ft is None:  # a healing replica group resumes from a peer: its records of committed steps stay
+            resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
     writer = MetricsWriter(run_dir, open_tensorboard(run_dir, train.tensorboard, engine.step)) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())
@@ -378,13 +396,19 @@ def _run(
             engine.strategy.held_parameter_count() / 1e6,  # ZeRO-3: this rank's shards
             run_dir,
         )
-    dp_rank, dp_size = engine.mesh.index("dp"), engine.mesh.size("dp")
-    loader = ShardedBatches(dataset, train.global_batch, dp_rank, dp_size, start_step=engine.step)
+    loader = ShardedBatches(
+        dataset,
+        train.global_batch,
+        *replicas.data_ranks(ft and ft.options, *_data_ranks(engine)),
+        start_step=engine.step,
+    )
+    dp_rank, dp_size = _data_ranks(engine)  # evaluation: each replica group evaluates the whole held-out batches
     eval_batches, held_out = evaluation_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)
     per_source = source_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)  # a mixture's
     tokens_seen = getattr(dataset, "tokens_seen", None)  # a mixture: tokens of each source so far, for the records
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
-    meter = StepMeter(engine, model_config, dataset.seq_len)
+    stragglers = StragglerMeter.start(engine, train.straggler_every, train.straggler_lag, train.straggler_windows)
+    meter = StepMeter(engine, model_config, dataset.seq_len, stragglers)  # stragglers ride its all-gather
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, stats, last_eval = time.perf_counter(), None, ""
     throughput = Throughput()
@@ -392,7 +416,7 @@ def _run(
     record_every_step = not runs_ahead(engine.device)  # CPU: nothing to wait for, write each record at once
     stopped_by = 0
     try:
-        for batch in guard.batches(loader, engine):
+        for batch in guard.batches(loader if ft is None else itertools.repeat(None), engine):  # ft: by step
             if engine.step >= train.steps:
                 break
             if trace is not None and tracer is None and engine.step >= trace_from:
@@ -400,10 +424,12 @@ def _run(
 
                 tracer = Tracer(engine).start()
             meter.before_step()
-            stats = engine.train_step(batch)
+            stats, quorum = ft.train_step(loader) if ft is not None else (engine.train_step(batch), None)
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats, stop.signum if stop is not None else 0)  # a collective: every rank
+            if quorum is not None:
+                observed.update(quorum)  # the replica groups committed at this step (plait.ft.log)
             stopped_by = meter.stop_signal  # the same on every rank: all stop after this step, saved
             if tokens_seen is not None:  # pure in the step: a resumed run records what the uninterrupted one would
                 observed["tokens_by_source"] = tokens_seen(stats.step * train.global_batch)
@@ -412,6 +438,11 @@ def _run(
             evaluate = train.eval_every and stats.step % train.eval_every == 0 and not last and not stopped_by
             # the last step is saved too (generate, convert and a longer resume start from it), and a stop's step
             save = (train.save_every and (stats.step % train.save_every == 0 or last)) or stopped_by
+            if save and train.sync != "sync" and stats.step % train.sync_every:  # mid-window: groups differ
+                save = False
+                if lead:
+                    log.warning("step %d: not saved, inside an outer-step window of train.sync_every=%d (the "
+                                "last checkpoint is the last boundary's)", stats.step, train.sync_every)  # fmt: skip
             if record_every_step or evaluate or save or stats.step % train.log_every == 0 or last:
                 records.flush()  # reads the losses: on a GPU a host sync once per log interval, not per step
             if evaluate:
@@ -437,6 +468,8 @@ def _run(
         records.flush()
     finally:
         progress.close()
+        if ft is not None:
+            ft.close()
     guard.beat("waiting for the last checkpoint save", timed=False)
     saver.wait()  # the job ends with its last checkpoint published
     seconds = time.perf_counter() - started

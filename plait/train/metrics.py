@@ -23,6 +23,10 @@ raises the same ``PlaitError`` (the loss is the same on every rank), so ``plait 
 A Mixture-of-Experts model adds a ``moe`` object to each train record (``moe_record``): per MoE layer (``layers``:
 block indices) the tokens routed to each expert in the step (``load``, summed over every rank), the imbalance
 (most-loaded expert over the mean), the choices dropped by a capacity cap, and the step's balance loss.
+
+With ``train.straggler_every`` N, every N-th train record also names the slowest rank (``straggler_rank``,
+``straggler_host``, ``straggler_lag``) and per rank the window's compute, comm and wait seconds per step
+(``rank_seconds``): ``plait.observe.stragglers``, whose two numbers per rank ride the same all-gather.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 from plait.engine import Engine, EvalStats, StepStats
 from plait.errors import ConfigError, PlaitError
 from plait.logging import get_logger
+from plait.observe.stragglers import StragglerMeter
 from plait.parallel.expert.stats import MoEStepStats
 
 log = get_logger(__name__)
@@ -152,8 +157,10 @@ def peak_flops(device: torch.device, precision: str, world_size: int) -> tuple[f
 class StepMeter:
     """Per-step tokens/s, MFU, peak memory per rank and bytes per axis per rank (``measure`` is a collective)."""
 
-    def __init__(self, engine: Engine, model: Any, seq: int) -> None:
+    def __init__(self, engine: Engine, model: Any, seq: int, stragglers: StragglerMeter | None = None) -> None:
         self.engine, self.device = engine, engine.comm.device
+        self.stragglers = stragglers
+        """Straggler detection (``plait.observe.stragglers``): its window sums ride this all-gather."""
         self.axes = [a for a in engine.mesh.grid.axes if engine.mesh.size(a) > 1]
         self.flops_per_token: float | None = None
         try:
@@ -188,17 +195,21 @@ class StepMeter:
 
         The same all-gather carries each rank's ``stop_signal`` (the signal it was asked to stop by, 0 for none:
         ``plait.train.stop``); afterwards ``self.stop_signal`` is the largest of them, the same on every rank, so
-        the ranks agree to stop after the same step at the cost of one more number per rank."""
+        the ranks agree to stop after the same step at the cost of one more number per rank. With ``stragglers``
+        it also carries that meter's two window sums per rank, and a window's end adds its fields."""
         from plait.observe.trace import max_rss_bytes
 
         memory = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else max_rss_bytes()
         wire = stats.comm.wire_by_axis()
+        extra = self.stragglers.columns(stats) if self.stragglers is not None else []
         mine = torch.tensor(
-            [float(stop_signal), float(memory)] + [wire.get(a, 0.0) for a in self.axes], dtype=torch.float64
+            [float(stop_signal), float(memory)] + [wire.get(a, 0.0) for a in self.axes] + extra, dtype=torch.float64
         )
-        gathered = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, 2 + len(self.axes))
+        width = 2 + len(self.axes)
+        gathered = self.engine.comm.all_gather(mine.to(self.device), "world").cpu().view(-1, width + len(extra))
         self.stop_signal = int(gathered[:, 0].max().item())
-        rows = gathered[:, 1:]
+        rows = gathered[:, 1:width]
+        window = self.stragglers.gathered(stats.step, gathered[:, width:]) if self.stragglers is not None else {}
         flops, seconds = self.flops_per_token, stats.seconds
         mfu = stats.tokens * flops / seconds / self.peak if self.peak and flops and seconds else None
         return {
@@ -208,7 +219,7 @@ class StepMeter:
             "comm_bytes_per_rank": {
                 a: [int(v) for v in rows[:, 1 + i].tolist()] for i, a in enumerate(self.axes) if rows[:, 1 + i].any()
             },
-        }
+        } | window
 
 
 def eval_record(step: int, stats: EvalStats) -> dict[str, Any]:

@@ -6,7 +6,9 @@ step: ``train/loss``, ``train/perplexity`` (exp of the mean token cross-entropy)
 ``train/tokens_per_s``, ``train/mfu`` (when known) and ``train/memory_bytes`` (the largest of the ranks' peaks);
 per evaluation: ``eval/loss``, ``eval/perplexity`` and ``eval/accuracy``. A Mixture-of-Experts model adds per
 step ``moe/aux_loss``, ``moe/imbalance`` (the worst layer's), ``moe/dropped_fraction`` and per MoE layer L
-``moe/layerL/imbalance`` and ``moe/layerL/expertE`` (tokens routed to expert E). On a resumed run the writer purges
+``moe/layerL/imbalance`` and ``moe/layerL/expertE`` (tokens routed to expert E). Every ``train.straggler_every``
+steps: ``straggler/lag``, ``straggler/rank``, ``straggler/compute_s_max``, ``straggler/compute_s_median`` and
+``straggler/wait_s_max`` (``plait.observe.stragglers``). On a resumed run the writer purges
 events from the resumed step on, as metrics.jsonl drops its lines past the checkpoint.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.logging import get_logger
+from plait.observe.stragglers import straggler_scalars
 
 log = get_logger(__name__)
 
@@ -54,6 +57,7 @@ class TensorBoardLog:
                 "train/mfu": record.get("mfu"),
                 "train/memory_bytes": max(memory) if memory else None,
             } | moe_scalars(record.get("moe"))
+            scalars |= straggler_scalars(record)
         elif kind == "eval":
             scalars = {
                 "eval/loss": record.get("loss"),

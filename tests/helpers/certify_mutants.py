@@ -9,10 +9,16 @@ nothing) and returns the tiny GPT (``tiny_gpt``, whose data rows score uneven nu
 - ``micro_batch_mean``: each micro-batch normalised by its own scored tokens (a mean of micro-batch means, not the
   global token mean) -> the gradient of the model's output (the loss's backward);
 - ``tp_without_all_reduce``: a row-parallel linear layer that never all-reduces its partial sums -> that layer's
-  output, the first row-parallel layer in forward order (``blocks.0.attn.o``).
+  output, the first row-parallel layer in forward order (``blocks.0.attn.o``);
+- ``muon_stepping_slices``: with ``train.optimizer = "muon"`` under tp, Muon orthogonalises each rank's slice of a
+  matrix instead of the whole matrix (what plait did before whole-tensor optimizers) -> forward, backward and the
+  gradients agree; the first parameter whose value after the optimizer step leaves the budget is the first
+  tp-sliced matrix Muon steps (``blocks.0.attn.q.weight``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -84,6 +90,28 @@ def tp_without_all_reduce() -> GPT:
 
     layers.RowParallelLinear.forward = forward  # type: ignore[method-assign]
     return tiny_gpt()
+
+
+def muon_stepping_slices() -> GPT:
+    from plait.parallel.whole_tensor import WholeSlot
+
+    WholeSlot.sliced = property(lambda _: False)  # type: ignore[method-assign,assignment]
+    return tiny_gpt()
+
+
+def tiny_matrices_gpt() -> GPT:
+    """``tiny_gpt`` with every parameter that is not a matrix (the norms' weights) frozen: a plain Muon factory
+    (``plain_muon``) takes every trainable parameter."""
+    model = tiny_gpt()
+    for param in model.parameters():
+        param.requires_grad_(param.dim() == 2)
+    return model
+
+
+def plain_muon(params: Any) -> torch.optim.Optimizer:
+    """A user's plain optimizer factory (``--optimizer helpers.certify_mutants:plain_muon``): torch.optim.Muon on
+    whatever it is given, its steps RMS-matched to AdamW's."""
+    return torch.optim.Muon(params, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
 
 
 def tiny_moe() -> GPT:

@@ -372,7 +372,11 @@ def scaled(arguments: list[str]) -> list[str]:
 
 
 def shim_main() -> int:
-    """The ``plait`` the docs' commands run: this worktree's plait, with ``scaled`` arguments."""
+    """The ``plait`` the docs' commands run: this worktree's plait, with ``scaled`` arguments. Its processes too:
+    a block's own ``PYTHONPATH=tests`` would otherwise give the forkserver of ``plait.launch`` (which imports
+    plait from PYTHONPATH and the installed package, not from its parent's sys.path) another checkout's plait."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     from plait.cli.main import main
 
     return main(scaled(sys.argv[1:]))

@@ -47,6 +47,22 @@ def muon_spec() -> WholeTensorOptimizer:
     )
 
 
+def plain_muon(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """A user's plain factory: torch.optim.Muon on whatever it is given, with muon_spec's settings. Under tp or
+    ZeRO plait adopts it (``plait.parallel.whole_tensor.adopt_plain_factory``) when it takes every trainable
+    parameter."""
+    return torch.optim.Muon(params, lr=MUON_LR, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+
+
+def matrices_model() -> tuple[torch.nn.Module, object]:
+    """``make_model`` with every parameter that is not a matrix (the norms' weights) frozen, so that a plain Muon
+    factory takes every trainable parameter: embeddings, attention, MLP and head matrices."""
+    model, task = make_model()
+    for param in model.parameters():
+        param.requires_grad_(param.dim() == 2)
+    return model, task
+
+
 def _newton_schulz_fp32(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float):  # noqa: ANN201
     """torch.optim.Muon's iteration (torch/optim/_muon.py), in fp32 instead of bf16."""
     a, b, c = coefficients
@@ -72,11 +88,18 @@ def fp32_newton_schulz(on: bool = True) -> Iterator[None]:
         torch_muon._zeropower_via_newtonschulz = original
 
 
-def reference(fp32: bool, clip: float | None = CLIP) -> Trajectory:
+def reference(fp32: bool, clip: float | None = CLIP, plain: bool = False) -> Trajectory:
     """One device, the whole global batch, the same hybrid optimizer (Muon on the parameters ``hidden_matrices``
-    names, AdamW on the others), through ``helpers.reference.train_reference``."""
-    model, task = make_model()
+    names, AdamW on the others), through ``helpers.reference.train_reference``. ``plain``: ``matrices_model``
+    trained by ``plain_muon`` on its trainable parameters, as a user would on one device."""
+    model, task = matrices_model() if plain else make_model()
     loader = ShardedBatches(task, GLOBAL_BATCH)
+    if plain:
+        batches = [loader.global_batch_at(s) for s in range(STEPS)]
+        with fp32_newton_schulz(fp32):
+            return train_reference(
+                model, batches, lambda ps: plain_muon(p for p in ps if p.requires_grad), max_grad_norm=clip
+            )
     hidden = hidden_matrices(model)
     mask = [name in hidden for name, _ in model.named_parameters()]
     spec = muon_spec()
@@ -91,14 +114,16 @@ def reference(fp32: bool, clip: float | None = CLIP) -> Trajectory:
         return train_reference(model, [loader.global_batch_at(s) for s in range(STEPS)], hybrid, max_grad_norm=clip)
 
 
-def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = False) -> dict:
+def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = False, plain: bool = False) -> dict:
     """One rank's run: losses, the step-0 synchronised gradients, the whole parameters after the last step, and
     the traffic of each step. ``mutant``: tp slices are stepped as they are (Muon orthogonalises each rank's slice:
-    what plait did before whole-tensor optimizers)."""
-    model, task = make_model()
+    what plait did before whole-tensor optimizers). ``plain``: ``matrices_model`` with the plain factory
+    ``plain_muon``, which plait adopts."""
+    model, task = matrices_model() if plain else make_model()
     slices = mock.patch.object(WholeSlot, "sliced", property(lambda _: False)) if mutant else contextlib.nullcontext()
     with fp32_newton_schulz(fp32), slices:
-        engine = plait.parallelize(model, layout, optimizer=muon_spec(), max_grad_norm=clip)
+        optimizer = plain_muon if plain else muon_spec()
+        engine = plait.parallelize(model, layout, optimizer=optimizer, max_grad_norm=clip)
         grads: list[dict[str, torch.Tensor]] = []
         engine.before_optimizer_step.append(lambda e: grads.append(whole_gradients(e)) if not grads else None)
         loader = ShardedBatches(task, GLOBAL_BATCH, dp_rank=engine.mesh.index("dp"), dp_size=engine.mesh.size("dp"))
@@ -111,8 +136,8 @@ def train(layout: Layout, fp32: bool, clip: float | None = CLIP, mutant: bool = 
     }
 
 
-def train_many(cases: dict[str, tuple[Layout, bool, float | None, bool]]) -> dict[str, dict]:
-    """Several runs in one process group (one spawn): name -> ``(layout, fp32, clip, mutant)`` -> results."""
+def train_many(cases: dict[str, tuple]) -> dict[str, dict]:
+    """Several runs in one process group (one spawn): name -> ``(layout, fp32, clip, mutant[, plain])`` -> results."""
     return {name: train(*case) for name, case in cases.items()}
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from plait.errors import LayoutError, ScheduleError
 from plait.layout import Layout, PipelineSchedule
-from plait.parallel.pipeline.schedule import Schedule, build_schedule
+from plait.parallel.pipeline.schedule import Placement, Schedule, build_schedule
 from plait.parallel.pipeline.simulate import simulate
 from plait.parallel.pipeline.split import SplitPlan, local_model, plan_split
 from plait.parallel.pipeline.stage import PipelineStage
@@ -56,7 +56,8 @@ def plan_pipeline(
             f"Fix: build the schedule for the layout's numbers, or change the layout."
         )
     simulate(schedule)  # ScheduleError (malformed, wrongly ordered, deadlocking) before any process runs it
-    split = plan_split(model, schedule.num_stages, cuts)
+    v_schedule = schedule.name if schedule.placement == Placement.V and schedule.v == 2 else None
+    split = plan_split(model, schedule.num_stages, cuts, v_schedule=v_schedule)
     for stage in range(split.num_stages):
         if not any(p.requires_grad for path in split.paths_of([stage]) for p in model.get_submodule(path).parameters()):
             raise LayoutError(

@@ -19,7 +19,8 @@ Why it is sound:
   the simulator proves deadlock-free for DualPipeV's pairs (``tests/test_pipeline_overlap.py``, p = 2..8).
 
 Where nothing is exchanged (no ep) the pair would only add a thread, so the runtime fuses only under ep > 1, on a
-transport whose receives are posted ahead (gloo), without ZeRO-3's per-stage gathers (collectives in a scope).
+transport whose receives are posted ahead (gloo). Under ZeRO-3 each chunk runs in its own stage's scope, whose
+gathers are issued at the same points of the same sequence on every rank (``zero/fsdp_pipeline.py``).
 """
 
 from __future__ import annotations

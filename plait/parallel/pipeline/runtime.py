@@ -138,14 +138,12 @@ class PipelineRunner:
         an input the first stage would refuse fails on every rank alike (context parallelism: the sequence must
         split over cp), instead of leaving the later stages waiting for it."""
         self.overlap_pairs = (
-            schedule.name in self.OVERLAPPED_PAIRS
-            and param_scope is None
-            and self.recv_lookahead is not None
-            and self.mesh.size("ep") > 1
+            schedule.name in self.OVERLAPPED_PAIRS and self.recv_lookahead is not None and self.mesh.size("ep") > 1
         )
         """Run DualPipeV's steady-state pairs overlapped (``_pair_of``, ``overlap.py``): under expert parallelism
-        (there is nothing to overlap otherwise), on a transport whose receives are posted ahead, without ZeRO-3's
-        per-stage gathers. Settable (tests compare it with the pairs run in order)."""
+        (there is nothing to overlap otherwise), on a transport whose receives are posted ahead; under ZeRO-3 each
+        action in its own stage's scope (``zero/fsdp_pipeline.py``). Settable (tests compare it with the pairs run
+        in order)."""
         self.param_scope: ParamScope = param_scope or (lambda stage, kind: _NO_SCOPE)
         """Entered around each compute action of a stage and each no-grad forward of it (``(stage, kind)``; given
         by ``plait.parallelize`` as the data-parallel strategy's ``pipeline_scope``: ZeRO-3 gathers the stage's
@@ -414,7 +412,8 @@ class PipelineRunner:
         def run(action: Action) -> Callable[[], None]:
             def go() -> None:
                 spans[action] = time.perf_counter()
-                self._compute(action, micro, inbox, outbox, loss_sum)
+                with self.param_scope(action.stage, action.kind):
+                    self._compute(action, micro, inbox, outbox, loss_sum)
                 self.timeline.append((action, spans[action], time.perf_counter()))
 
             return go

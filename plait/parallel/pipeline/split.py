@@ -121,16 +121,25 @@ def _outer_parts(model: nn.Module, container: str) -> tuple[list[str], list[str]
     return before, after
 
 
-def plan_split(model: nn.Module, num_stages: int, cuts: list[int] | tuple[int, ...] | None = None) -> SplitPlan:
-    """Plan ``num_stages`` stages over the model's units (even split, or the stages starting at ``cuts``)."""
+def plan_split(
+    model: nn.Module, num_stages: int, cuts: list[int] | tuple[int, ...] | None = None, *, v_schedule: str | None = None
+) -> SplitPlan:
+    """Plan ``num_stages`` stages over the model's units (even split, or the stages starting at ``cuts``).
+    ``v_schedule``: the V-shaped schedule (ZB-V, DualPipeV) the stages are for, whose two chunks per rank are fixed:
+    a refusal then names the fixes that fit it."""
     kind, container, units = find_units(model)
     n = len(units)
     if num_stages > n:
         what = "children" if kind == "sequential" else f"blocks in '{container}'"
+        if v_schedule is None:
+            why, fix = "", f"use pp x virtual_stages <= {n} (e.g. pp={max(1, n)} with virtual_stages=1), or a model"
+        else:
+            why = f": schedule={v_schedule!r} runs two chunks per rank (a V)"
+            fix = f"use a model with at least {num_stages} layers, or a schedule of one stage per rank (e.g. "
+            fix += f"schedule='zero-bubble' or '1f1b') with pp <= {n}"
         raise LayoutError(
-            f"the pipeline needs pp x virtual_stages = {num_stages} stages, but the model has only {n} {what}. "
-            f"Fix: use pp x virtual_stages <= {n} (e.g. pp={max(1, n)} with virtual_stages=1), or a model with at "
-            f"least {num_stages} layers."
+            f"the pipeline needs pp x virtual_stages = {num_stages} stages, but the model has only {n} {what}{why}. "
+            f"Fix: {fix}{'' if v_schedule else f' with at least {num_stages} layers'}."
         )
     if cuts is None:
         size, extra = divmod(n, num_stages)

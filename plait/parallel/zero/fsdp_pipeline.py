@@ -15,6 +15,13 @@ evaluation); inside it:
 - I and W: every unit of the stage is gathered for the action (W starts inside the units, no hook tells which).
 - exit: gradients not yet moved are moved, every unit of the stage is freed (only the shards stay).
 
+Two actions of two stages may be running at once: DualPipeV's overlapped pair (``pipeline/overlap.py``) runs the
+forward of one stage and the backward of another, one at a time, switching at each expert-parallel exchange. So
+what an action is doing is kept per stage (``active``), each block's hooks read its own stage's, and a unit that
+both stages use (a V's root on rank 0: the embeddings of stage 0, the head of stage 2p - 1) is freed when the
+last of them ends (its gradients moved then, added to what the first one's end moved). The switch points are
+the same on every rank of the group, so the gathers are issued in the same order on all of them.
+
 Every micro-batch's autograd graph saves views of a unit's flat buffer; the buffer's *storage* is kept (only
 resized) for the strategy's whole life, so each re-gather refills the storage those views point into (the FSDP
 "free storage / allocate storage" trick of ``fsdp_unit``, kept across the micro-batches in flight). The runner
@@ -72,10 +79,12 @@ class StageScopes:
         self.blocks: dict[int, list[FlatUnit]] = {
             stage: [u for u in stage_units if u is not root] for stage, stage_units in self.by_stage.items()
         }
+        self.stage_of = {id(u): stage for stage, blocks in self.blocks.items() for u in blocks}
+        """The stage of each block unit (the root may serve two: a V's both ends)."""
         for unit in units:
             unit.in_graph = True  # always refill the one storage: graphs of micro-batches in flight view it
-        self.kind: str | None = None
-        self.stage: int | None = None
+        self.active: dict[int, str] = {}
+        """The kind of the action each stage is running now (two stages in DualPipeV's overlapped pair)."""
         self.peak_gathered = 0
         """Most units gathered (or being gathered) at once inside an F or B action (tests; the memory claim)."""
 
@@ -90,7 +99,7 @@ class StageScopes:
             upfront = [u for u in units if u is self.root]
         else:
             upfront = units
-        self.kind, self.stage = kind, stage
+        self.active[stage] = kind
         try:
             for unit in upfront:
                 unit.prefetch(kind)
@@ -98,8 +107,11 @@ class StageScopes:
                 unit.gather(kind, grad_enabled=True)
             yield
         finally:
-            self.kind = self.stage = None
+            del self.active[stage]
+            busy = {id(u) for other in self.active for u in self.by_stage.get(other, [])}
             for unit in units:
+                if id(unit) in busy:  # the other running action's too: freed when that one ends
+                    continue
                 self._keep_grads(unit)
                 unit.reshard()
                 unit.backward_started = unit.grads_done = False
@@ -110,18 +122,23 @@ class StageScopes:
             unit.local_grad = unit.take_grads()  # adds the previous local_grad
 
     def _count(self) -> None:
-        if self.kind in PER_UNIT_KINDS:
+        if any(kind in PER_UNIT_KINDS for kind in self.active.values()):
             held = sum(1 for u in self.units if u.state is not UnitState.FREE)
             self.peak_gathered = max(self.peak_gathered, held)
 
+    def _kind(self, unit: FlatUnit) -> str | None:
+        """The kind of the action running on ``unit``'s stage (a root unit: of any running action), or None."""
+        stage = self.stage_of.get(id(unit))
+        if stage is None:
+            return next(iter(self.active.values()), None) if unit is self.root else None
+        return self.active.get(stage)
+
     def _per_unit(self, unit: FlatUnit) -> bool:
-        """Whether ``unit`` is a block gathered by hooks in the current F/B action."""
-        return (
-            self.kind in PER_UNIT_KINDS
-            and unit is not self.root
-            and self.stage is not None
-            and unit in self.blocks.get(self.stage, [])
-        )
+        """Whether ``unit`` is a block gathered by hooks in its stage's running F/B action."""
+        return unit is not self.root and self._kind(unit) in PER_UNIT_KINDS
+
+    def _next_block(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        return _neighbour(self.blocks[self.stage_of[id(unit)]], unit, step)
 
     # ----------------------------------------------------------------- hooks (called by the strategy)
     def pre_forward(self, unit: FlatUnit) -> None:
@@ -132,8 +149,8 @@ class StageScopes:
             return
         if not self._per_unit(unit):
             return
-        unit.gather(self.kind or Kind.FORWARD, grad_enabled=True)
-        following = _neighbour(self.blocks[self.stage], unit, +1)  # type: ignore[index]
+        unit.gather(self._kind(unit) or Kind.FORWARD, grad_enabled=True)
+        following = self._next_block(unit, +1)
         if following is not None:
             following.prefetch(Kind.FORWARD)
         self._count()
@@ -147,12 +164,13 @@ class StageScopes:
         unit.reshard()
 
     def _pre_backward(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        if unit.backward_started or self.stage is None:
+        kind = self._kind(unit)
+        if unit.backward_started or kind is None:
             return
         unit.backward_started = True
-        unit.gather(self.kind or Kind.BACKWARD, grad_enabled=True)  # idempotent in I (the whole stage is gathered)
+        unit.gather(kind, grad_enabled=True)  # idempotent in I (the whole stage is gathered)
         if self._per_unit(unit):
-            previous = _neighbour(self.blocks[self.stage], unit, -1)
+            previous = self._next_block(unit, -1)
             if previous is not None and not previous.backward_started:
                 previous.prefetch(Kind.BACKWARD)
             self._count()
@@ -160,7 +178,7 @@ class StageScopes:
     def grad_ready(self, unit: FlatUnit) -> None:
         """A parameter's gradient was accumulated: in B, a block whose gradients are all there is done."""
         unit.ready += 1
-        if unit.ready == len(unit.params) and self._per_unit(unit) and self.kind == Kind.BACKWARD:
+        if unit.ready == len(unit.params) and self._per_unit(unit) and self._kind(unit) == Kind.BACKWARD:
             self._keep_grads(unit)
             unit.reshard()
 

@@ -1,0 +1,97 @@
+"""One step's gradient across the replica groups of its quorum: the token mean over the committed groups' tokens,
+summed in a fixed order so that any run of the same committed log gives the same bits.
+
+Inside group g the engine has already reduced the gradient over the group's own data ranks, normalised by the
+group's scored tokens N_g (``plait.parallel.loss_normalization``): G_g = dL_g/dtheta with L_g = S_g / N_g. One
+device trained on the union of the committed groups' batches computes L = sum_g S_g / sum_g N_g, so
+
+    G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
+
+and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (g, w_g, w_g L_g) and its owned
+gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in group order.
+Adding an exact zero never changes a floating-point sum, so a replay (``plait.ft.log``) in which every group is
+alive but those outside Q contribute w_g = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G
+bitwise. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
+
+Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
+gradient bytes, a shard under ZeRO), n/2 times a ring all-reduce's 2(n-1)/n x P_owned; for the two to eight
+replica groups of a job it buys an order that does not depend on which groups are alive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from plait.comm import Comm
+from plait.ft.quorum import AXIS
+from plait.logging import get_logger
+from plait.parallel.loss_normalization import TokenMeanStep
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Combined:
+    """What the quorum computed for one step."""
+
+    groups: list[int]
+    """The replica groups whose rows were summed (the quorum), in order."""
+    weights: list[float]
+    loss: float
+
+
+def group_weight(engine: object) -> tuple[float, torch.Tensor]:
+    """(w_g, L_g): this group's scored tokens (1 for a loss that is not a token mean) and its reported loss."""
+    loss, total = getattr(engine, "step_loss", None), getattr(engine, "step_total", None)
+    if loss is None or total is None:
+        raise RuntimeError("commit_gradients ran outside Engine.train_step")
+    reported = loss.report(total).detach().reshape(()).double().cpu()
+    weight = float(loss.counts.sum()) if isinstance(loss, TokenMeanStep) else 1.0
+    return weight, reported
+
+
+def combine(
+    grads: list[torch.Tensor],
+    comm: Comm,
+    group: int,
+    weight: float,
+    loss: torch.Tensor,
+    die_inside: Callable[[], bool] = lambda: False,
+) -> Combined:
+    """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring)."""
+    row = torch.tensor([float(group), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
+    rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, 3)
+    order = sorted(range(rows.shape[0]), key=lambda i: float(rows[i, 0]))
+    total = float(rows[:, 1].sum())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for members in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in members])
+        flat = flat.mul_(weight) if weight else torch.zeros_like(flat)
+        pending = comm.all_gather(flat, AXIS, async_op=True)
+        if die_inside():  # PLAIT_FT_FAULT=where=sync: die with the exchange in flight
+            log.error("PLAIT_FT_FAULT: dying inside the cross-group exchange")
+            os._exit(9)
+        gathered = pending.wait().view(rows.shape[0], -1)
+        summed = gathered[order[0]].clone()
+        for index in order[1:]:
+            summed += gathered[index]
+        summed /= max(total, 1.0)
+        offset = 0
+        for grad in members:
+            grad.copy_(summed[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    loss_sum = float(sum(float(rows[i, 2]) for i in order))
+    return Combined(
+        groups=[int(rows[i, 0]) for i in order],
+        weights=[float(rows[i, 1]) for i in order],
+        loss=loss_sum / total if total else float("nan"),
+    )
+
+
+__all__ = ["Combined", "combine", "group_weight"]

@@ -1,0 +1,112 @@
+"""How a replica group's ranks learn that they run under per-step fault tolerance: environment variables that the
+fault-tolerant launcher (``plait.ft.launch``, ``plait train --ft``) or a user's own torchrun command sets.
+
+    PLAIT_FT_GROUP       this replica group's index g in 0..R-1
+    PLAIT_FT_GROUPS      R, the replica groups of the job (HSDP's dp_replicate)
+    PLAIT_FT_LIGHTHOUSE  the quorum service's address (torchft's Lighthouse, e.g. http://127.0.0.1:29510)
+    PLAIT_FT_BIND        the interface this group's quorum server listens on (default 127.0.0.1: one machine)
+    PLAIT_FT_MIN_GROUPS  the fewest groups that may commit a step (default 1: the last group carries on alone)
+    PLAIT_FT_TIMEOUT_S   how long a cross-group operation or a quorum may take (default 60)
+    PLAIT_FT_REPLAY      a committed log (``plait.ft.log``): replay it without faults
+    PLAIT_FT_FAULT       a testing aid: "where=sync,step=3" (die inside the cross-group exchange of step 3) or
+                         "where=heal" (die while sending a healing replica its state)
+    PLAIT_FT_STEP_DELAY_S  a testing aid: sleep this long after each committed step (a tiny CPU model's steps take
+                         milliseconds; a restarted group must find the run still going to rejoin it)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+
+GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "PLAIT_FT_GROUP", "PLAIT_FT_GROUPS", "PLAIT_FT_LIGHTHOUSE"
+BIND_ENV, MIN_GROUPS_ENV, TIMEOUT_ENV = "PLAIT_FT_BIND", "PLAIT_FT_MIN_GROUPS", "PLAIT_FT_TIMEOUT_S"
+REPLAY_ENV, FAULT_ENV, DELAY_ENV = "PLAIT_FT_REPLAY", "PLAIT_FT_FAULT", "PLAIT_FT_STEP_DELAY_S"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class FTOptions:
+    """This replica group's part in a fault-tolerant job (module docstring)."""
+
+    group: int
+    groups: int
+    lighthouse: str
+    bind: str = "127.0.0.1"
+    min_groups: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    replay: str | None = None
+    fault: dict[str, str] | None = None
+    step_delay_s: float = 0.0
+
+    @staticmethod
+    def timeout_from_env(environ: Mapping[str, str] = os.environ) -> float:
+        """PLAIT_FT_TIMEOUT_S (ConfigError unless a number > 0)."""
+        return _timeout(environ)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FTOptions | None:
+        """The options the environment sets, or None when it sets none (plain training)."""
+        if GROUPS_ENV not in environ:
+            return None
+        groups = _integer(environ, GROUPS_ENV, 1)
+        group = _integer(environ, GROUP_ENV, 0)
+        if group >= groups:
+            raise ConfigError(
+                f"{GROUP_ENV}={group} must be below {GROUPS_ENV}={groups}. Fix: number groups 0..{groups - 1}."
+            )
+        lighthouse = environ.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise ConfigError(
+                f"{GROUPS_ENV} is set but {LIGHTHOUSE_ENV} is not: a replica group needs the quorum service's address. "
+                f"Fix: start one with `plait lighthouse` and set {LIGHTHOUSE_ENV} to the address it prints."
+            )
+        min_groups = _integer(environ, MIN_GROUPS_ENV, 1) if MIN_GROUPS_ENV in environ else 1
+        if min_groups > groups:
+            raise ConfigError(f"{MIN_GROUPS_ENV}={min_groups} exceeds the {groups} replica groups. Fix: 1..{groups}.")
+        timeout = cls.timeout_from_env(environ)
+        fault = None
+        if environ.get(FAULT_ENV):
+            fault = dict(item.split("=", 1) for item in environ[FAULT_ENV].split(",") if "=" in item)
+            if fault.get("where") not in ("sync", "heal"):
+                raise ConfigError(
+                    f"{FAULT_ENV}={environ[FAULT_ENV]!r}: where= must be sync or heal. Fix: where=sync,step=3."
+                )
+        return cls(
+            group=group,
+            groups=groups,
+            lighthouse=lighthouse,
+            bind=environ.get(BIND_ENV, "127.0.0.1") or "127.0.0.1",
+            min_groups=min_groups,
+            timeout_s=timeout,
+            replay=environ.get(REPLAY_ENV) or None,
+            fault=fault,
+            step_delay_s=float(environ.get(DELAY_ENV, "0") or 0),
+        )
+
+
+def _timeout(environ: Mapping[str, str]) -> float:
+    try:
+        timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    except ValueError:
+        timeout = -1.0
+    if not timeout > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={environ.get(TIMEOUT_ENV)!r} must be a number of seconds > 0. Fix: e.g. 60.")
+    return timeout
+
+
+def _integer(environ: Mapping[str, str], name: str, low: int) -> int:
+    text = environ.get(name, "")
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ConfigError(f"{name}={text!r} must be an integer >= {low}. Fix: set it as the launcher does.")
+    return value
+
+
+__all__ = ["FTOptions"]

@@ -1,0 +1,75 @@
+"""``plait train`` under per-step fault tolerance (``plait.ft``): what a replica group's run changes.
+
+A group is a job of its own (its own world, its layout with dp / R data ranks), but it reads the data of a job of
+R x its data ranks: data rank g x D + d of D x R (g: the group, d: the rank's data index in the group), so the R
+groups together train exactly the global batch the configuration names, and a healed group reads at step s what
+it would have read had it never been lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from plait.ft.log import FINGERPRINT
+from plait.ft.options import FTOptions
+from plait.train.config import RunConfig
+from plait.train.fault import restart_count
+
+STARTS = "starts.jsonl"
+"""Every start of a rank of the group (rank, pid, restart attempt): which processes ran it, and which were replaced."""
+
+NOT_TRAINING = (
+    "out",
+    "steps",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "save_every",
+    "keep_checkpoints",
+    "keep_every",
+    "tensorboard",
+    "samples",
+    "sample_tokens",
+    "async_save",
+)
+"""Settings that do not change what a step computes: replica groups (and a replay) may differ in them."""
+
+
+def fingerprint(config: RunConfig) -> dict[str, Any]:
+    """What every replica group of one job must share: the model, data, layout and the training settings that
+    change a step (a group started with anything else is refused when it heals)."""
+    whole = config.to_dict()
+    whole["train"] = {k: v for k, v in whole.get("train", {}).items() if k not in NOT_TRAINING}
+    return json.loads(json.dumps(whole, sort_keys=True, default=str))
+
+
+def data_ranks(options: FTOptions | None, index: int, size: int) -> tuple[int, int]:
+    """(data rank, data ranks) this rank reads as (module docstring)."""
+    if options is None:
+        return index, size
+    return options.group * size + index, options.groups * size
+
+
+def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
+    """The group's ``FaultTolerantSteps`` when the environment asks for fault tolerance, else None; rank 0 of the
+    group records the job's fingerprint in its folder (``plait.ft.log`` merges it)."""
+    options = FTOptions.from_env()
+    if options is None:
+        return None
+    from plait.ft.session import FaultTolerantSteps
+
+    print_ = fingerprint(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if world.rank == 0:
+        (run_dir / FINGERPRINT).write_text(json.dumps(print_, indent=1, sort_keys=True))
+    start = {"rank": world.rank, "pid": os.getpid(), "attempt": restart_count(), "time": round(time.time(), 3)}
+    with open(run_dir / STARTS, "a") as handle:  # one short line per write: appends of ranks do not interleave
+        handle.write(json.dumps(start) + "\n")
+    return FaultTolerantSteps(options, engine, world, print_)
+
+
+__all__ = ["data_ranks", "fingerprint", "start"]
