@@ -181,23 +181,17 @@ def test_muon_under_zero3_is_equal_although_newton_schulz_amplifies_rounding(fol
     budget, yet o_proj's step 112 bf16 ulps from the one-process one (2.2 x the fixed 2^3-ulp allowance), as
     torch.optim.Muon alone makes it from the two runs' gradients: its bf16 Newton-Schulz amplifies their rounding
     difference. Equal with the measured allowance (``plait.certification.muon``); it was said to DIFFER."""
+    from helpers import hf
+
+    config = hf.make_model("llama", num_hidden_layers=3, vocab_size=260).config  # the fixture's Llama, other weights
     torch.manual_seed(7)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=260,
-        max_position_embeddings=SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     muon = job(folders, "llama", 'train.optimizer="muon"', "model.num_hidden_layers=2")
     overrides = [*muon, f"model.hf={str(tmp_path / 'llama')!r}"]
-    assert_equal(certify(None, ["dp=2,zero=3"], steps=2, overrides=overrides))
+    certificate = certify(None, ["dp=2,zero=3"], steps=2, overrides=overrides)
+    assert_equal(certificate)
+    o_proj = certificate.layouts[0].steps[0].params["model.layers.1.self_attn.o_proj.weight"]
+    assert o_proj.max_abs > 1e-5, o_proj  # the amplified case: the fixed allowance of its 5e-5 step is 1.6e-6
 
 
 # ----------------------------------------------------------------- the mutant: a wrong rotary offset under cp
