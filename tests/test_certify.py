@@ -53,17 +53,24 @@ def test_bad_input_is_one_line_with_the_fix(layouts, kwargs, words):
     assert words in message and "Fix:" in message and "\n" not in message, message
 
 
-def test_a_hugging_face_model_cannot_be_sliced():
-    config = load_config(None, [*JOB, 'model.hf_config="config.json"'])
-    with pytest.raises(ConfigError, match="cannot set the depth of a Hugging Face model.*Fix:"):
-        CertifyJob(config, ["dp=2"], layers=2).check()
+def test_a_hugging_face_model_is_sliced_to_its_first_layers(tmp_path):
+    """``--layers`` sets a Hugging Face model's ``num_hidden_layers`` (tests/test_certify_hf.py certifies such a
+    slice of a folder's weights); a slice deeper than the model is refused before any process."""
+    fields = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 16, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "vocab_size": 16, "max_position_embeddings": 8}))
+    config = load_config(None, [*JOB, f"model.hf_config={str(tmp_path / 'config.json')!r}"])
+    assert CertifyJob(config, ["dp=2"], layers=2).check().config.model["num_hidden_layers"] == 2
+    with pytest.raises(ConfigError, match="has 4 layers, and a slice keeps the first N of them. Fix:"):
+        CertifyJob(config, ["dp=2"], layers=5).check()
 
 
 def test_layouts_resolve_on_the_configured_layout_and_slices_keep_widths():
-    job = _job(["tp=2", "dp=2,zero=3", "pp=2,microbatches=2"], layers=1).check()
+    job = _job(["tp=2", "dp=2,zero=3", "pp=2,microbatches=2"], layers=2).check()
     assert [layout.world_size for layout in job.resolved] == [2, 2, 2]
     assert job.resolved[0].dp == 1 and job.resolved[1].zero == 3 and job.resolved[2].microbatches == 2
-    assert job.config.model["n_layer"] == 1 and job.config.model["d_model"] == 64
+    assert job.config.model["n_layer"] == 2 and job.config.model["d_model"] == 64
+    with pytest.raises(ConfigError, match="layout 'pp=2,microbatches=2': the pipeline needs .* 2 stages.*Fix:"):
+        _job(["pp=2,microbatches=2"], layers=1).check()  # one block cannot make two stages: refused before any process
     assert parse_layout("tp=2, sequence_parallel=true", Layout()).sequence_parallel is True
 
 

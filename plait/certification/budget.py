@@ -29,7 +29,9 @@ tests/test_certify.py stay 380x and more outside it. The dtypes:
   the noise and can be anything up to a full step of either sign) may move by up to 2 (1 + s) times the largest
   step the reference took on any parameter (the optimizer's step size at s; the tensor's own largest step is not
   a bound: a key bias whose every gradient is noise took a tiny step in the reference and a different one here). Muon orthogonalises its update with a bf16
-  Newton-Schulz iteration: 2^3 bf16 ulps of the update are added for every parameter when Muon steps.
+  Newton-Schulz iteration: 2^3 bf16 ulps of the update are added for every parameter when Muon steps, and for
+  each matrix Muon steps twice what Muon itself makes of the two runs' gradients, measured in the layout's ranks
+  (``plait.certification.muon``: Newton-Schulz amplifies rounding in ill-conditioned directions).
 
 k = 1 (one process, one micro-batch) reorders nothing: the runs must then be **bitwise** equal, and certify says
 so when they are.

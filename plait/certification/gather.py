@@ -9,9 +9,10 @@ exactly one rank of those groups, so the sum adds only zeros to it: exact.
 
 Activations: a module's outputs of this rank's micro-batches are concatenated (the rows of a micro-batch follow
 those of the one before), then gathered over dp (rows: rank r holds rows [rG/n, (r+1)G/n)), over Megatron-SP's tp
-and cp along the sequence (cp's zigzag or contiguous order put back by ``SequenceSharding.gathered_order``), and
-over tp along a feature dimension that tp splits (fused blocks re-ordered). A tensor that still does not have the
-single-device shape is "not comparable" (e.g. an expert's dispatched tokens): skipped, and listed as such.
+and cp along the sequence (dimension 1, or 2 for an attention core's [B, H, T, D]; cp's zigzag or contiguous order
+put back by ``SequenceSharding.gathered_order``), and over tp along a feature dimension that tp splits (fused
+blocks re-ordered). A tensor that still does not have the single-device shape is "not comparable" (e.g. an
+expert's dispatched tokens): skipped, and listed as such.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def _unfuse(parts: list[torch.Tensor], fused: int, dim: int) -> torch.Tensor:
     return torch.cat([pieces[r][f] for f in range(fused) for r in range(len(parts))], dim)
 
 
+def _sequence_dim(tensor: torch.Tensor, whole_shape: torch.Size, seq_len: int) -> int | None:
+    """The dimension holding the sequence: 1 for [B, T, ...] (hidden states, logits, a rotary table), 2 for an
+    attention core's [B, H, T, D] (heads before the sequence); None for anything else."""
+    if tensor.dim() < 2 or len(whole_shape) != tensor.dim():
+        return None
+    if whole_shape[1] == seq_len:
+        return 1
+    return 2 if tensor.dim() == 4 and whole_shape[2] == seq_len else None
+
+
 def whole_activation(
     engine: Any, tensor: torch.Tensor, whole_shape: torch.Size, seq_len: int, fused: int = 1
 ) -> torch.Tensor | None:
@@ -87,13 +98,19 @@ def whole_activation(
         return tensor.cpu() if tensor.shape == whole_shape else None
     if layout.dp > 1:
         tensor = comm.all_gather(tensor, "dp", dim=0)
-    if tensor.dim() >= 2 and len(whole_shape) == tensor.dim() and whole_shape[1] == seq_len:
-        if layout.sequence_parallel and layout.tp > 1 and tensor.shape[1] * layout.tp * layout.cp == seq_len:
+    seq = _sequence_dim(tensor, whole_shape, seq_len)
+    if seq is not None:
+        if (
+            layout.sequence_parallel
+            and layout.tp > 1
+            and seq == 1
+            and tensor.shape[1] * layout.tp * layout.cp == seq_len
+        ):
             tensor = comm.all_gather(tensor.contiguous(), "tp", dim=1)
-        if layout.cp > 1 and tensor.shape[1] * layout.cp == seq_len:
-            gathered = comm.all_gather(tensor.contiguous(), "cp", dim=1)
+        if layout.cp > 1 and tensor.shape[seq] * layout.cp == seq_len:
+            gathered = comm.all_gather(tensor.contiguous(), "cp", dim=seq)
             order = SequenceSharding(layout.cp_mode, layout.cp, mesh.index("cp")).gathered_order(seq_len)
-            tensor = gathered.index_select(1, torch.argsort(order).to(gathered.device))
+            tensor = gathered.index_select(seq, torch.argsort(order).to(gathered.device))
     if layout.tp > 1 and tensor.dim() == len(whole_shape):
         for dim in range(tensor.dim()):
             if tensor.shape[dim] != whole_shape[dim] and tensor.shape[dim] * layout.tp == whole_shape[dim]:

@@ -4,7 +4,8 @@ the layouts to certify, checked before any process starts; and, on a rank, that 
 The job is the one ``plait train`` runs: ``plait.train.loop.build`` makes the data, the model, the optimizer, its
 schedule, the loss and the clipping from the same configuration. ``model_factory`` (``"module:function"``) swaps in
 a user's own ``nn.Module`` factory, trained with the LM loss on the job's data; ``layers`` certifies a depth-N slice
-of a model too large for one process (the same widths).
+of a model too large for one process (the same widths: plait's GPT's ``n_layer``, a Hugging Face model's
+``num_hidden_layers`` with the folder's weights of its first N layers).
 
 A layout is written as ``plait train``'s ``--set layout.KEY=VALUE`` values joined by commas: ``"tp=2,pp=2,
 microbatches=4"``; the keys not given are the configuration's ``[layout]`` (where ``dp=-1`` takes the ranks the
@@ -22,12 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.errors import ConfigError, LayoutError, PlaitError
+from plait.errors import ConfigError, LayoutError, PlaitError, ScheduleError
 from plait.layout import Layout
 from plait.train.config import RunConfig, parse_value
 
-SLICEABLE_KEYS = ("n_layer",)
-"""The [model] keys that set a model's depth (plait's GPT and its presets); ``--layers`` sets them."""
+SLICE_KEYS = {"gpt": "n_layer", "hf": "num_hidden_layers"}
+"""The [model] key ``--layers`` sets: plait's GPT and its presets' ``n_layer``; a Hugging Face model's
+``num_hidden_layers`` (``plait.models.hf_load.depth_slice``: its first N layers, the folder's weights of those)."""
 
 
 def parse_layout(text: str, base: Layout) -> Layout:
@@ -140,6 +142,38 @@ class CertifyJob:
                     SequenceSharding(str(layout.cp_mode), layout.cp, 0).check_length(dataset.seq_len)
                 except LayoutError as error:
                     raise ConfigError(f"layout {text!r}: {_one_line(error)}") from error
+        if not self.model_factory:
+            self._check_plans(dataset.vocab_size, dataset.seq_len)
+
+    def _check_plans(self, vocab_size: int, seq_len: int) -> None:
+        """Each layout's plans for the job's model as ``plait.parallelize`` makes them before any collective: the
+        pipeline split, context, expert and tensor parallelism, pure checks on the model built on the meta device
+        (nothing allocated). What every rank would refuse (a Hugging Face Llama's attention under
+        sequence_parallel, a vocabulary tp does not divide, pp with cp on a Hugging Face model) is refused here in
+        one line, before any process. A ``--model`` factory is not built here: it may patch the process it runs in."""
+        from plait.models.build import build_model
+        from plait.models.hf import is_hf_model, return_logits
+        from plait.models.hf_moe import adapt_hf_moe
+        from plait.parallel.context.apply import plan_context_parallel
+        from plait.parallel.expert.plan import plan_expert_parallel
+        from plait.parallel.materialize import deferred_init
+        from plait.parallel.pipeline.apply import plan_pipeline
+        from plait.parallel.tensor.apply import plan_tensor_parallel
+        from plait.train.optim import optimizer_factory
+
+        optimizer = optimizer_factory(self.config.train, "cpu")
+        for text, layout in zip(self.layouts, self.resolved):
+            model = deferred_init(build_model, self.config.model, vocab_size, seq_len, weights=False)
+            if is_hf_model(model):  # as parallelize adapts it: logits out, MoE blocks as plait's
+                return_logits(model)
+                adapt_hf_moe(model)
+            try:
+                plan_pipeline(model, layout, list(layout.pipeline_cuts) or None)
+                plan_context_parallel(model, layout)
+                plan_expert_parallel(model, layout, optimizer)
+                plan_tensor_parallel(model, layout)
+            except (LayoutError, ScheduleError) as error:
+                raise ConfigError(f"layout {text!r}: {_one_line(error)}") from error
 
 
 def _needed(layout: Layout) -> int:
@@ -151,15 +185,18 @@ def _needed(layout: Layout) -> int:
 
 
 def sliced(config: RunConfig, layers: int, own_model: bool) -> RunConfig:
-    """``config`` with its model cut to ``layers`` blocks (the same widths); ConfigError for a model whose depth
-    certify cannot set."""
-    if own_model or "hf" in config.model or "hf_config" in config.model:
-        what = "--model's factory" if own_model else "a Hugging Face model"
+    """``config`` with its model cut to its first ``layers`` blocks, the same widths (``SLICE_KEYS``); ConfigError
+    for a user's own model factory, whose depth certify cannot set."""
+    from plait.models.build import is_hf_section
+
+    if own_model:
         raise ConfigError(
-            f"--layers {layers}: certify cannot set the depth of {what}. Fix: certify a plait GPT or preset "
-            f"([model] n_layer / preset), or build the shallower model yourself (e.g. a factory with fewer layers)."
+            f"--layers {layers}: certify cannot set the depth of --model's factory (its code builds the model). Fix: "
+            f"make the factory build the shallower model (e.g. read the depth from an environment variable), and "
+            f"drop --layers; or certify a plait GPT, preset or Hugging Face model (--set model.hf=FOLDER) with --layers."
         )
-    return dataclasses.replace(config, model={**config.model, "n_layer": layers})
+    key = SLICE_KEYS["hf" if is_hf_section(config.model) else "gpt"]
+    return dataclasses.replace(config, model={**config.model, key: layers})
 
 
 def load_factory(spec: str, flag: str = "--model", what: str = "a function returning the nn.Module") -> Any:

@@ -11,6 +11,7 @@ compares them module by module).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from plait.certification.budget import Budget
 from plait.certification.compare import TensorDiff, diff_tensor, rms
 from plait.certification.gather import whole_activation, whole_gradients, whole_parameters
 from plait.certification.job import CertifyJob, build_engine, reference_layout
+from plait.certification.muon import MuonSpread, muon_of
 from plait.certification.tape import ModuleTape
 from plait.data import ShardedBatches
 from plait.determinism import check_group, make_deterministic, state
@@ -59,6 +61,8 @@ def reference_rank(job: CertifyJob, folder: str, locate: int | None = None) -> d
     root = Path(folder)
     if locate is None:
         torch.save(whole_parameters(engine), root / "init.pt")
+        settings, names = muon_of(engine)  # what Muon steps, for the layouts' measured allowance (certification.muon)
+        (root / "muon.json").write_text(json.dumps({"settings": settings, "names": names}))
     caught = _grad_catcher(engine)
     tape = ModuleTape(engine.model) if locate is not None else None
     out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "order": [], "determinism": state()}
@@ -99,6 +103,9 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
     caught = _grad_catcher(engine)
     previous = torch.load(root / "init.pt", mmap=True, weights_only=True)
     noise: dict[str, torch.Tensor] = {}
+    muon = json.loads((root / "muon.json").read_text())
+    spread = MuonSpread(muon["settings"], set(muon["names"])) if muon["settings"] else None
+    muon_allowed: dict[str, torch.Tensor] = {}  # per Muon matrix: its measured spread times the steps, so far
     out: dict[str, Any] = {"losses": [], "grad_norms": [], "squares": [], "grads": [], "params": []}
     out["determinism"] = state()
     for step in range(job.steps):
@@ -121,9 +128,15 @@ def layout_rank(job: CertifyJob, index: int, budget: Budget, folder: str, locate
             for name, value in params.items()
         }
         any_step = max(steps_taken.values(), default=0.0)  # the optimizer's step size: what noise may be turned into
+        for name, grad in grads.items():
+            measured = spread.spread(name, grad, reference["grads"][name]) if spread is not None else None
+            if measured is not None:  # twice what Muon itself makes of the two runs' gradients
+                muon_allowed[name] = muon_allowed.get(name, 0.0) + 2 * measured * steps_taken.get(name, 0.0)
         for name, value in params.items():
             wanted = reference["params"][name]
             extra: torch.Tensor | float = budget.update_rel * (1 + step) * steps_taken[name]
+            if name in muon_allowed:
+                extra = extra + muon_allowed[name]
             if name in noise:  # a key bias's gradient: how far Adam moves it depends on the noise, up to a full step
                 extra = extra + noise[name].double() * 2 * (1 + step) * any_step
             param_diffs[name] = diff_tensor(name, value, wanted, rel, extra)

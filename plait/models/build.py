@@ -5,7 +5,8 @@ The section is the same in ``plait train`` and ``plait ps`` (``RunConfig.model``
 - the reference GPT: ``GPTConfig`` fields, optionally on top of a named ``preset`` (``plait.models.presets``;
   the other keys override the preset's fields); ``vocab_size`` and ``seq_len`` default to the data's;
 - a Hugging Face causal LM: ``hf = "FOLDER"`` (a ``save_pretrained`` folder: its weights) or
-  ``hf_config = "config.json"`` (fresh weights), from local files only (``plait.models.hf_load``).
+  ``hf_config = "config.json"`` (fresh weights), from local files only (``plait.models.hf_load``); with
+  ``num_hidden_layers = N`` a depth-N slice of it (its first N layers, the same widths).
 
 A model smaller than its data (fewer positions than a sample's tokens, or fewer embeddings than the data's
 vocabulary) is refused with a ``ConfigError`` naming both, before any weight is built (for an HF model, right
@@ -58,12 +59,11 @@ def check_model_section(section: Mapping[str, Any], vocab_size: int, seq_len: in
         return
     from pathlib import Path
 
-    from plait.models.hf_load import check_weights_folder, read_config
+    from plait.models.hf_load import check_weights_folder, section_fields
 
     if "hf" in section:
         check_weights_folder(Path(str(section["hf"])))
-    elif "hf_config" in section:
-        read_config(Path(str(section["hf_config"])))
+    section_fields(section)  # a readable config.json, and a num_hidden_layers slice it allows
 
 
 def build_model(section: Mapping[str, Any], vocab_size: int, seq_len: int, weights: bool = True) -> nn.Module:

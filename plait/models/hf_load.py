@@ -19,6 +19,11 @@ transformers or the planner reads them (``hf_fields``), and every config transfo
 ``read_hf_weights`` read them for plait's own loaders (``plait convert``, ``train.init_from``, ``plait
 generate``), a corrupt file being one ``ConfigError`` line.
 
+``[model] num_hidden_layers = N`` (``plait certify --layers N``) builds a depth-N slice of either: the config's
+layer count set to N and its per-layer lists cut to the first N layers (``depth_slice``), every width unchanged; a
+folder's tensors of the later layers are then not the model's and are not read (as ``from_pretrained`` ignores
+unexpected tensors), so the slice holds the folder's embeddings, first N layers, final norm and head.
+
 ``check_fits`` refuses data the model cannot read: token ids beyond its embedding table, samples longer than
 its positions.
 """
@@ -37,12 +42,17 @@ from torch import nn
 from plait import files, hf_folders
 from plait.errors import ConfigError
 from plait.logging import get_logger
-from plait.models.hf_fields import check_fields
+from plait.models.hf_fields import LAYER_KEYS, check_fields
 from plait.models.hf_moe import fuse_expert_layout
 
 log = get_logger(__name__)
-HF_KEYS = ("hf", "hf_config", "attn_implementation")
-"""The ``[model]`` keys of a Hugging Face model (``attn_implementation``: "eager", "sdpa", ...; default sdpa)."""
+HF_KEYS = ("hf", "hf_config", "attn_implementation", "num_hidden_layers")
+"""The ``[model]`` keys of a Hugging Face model (``attn_implementation``: "eager", "sdpa", ...; default sdpa;
+``num_hidden_layers``: a depth-N slice, ``depth_slice``)."""
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+"""config.json lists with one entry per decoder layer (attention kind, RoPE or not): a slice keeps the first N."""
+LAYER_INDEX_KEYS = ("mlp_only_layers",)
+"""config.json lists of decoder layer indices (Qwen-MoE's dense layers): a slice keeps those below N."""
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5", "flax_model.msgpack")
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -175,6 +185,39 @@ def read_config(path: Path, key: str = "model.hf_config") -> dict[str, Any]:
     return fields
 
 
+def depth_slice(fields: dict[str, Any], layers: Any, where: str) -> dict[str, Any]:
+    """``fields`` (a checked config.json's) cut to its first ``layers`` decoder layers, the widths unchanged: the
+    family's layer count (``hf_fields.LAYER_KEYS``: GPT-2's ``n_layer``, Llama's ``num_hidden_layers``, ...) set to
+    ``layers``, its per-layer lists cut to their first ``layers`` entries and its lists of layer indices kept below
+    ``layers``. ConfigError when ``layers`` is not a whole number from 1 to the model's own depth."""
+    key = next((k for k in LAYER_KEYS if fields.get(k) is not None), "num_hidden_layers")
+    depth = fields.get(key)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1 or (depth is not None and layers > depth):
+        raise ConfigError(
+            f"model.num_hidden_layers={layers!r}: {where} has {depth if depth is not None else 'an unknown number of'} "
+            f"layers, and a slice keeps the first N of them. Fix: a whole number from 1 to {depth or 'its depth'}."
+        )
+    out = {**fields, key: layers}
+    for name in PER_LAYER_KEYS:
+        if isinstance(out.get(name), list):
+            out[name] = out[name][:layers]
+    for name in LAYER_INDEX_KEYS:
+        if isinstance(out.get(name), list):
+            out[name] = [index for index in out[name] if isinstance(index, int) and index < layers]
+    return out
+
+
+def section_fields(section: Mapping[str, Any]) -> tuple[Path, str, dict[str, Any]]:
+    """The config.json fields a ``[model]`` section with ``hf`` or ``hf_config`` describes (``read_config``; a
+    ``num_hidden_layers`` slice applied), with the path they came from and the key that named it."""
+    key = "model.hf" if "hf" in section else "model.hf_config"
+    path = Path(str(section["hf"] if "hf" in section else section["hf_config"]))
+    fields = read_config(path, key)
+    if section.get("num_hidden_layers") is not None:
+        fields = depth_slice(fields, section["num_hidden_layers"], f"{key}={str(path)!r}")
+    return path, key, fields
+
+
 def hf_config(transformers: Any, fields: dict[str, Any], where: str) -> Any:
     """The transformers config of the checked ``fields`` (``read_config``); a config transformers refuses (its own
     validation: a wrong type, an inconsistent architecture) is one ConfigError line naming ``where``."""
@@ -197,37 +240,37 @@ def build_hf_model(section: Mapping[str, Any], weights: bool = True) -> nn.Modul
     unknown = sorted(set(section) - set(HF_KEYS))
     if unknown or ("hf" in section) == ("hf_config" in section):
         raise ConfigError(
-            f"[model] with a Hugging Face model takes exactly one of hf / hf_config (and attn_implementation); "
-            f"got {sorted(section)}. Fix: drop {unknown or ['hf_config']} (the model's sizes come from its config)."
+            f"[model] with a Hugging Face model takes exactly one of hf / hf_config (and attn_implementation, "
+            f"num_hidden_layers); got {sorted(section)}. Fix: drop {unknown or ['hf_config']} (the model's sizes "
+            f"come from its config)."
         )
     transformers = _require_transformers()
     options: dict[str, Any] = {"attn_implementation": section.get("attn_implementation", "sdpa")}
+    if "hf" in section:
+        check_weights_folder(Path(str(section["hf"])))
+    path, key, fields = section_fields(section)
+    config = hf_config(transformers, fields, f"{key}: {path}")
     if "hf" in section and not weights:
-        folder = Path(str(section["hf"]))
-        check_weights_folder(folder)
-        config = hf_config(transformers, read_config(folder), f"model.hf: {folder}")
         model = transformers.AutoModelForCausalLM.from_config(
             config, trust_remote_code=False, dtype=torch.float32, **options
         )
-        log.info("built %s from %s (its weights are read where they are kept)", type(model).__name__, folder)
+        log.info("built %s from %s (its weights are read where they are kept)", type(model).__name__, path)
     elif "hf" in section:
-        folder = Path(str(section["hf"]))
-        check_weights_folder(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder),
-            config=hf_config(transformers, read_config(folder, "model.hf"), f"model.hf: {folder}"),
+            str(path),
+            config=config,
             local_files_only=True,
             use_safetensors=True,
             trust_remote_code=False,
             dtype="float32",
             **options,
         )
-        log.info("loaded %s from %s", type(model).__name__, folder)
+        log.info("loaded %s from %s", type(model).__name__, path)
     else:
-        path = Path(str(section["hf_config"]))
-        config = hf_config(transformers, read_config(path), f"model.hf_config: {path}")
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False, **options)
-        log.info("built %s from %s (fresh weights)", type(model).__name__, section["hf_config"])
+        log.info("built %s from %s (fresh weights)", type(model).__name__, path)
+    if section.get("num_hidden_layers") is not None:
+        log.info("%s: a slice of its first %s layers (model.num_hidden_layers)", path, section["num_hidden_layers"])
     return model
 
 
@@ -263,11 +306,13 @@ __all__ = [
     "build_hf_model",
     "check_fits",
     "check_weights_folder",
+    "depth_slice",
     "hf_config",
     "load_safetensors",
     "model_context",
     "read_config",
     "read_hf_weights",
     "safetensors_file",
+    "section_fields",
     "weight_files",
 ]

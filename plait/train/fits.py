@@ -54,11 +54,10 @@ def model_spec(section: Mapping[str, Any], vocab_size: int, seq_len: int) -> Mod
 
     if not is_hf_section(section):
         return ModelSpec.from_gpt_config(model_config(section, vocab_size, seq_len))
-    from plait.models.hf_load import read_config
+    from plait.models.hf_load import section_fields
     from plait.planner.hf_config import spec_from_hf_dict
 
-    source = Path(str(section.get("hf", section.get("hf_config"))))
-    fields = read_config(source, "model.hf" if "hf" in section else "model.hf_config")
+    source, _, fields = section_fields(section)  # a num_hidden_layers slice: the planner costs its layers only
     try:
         return spec_from_hf_dict(fields, str(source), source.stem, seq_len)
     except (ValueError, TypeError, OverflowError) as error:  # ConfigError too: a family the planner does not cost

@@ -130,3 +130,57 @@ def tiny_moe() -> GPT:
         n_shared_experts=1,
     )
     return GPT(config)
+
+
+# ----------------------------------------------------------------- a wrong rotary offset under cp (certhf)
+def tiny_rope_gpt() -> GPT:
+    """``tiny_gpt`` with rotary position embeddings (RoPE, grouped-query attention): positions enter every
+    attention layer's q and k, so each cp rank must rotate its tokens by their global positions."""
+    uneven_rows()
+    config = GPTConfig(
+        vocab_size=12, seq_len=8, n_layer=2, n_head=4, n_kv_head=2, d_model=16, bias=False, position="rope"
+    )
+    return GPT(config)
+
+
+def tiny_hf_llama() -> torch.nn.Module:
+    """The HF parity tests' tiny Llama (``helpers.hf.make_model``: RoPE, 4 heads over 2 key/value heads, eager
+    attention) at d 16 for the addition task's vocabulary (12) and sequence (8), with ``tiny_gpt``'s uneven rows."""
+    from helpers.hf import make_model
+
+    uneven_rows()
+    return make_model("llama", hidden_size=16, intermediate_size=32, vocab_size=12, max_position_embeddings=8)
+
+
+def _rotary_offset_dropped() -> None:
+    """Every cp rank's positions from 0 (``arange(T / cp)``) instead of the global positions of its tokens (with
+    the zigzag layout, of its two chunks): the tokens each rank holds, and the attention's causal order over
+    them, stay right; only the rotary embedding (plait's GPT's ``positions``, a transformers model's
+    ``position_ids``) sees the wrong places. Packed documents' positions pass unchanged."""
+    from plait.parallel.context import hf, hooks
+
+    def plait_call(self, local_tokens, index, rest, kwargs):  # noqa: ANN001, ANN202
+        given = rest[0] if rest else kwargs.get("positions")
+        return call(self, local_tokens, index if given is not None else torch.arange(len(index)), rest, kwargs)
+
+    def hf_call(self, local_tokens, index, rest, kwargs):  # noqa: ANN001, ANN202
+        given = kwargs.get("position_ids")
+        return hf_original(self, local_tokens, index if given is not None else torch.arange(len(index)), rest, kwargs)
+
+    call, hf_original = hooks.ContextParallelModel.local_call, hf.HuggingFaceContextParallelModel.local_call
+    hooks.ContextParallelModel.local_call = plait_call  # type: ignore[method-assign]
+    hf.HuggingFaceContextParallelModel.local_call = hf_call  # type: ignore[method-assign]
+
+
+def cp_rotary_offset_dropped() -> GPT:
+    """``tiny_rope_gpt`` whose cp ranks rotate from position 0 (``_rotary_offset_dropped``) -> the attention
+    core of the first block (the rotation happens in its q and k, which are right until rotated)."""
+    _rotary_offset_dropped()
+    return tiny_rope_gpt()
+
+
+def hf_cp_rotary_offset_dropped() -> torch.nn.Module:
+    """``tiny_hf_llama`` whose cp ranks pass ``position_ids`` from 0 -> the model's rotary module
+    (``model.rotary_emb``: its cos / sin of the wrong positions)."""
+    _rotary_offset_dropped()
+    return tiny_hf_llama()
