@@ -200,8 +200,22 @@ def train(
         poller.join()
     text = stderr.read_text()
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{text[-3000:]}")
+        raise JobFailed(f"{' '.join(command)} failed ({done.returncode}):\n{text[-3000:]}")
     return Job(out, done.returncode, text, poller.seen if poller is not None else [])
+
+
+class JobFailed(RuntimeError):
+    """A ``plait train`` of the benchmark exited non-zero."""
+
+
+def train_again_once(out: Path, *args: Any, **kwargs: Any) -> Job:
+    """``train``, once more in a fresh folder if it fails (on a shared machine a job is sometimes stopped from
+    outside: a SIGTERM it did not ask for); a second failure ends the benchmark."""
+    try:
+        return train(out, *args, **kwargs)
+    except JobFailed as error:
+        print(f"{str(error)[:400]}\n... retrying once", file=sys.stderr)  # noqa: T201 - a command-line report
+        return train(out.with_name(out.name + "-again"), *args, **kwargs)
 
 
 def steady_step(times: dict[int, float], first: int, last: int) -> float:
@@ -434,8 +448,8 @@ def measure(settings: Settings, folder: Path) -> str:
     fts = {}
     for ms in settings.heartbeats_ms:
         env = {**kill, "PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FT_HEARTBEAT_MS": str(ms)}
-        fts[ms] = fault_ft(train(folder / f"fault-ft-{ms}", settings.ft_steps, HSDP, True, every, env), k)
-    restart_job = train(folder / "fault-restart", settings.restart_steps, HSDP, False, every, kill)
+        fts[ms] = fault_ft(train_again_once(folder / f"fault-ft-{ms}", settings.ft_steps, HSDP, True, every, env), k)
+    restart_job = train_again_once(folder / "fault-restart", settings.restart_steps, HSDP, False, every, kill)
     fault = fault_table(fts, fault_restart(restart_job, k), settings)
     heartbeat = {"PLAIT_FT_HEARTBEAT_MS": str(settings.heartbeats_ms[0])}
     rounds = []
@@ -443,7 +457,7 @@ def measure(settings: Settings, folder: Path) -> str:
     for number in range(settings.rounds):
         result = {}
         for name, layout, ft in order if number % 2 == 0 else order[::-1]:
-            job = train(folder / f"{name}-{number}", settings.steps, layout, ft, env=heartbeat)
+            job = train_again_once(folder / f"{name}-{number}", settings.steps, layout, ft, env=heartbeat)
             result[name] = step_times(job, ft, settings.warmup)
         rounds.append(result)
     steady = steady_tables(rounds, parameter_count())
