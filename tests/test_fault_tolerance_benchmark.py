@@ -39,6 +39,7 @@ def test_ft_time_lost_from_a_timeline(tmp_path):
     assert row["no_progress_s"] == pytest.approx(3.0)  # 13 - 9 - 1
     assert row["full_s"] == pytest.approx(8.0)  # 18 - 9 - 1
     assert row["capacity_s"] == pytest.approx(9.0 - 3.5)
+    assert row["capacity_at_T_s"] == pytest.approx(3.0 + (8.0 - 3.0) / 2)  # group 0 went on: half the rest lost
     assert row["failed_attempts"] == 1 and row["restarted_s"] == pytest.approx(7.5)
     assert (row["healed_from"], row["healed_at"], row["degraded_steps"]) == (8, 15, 5)
 
@@ -52,7 +53,8 @@ def test_restart_time_lost_counts_the_gap_and_the_redone_steps():
     row = fault_restart(job, kill=25)
     assert (row["resumed_from"], row["redone"]) == (20, 4)
     assert row["down_s"] == pytest.approx(40 - 24 - 1)
-    assert row["full_s"] == row["capacity_s"] == row["no_progress_s"] == pytest.approx(44 - 24 - 1)
+    lost = (row["full_s"], row["capacity_s"], row["capacity_at_T_s"], row["no_progress_s"])
+    assert lost == pytest.approx((44 - 24 - 1,) * 4)
     assert row["redo_s"] == pytest.approx(4.0)
 
 
