@@ -13,5 +13,6 @@
 Stand-alone comparisons, each with its own command (BENCHMARKS.md): ``muon.py`` (and DeepSpeed's Muon),
 ``moe.py`` + ``moe_deepspeed.py`` (plait's MoE against DeepSpeed-MoE in its own virtualenv; ep against none),
 ``recompute.py``, ``checkpoint.py``, ``param_server.py``, ``context_memory.py``, ``gpu.py``, ``data_prepare.py``,
-``planner_validation.py`` and ``planner_published.py``.
+``planner_validation.py``, ``planner_published.py``, ``stragglers.py``, ``semisync.py`` and
+``fault_tolerance.py`` (``plait train --ft`` against restart-and-resume, and HSDP as two nodes).
 """
