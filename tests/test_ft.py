@@ -119,6 +119,7 @@ def test_the_committed_log_merges_the_groups_records_and_refuses_a_disagreement(
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.cli
+@pytest.mark.timeout(900)  # two fault-tolerant runs and a reference: ~2 min on 2 idle cores, more when busy
 def test_a_killed_rank_heals_from_a_live_group_and_the_run_replays_bitwise(tmp_path):
     steps, run = 160, tmp_path / "run"
     # steps of 0.2 s at least: the restarted group (~20 s on a busy 2-core machine) rejoins a run still going

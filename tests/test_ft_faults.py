@@ -18,7 +18,7 @@ from helpers import ft
 from plait.checkpoint import load_full_state
 from plait.ft.log import replica_dir
 
-pytestmark = [pytest.mark.distributed, pytest.mark.long, pytest.mark.cli]
+pytestmark = [pytest.mark.distributed, pytest.mark.long, pytest.mark.cli, pytest.mark.timeout(900)]
 THREE_GROUPS = ["--nproc", "3"] + [
     arg for s in ("layout.dp_replicate=3", "layout.zero=0", "train.global_batch=48") for arg in ("--set", s)
 ]

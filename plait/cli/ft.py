@@ -52,7 +52,7 @@ def add_lighthouse_command(commands: Any) -> None:
     lighthouse.add_argument(
         "--bind", default="127.0.0.1:29510", help="HOST:PORT to serve on (default 127.0.0.1:29510: this machine only)"
     )
-    lighthouse.add_argument("--heartbeat-ms", type=int, default=5000, help="a group silent this long is dropped")
+    lighthouse.add_argument("--heartbeat-ms", type=int, default=2000, help="a group silent this long is dropped")
 
 
 def run_lighthouse(args: argparse.Namespace) -> int:

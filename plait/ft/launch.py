@@ -28,6 +28,9 @@ from plait.logging import get_logger
 
 log = get_logger(__name__)
 HEARTBEAT_ENV = "PLAIT_FT_HEARTBEAT_MS"
+HEARTBEAT_MS = 2000
+"""How long a group may stay silent before the quorum service drops it: the live groups stall this long after a
+loss (torchft's managers beat every 100 ms from a thread of their own, so a slow step does not look silent)."""
 FAULT_GROUP_ENV = "PLAIT_FT_FAULT_GROUP"
 """A testing aid: the replica groups ("1" or "1,2") that PLAIT_FAULT_INJECT applies to (the others run clean)."""
 
@@ -40,7 +43,7 @@ def lighthouse(
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info (read when it is imported)
     from torchft._torchft import LighthouseServer
 
-    heartbeat = heartbeat_ms or int(os.environ.get(HEARTBEAT_ENV, "5000"))
+    heartbeat = heartbeat_ms or int(os.environ.get(HEARTBEAT_ENV, str(HEARTBEAT_MS)))
     join = join_ms or int(1000 * min(30.0, FTOptions.timeout_from_env() / 2))  # then a slow group sits one step out
     server = LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=join, heartbeat_timeout_ms=heartbeat)
     port = urlsplit(server.address()).port

@@ -212,8 +212,6 @@ class FaultTolerantSteps:
             self.lost_steps += 1
             log.warning("step %d was not committed (attempt %d); retrying with the next quorum", step + 1, attempts)
             self._give_up_after(started, attempts, "retrying")
-        if self.options.step_delay_s:
-            time.sleep(self.options.step_delay_s)
         if self.replay is None:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
         combined = self.combined
@@ -230,6 +228,8 @@ class FaultTolerantSteps:
         }
         if healed_from is not None:
             info["ft_healed_from_step"] = healed_from
+        if self.options.step_delay_s:  # the testing aid's pause, after the step's figures
+            time.sleep(self.options.step_delay_s)
         return stats, info
 
     def close(self) -> None:
