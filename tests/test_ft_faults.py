@@ -74,21 +74,18 @@ def test_the_healing_peer_killed_while_it_serves(tmp_path):
 def test_the_quorum_service_gone_is_a_clear_error_and_the_checkpoint_stays(tmp_path):
     server, address = ft.start_lighthouse()
     env = {**ft.FT_ENV, "PLAIT_FT_TIMEOUT_S": "10", "PLAIT_FT_STEP_DELAY_S": "0.2"}
-    groups = [
-        subprocess.Popen(
-            [sys.executable, "-m", *ft.group_command(tmp_path, g, 2, address, 500), "--nproc", "2"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for g in (0, 1)
-    ]
+    groups = []
+    for g in (0, 1):  # stderr to a file: a pipe nobody reads fills and blocks the rank
+        with open(tmp_path / f"group-{g}.log", "w") as err:
+            command = [sys.executable, "-m", *ft.group_command(tmp_path, g, 2, address, 500), "--nproc", "2"]
+            groups.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err))
     try:
         ft.wait_for_step(tmp_path, 0, 11, groups[0])
         server.kill()
         started = time.monotonic()
-        errors = [group.communicate(timeout=180)[1] for group in groups]
+        for group in groups:
+            group.wait(timeout=180)
+        errors = [(tmp_path / f"group-{g}.log").read_text() for g in (0, 1)]
     finally:
         for process in (server, *groups):
             process.kill()
@@ -103,19 +100,19 @@ def test_a_group_that_comes_back_with_another_model_is_refused(tmp_path):
     server, address = ft.start_lighthouse()
     env = {**ft.FT_ENV, "PLAIT_FT_STEP_DELAY_S": "0.3"}
 
-    def group(g, extra=()):
+    def group(g, extra=(), log="group"):  # stderr to a file: a pipe nobody reads fills and blocks the rank
         command = [sys.executable, "-m", *ft.group_command(tmp_path, g, 2, address, 150, list(extra)), "--nproc", "2"]
-        return subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+        with open(tmp_path / f"{log}-{g}.log", "w") as err:
+            return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
 
     live, lost = group(0), group(1)
     try:
         ft.wait_for_step(tmp_path, 1, 3, lost)
         os.killpg(lost.pid, signal.SIGKILL)  # the node of group 1 is lost; it comes back with another model
         lost.wait()
-        other = group(1, ["model.n_layer=3"])
-        refused = other.communicate(timeout=300)[1]
+        other = group(1, ["model.n_layer=3"], log="other")
+        other.wait(timeout=300)
+        refused = (tmp_path / "other-1.log").read_text()
         assert other.returncode != 0 and "trains another job" in refused and "model" in refused, refused[-2000:]
         assert live.wait(timeout=600) == 0  # the live group finished the run
     finally:
@@ -127,9 +124,10 @@ def test_two_torchrun_agents_as_two_nodes_one_killed(tmp_path):
     server, address = ft.start_lighthouse()
     env = {**ft.FT_ENV, "PLAIT_FT_STEP_DELAY_S": "0.3"}
 
-    def node(g):
+    def node(g):  # stderr to a file: a pipe nobody reads fills and blocks the rank
         command = ft.torchrun_group(tmp_path, g, 2, address, 150, port=29600 + g + os.getpid() % 200 * 2)
-        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with open(tmp_path / f"node-{g}.log", "a") as err:
+            return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
     nodes = [node(0), node(1)]
     try:
@@ -138,7 +136,7 @@ def test_two_torchrun_agents_as_two_nodes_one_killed(tmp_path):
         nodes[1].wait()
         ft.wait_for_step(tmp_path, 0, 20, nodes[0])  # node 0 goes on alone
         nodes[1] = node(1)  # the node comes back: a new agent, healed from node 0
-        assert [p.wait(timeout=600) for p in nodes] == [0, 0], nodes[1].stderr.read()[-2000:] if nodes[1].stderr else ""
+        assert [p.wait(timeout=600) for p in nodes] == [0, 0], (tmp_path / "node-1.log").read_text()[-2000:]
     finally:
         for process in (server, *nodes):
             process.kill()
