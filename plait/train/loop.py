@@ -409,6 +409,8 @@ def _run(
     progress = _Progress(lead, train.steps, engine.step, train.log_every)
     stragglers = StragglerMeter.start(engine, train.straggler_every, train.straggler_lag, train.straggler_windows)
     meter = StepMeter(engine, model_config, dataset.seq_len, stragglers)  # stragglers ride its all-gather
+    if ft is not None:  # the cross-group exchange's bytes, per rank, as the group's own axes
+        meter.axes.append("replicate")
     tracer, trace_from = None, max(engine.step, train.steps - trace_steps)
     started, stats, last_eval = time.perf_counter(), None, ""
     throughput = Throughput()
