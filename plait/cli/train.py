@@ -325,7 +325,8 @@ def _check_before_launch(args: argparse.Namespace) -> RunConfig:
             f"PLAIT_FAULT_INJECT names rank {fault.rank}, but the job has ranks 0..{args.nproc - 1}. "
             f"Fix: name one of them, or unset PLAIT_FAULT_INJECT."
         )
-    if args.max_restarts > 0 and not config.train.save_every:
+    heals = args.ft or args.ft_replay or args.ft_group is not None or "PLAIT_FT_GROUPS" in os.environ  # plait.ft
+    if args.max_restarts > 0 and not config.train.save_every and not heals:  # --ft: a restarted group heals
         raise ConfigError(
             f"--max-restarts {args.max_restarts} restarts the workers from the last checkpoint, but train.save_every "
             f"is 0 (no checkpoints), so every restart would start over from step 0. Fix: checkpoint, e.g. "

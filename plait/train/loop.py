@@ -193,12 +193,14 @@ def _data_ranks(engine: Engine) -> tuple[int, int]:
     return engine.mesh.index("dp"), engine.mesh.size("dp")
 
 
-def _note_restart(attempt: int, step: int, save_every: int) -> None:
-    """Log a restart by torchrun's agent (and warn when there is no checkpoint to resume from)."""
+def _note_restart(attempt: int, step: int, save_every: int, heals: bool = False) -> None:
+    """Log a restart by torchrun's agent (and warn when there is no checkpoint to resume from, unless the group
+    ``heals`` from a live replica group: ``plait.ft``)."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if attempt:
-        log.info("restart %d of %d: resuming at step %d", attempt, max_restarts, step)
-    if max_restarts and not save_every:
+        where = "healing from a live replica group" if heals else f"resuming at step {step}"
+        log.info("restart %d of %d: %s", attempt, max_restarts, where)
+    if max_restarts and not save_every and not heals:
         log.warning(
             "the launcher may restart this job %d time(s), but train.save_every=0: a restart starts over "
             "from step 0. Fix: --set train.save_every=N.",
@@ -383,7 +385,7 @@ def _run(
     lead = world.rank == 0
     ft = replicas.start(config, engine, world, run_dir)  # per-step fault tolerance (plait.ft), when launched so
     if lead:
-        _note_restart(guard.attempt, engine.step, train.save_every)
+        _note_restart(guard.attempt, engine.step, train.save_every, heals=ft is not None)
         if ft is None:  # a healing replica group resumes from a peer: its records of committed steps stay
             resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
     writer = MetricsWriter(run_dir, open_tensorboard(run_dir, train.tensorboard, engine.step)) if lead else None
