@@ -148,9 +148,10 @@ def test_a_killed_rank_heals_from_a_live_group_and_the_run_replays_bitwise(tmp_p
     assert all(torch.equal(replayed[name], final[0][name]) for name in final[0])  # the replay: the same bits
     assert [r["loss"] for r in ft.step_records(replay, 0).values()] == [r["loss"] for r in records.values()]
 
-    reference = ft.one_device(run, steps)
+    reference, losses = ft.one_device(run, steps)
     for name, value in reference.items():
         # fp32: the groups' token means are combined as sum_g N_g G_g / N (one device sums the tokens at once) and
-        # ZeRO-3 reduces in another order: ~1e-7 per step after 160 steps (measured 2.4e-7 at most), except attention's
-        # key biases, whose true gradient is 0: Adam turns their rounding noise into full steps (measured 8e-6).
-        torch.testing.assert_close(final[0][name], value, rtol=1e-4, atol=5e-5, msg=name)
+        # ZeRO-3 reduces in another order: rounding of ~1e-7 per step, which SGD with momentum carries without
+        # amplifying it (measured: parameters 2.4e-7, losses 1.2e-6 apart after 160 steps).
+        torch.testing.assert_close(final[0][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert all(abs(records[s]["loss"] - losses[s - 1]) < 1e-5 for s in records)  # every step's loss, the fault's too

@@ -25,7 +25,11 @@ SETTINGS = [
     "train.eval_every=0",
     "train.samples=0",
     "train.max_grad_norm=0.5",  # clipped: a uniform gradient-scale error would hide under an unclipped Adam
-    "train.lr=5e-4",  # at 3e-3 this tiny model's training is chaotic: rounding grows to 1e-2 in 150 steps
+    # SGD with momentum, not Adam: Adam turns the rounding noise of zero-gradient parameters (attention's key biases)
+    # into full-size steps, and 160 such steps made a one-device comparison chaotic (1e-7 at step 100, 1e-2 at 160)
+    "train.optimizer=sgd",
+    "train.lr=0.05",
+    "train.momentum=0.9",
 ]
 """HSDP with two replica groups of 2 ranks, ZeRO-3 inside each; a model big enough that a restarted group comes
 back (about 15 s on a busy 2-core machine) while the live group still trains (about 0.2 s per step)."""
@@ -60,20 +64,20 @@ def step_records(out: Path, group: int) -> dict[int, dict]:
     return {r["step"]: r for r in records if "ft_groups" in r}
 
 
-def one_device(out: Path, steps: int) -> dict[str, torch.Tensor]:
+def one_device(out: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process trained, at each step, on the rows of the global batch that the committed groups read
-    (group g of R: rows [g G/R, (g+1) G/R)); returns its parameters."""
+    (group g of R: rows [g G/R, (g+1) G/R)); returns its parameters and its losses."""
     log = ReplayLog.read(out)
     config = load_config(replica_dir(out, 0) / "config.toml", ["layout.dp=1", "layout.zero=0", "train.out=''"])
     engine, dataset, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
     global_batch, groups = config.train.global_batch, log.group_count
     batches = ShardedBatches(dataset, global_batch, 0, 1)
-    share = global_batch // groups
+    share, losses = global_batch // groups, []
     for step in range(1, steps + 1):
         inputs, targets = batches.batch_at(step - 1)
         rows = torch.cat([torch.arange(g * share, (g + 1) * share) for g in log.groups(step)])
-        engine.train_step((inputs[rows], targets[rows]))
-    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        losses.append(engine.train_step((inputs[rows], targets[rows])).loss)
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, losses
 
 
 def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
