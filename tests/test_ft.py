@@ -155,3 +155,32 @@ def test_a_killed_rank_heals_from_a_live_group_and_the_run_replays_bitwise(tmp_p
         # amplifying it (measured: parameters 2.4e-7, losses 1.2e-6 apart after 160 steps).
         torch.testing.assert_close(final[0][name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert all(abs(records[s]["loss"] - losses[s - 1]) < 1e-5 for s in records)  # every step's loss, the fault's too
+
+
+# ----------------------------------------------------------------- what listens, and where
+
+
+@pytest.mark.adversarial
+def test_quorum_servers_listen_on_loopback_by_default(monkeypatch):
+    """torchft's Manager starts its quorum server on [::] (every interface); plait rebinds it to PLAIT_FT_BIND,
+    127.0.0.1 unless set, and the launcher's Lighthouse serves on 127.0.0.1."""
+    import torchft._torchft as native
+    import torchft.manager as manager_module
+
+    from plait.ft.launch import lighthouse
+    from plait.ft.session import _bind_manager_server
+
+    binds = []
+    monkeypatch.setattr(native, "ManagerServer", lambda *args, bind, **kwargs: binds.append(bind))
+    monkeypatch.setattr(manager_module, "ManagerServer", manager_module.ManagerServer)  # restored after the test
+    _bind_manager_server(
+        FTOptions.from_env({"PLAIT_FT_GROUPS": "2", "PLAIT_FT_GROUP": "0", "PLAIT_FT_LIGHTHOUSE": "h"}).bind
+    )
+    manager_module.ManagerServer(replica_id="g", bind="[::]:29512")
+    assert binds == ["127.0.0.1:29512"]
+    monkeypatch.undo()
+    server, address = lighthouse()
+    try:
+        assert address.startswith("http://127.0.0.1:")
+    finally:
+        server.shutdown()
