@@ -184,3 +184,43 @@ def test_quorum_servers_listen_on_loopback_by_default(monkeypatch):
         assert address.startswith("http://127.0.0.1:")
     finally:
         server.shutdown()
+
+
+class _TwoGroups:
+    """A stand-in for the quorum's Comm: group 1's rows are given, this rank plays group 0 (or the reverse)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other_row, other_grads, other_first):
+        self.other = {3: other_row, other_grads.numel(): other_grads}
+        self.other_first = other_first
+
+    def all_gather(self, tensor, axis, async_op=False):
+        rows = [self.other[tensor.numel()].to(tensor.dtype), tensor]
+        out = torch.cat(rows if self.other_first else rows[::-1])
+
+        class Done:
+            def wait(self):
+                return out
+
+        return Done() if async_op else out
+
+
+@pytest.mark.parametrize("other_first", [False, True])
+def test_groups_with_uneven_tokens_are_weighed_by_their_tokens_in_group_order(other_first):
+    """The cross-group gradient is sum_g N_g G_g / sum_g N_g, whatever order the quorum lists the groups in; the
+    end-to-end runs (test_a_killed_rank...) score as many tokens in each group, so uneven counts are checked here."""
+    from plait.ft.combine import combine
+
+    mine, theirs = torch.tensor([1.0, -2.0, 4.0, 0.5]), torch.tensor([3.0, 5.0, -1.0, 2.0])  # 4: not a row
+    n_mine, n_theirs, l_mine, l_theirs = 30.0, 90.0, 2.0, 1.0
+    other_row = torch.tensor([1.0, n_theirs, n_theirs * l_theirs], dtype=torch.float64)
+    comm = _TwoGroups(other_row, theirs * n_theirs, other_first)
+    grad = mine.clone()
+    done = combine([grad], comm, 0, n_mine, torch.tensor(l_mine))
+    torch.testing.assert_close(grad, (n_mine * mine + n_theirs * theirs) / (n_mine + n_theirs))  # fp32 of 3 terms
+    assert done.groups == [0, 1] and done.weights == [n_mine, n_theirs]
+    assert done.loss == pytest.approx((n_mine * l_mine + n_theirs * l_theirs) / (n_mine + n_theirs), rel=1e-12)
+    zero = mine.clone()
+    combine([zero], comm, 0, 0.0, torch.tensor(float("nan")))  # a group outside the logged quorum: exact zeros
+    torch.testing.assert_close(zero, theirs * n_theirs / n_theirs)
