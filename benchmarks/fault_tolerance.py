@@ -41,9 +41,9 @@ against each.
 **2. Overhead of --ft per step when nothing fails.** Rounds of three fresh jobs in alternating order (A B C,
 C B A, ...), the same model, steps and batches: ``--ft`` (2 groups of 2), HSDP without ``--ft`` (one job,
 ``dp=4, dp_replicate=2, zero=3``) and ZeRO-3 over all 4 ranks (part 3). A step's time is its step call as the
-records give it: ``seconds`` (``Engine.train_step``, rank 0; under ``--ft`` the cross-group exchange and
-``should_commit`` run inside it) plus, under ``--ft``, ``ft_quorum_s`` (the rest of ``FaultTolerantSteps.
-train_step``: the quorum), the max of the two groups; what follows a step (the metrics' all-gather, the record)
+records give it: ``seconds`` (``Engine.train_step``, rank 0); under ``--ft`` ``ft_step_s`` (the whole of
+``FaultTolerantSteps.train_step``: the step, the wait for the quorum asked for at its start, the cross-group
+exchange and ``should_commit``), the max of the two groups; what follows a step (the metrics' all-gather, the record)
 is the same code in every job and left out. Per job the median over the steps after ``warmup``; **ft / HSDP** is
 the median over rounds of the round's ratio (min..max). The wall seconds between commits are shown too (``--ft``:
 ``ft_time``; the others: the polled appearance of records, +-5 ms).
@@ -372,12 +372,15 @@ def step_times(job: Job, ft: bool, warmup: int) -> dict[str, Any]:
     if ft:
         groups = [{r["step"]: r for r in job.records(g)} for g in (0, 1)]
         steps = [s for s in sorted(groups[0]) if s > warmup and s in groups[1]]
-        calls = [max(g[s]["seconds"] + g[s]["ft_quorum_s"] for g in groups) for s in steps]
-        quorum = [max(g[s]["ft_quorum_s"] for g in groups) for s in steps]
+        calls = [max(g[s]["ft_step_s"] for g in groups) for s in steps]
         times = {s: groups[0][s]["ft_time"] for s in steps}
+        parts = {
+            key: statistics.median(max(g[s][f"ft_{key}_s"] for g in groups) for s in steps)
+            for key in ("quorum", "exchange", "commit")
+        }
         return {
             "call": statistics.median(calls),
-            "quorum": statistics.median(quorum),
+            **parts,
             "seconds": statistics.median(max(g[s]["seconds"] for g in groups) for s in steps),
             "wall": steady_step(times, steps[0], steps[-1]),
             "bytes": groups[0][steps[-1]]["comm_bytes"],
@@ -431,12 +434,14 @@ def steady_tables(rounds: list[dict[str, dict[str, Any]]], parameters: int) -> s
 
     ratios = {name: [r[name]["call"] / r["hsdp"]["call"] for r in rounds] for name in names}
     rows = [
-        "| job | step call ms (median over rounds) | of it: quorum ms | vs HSDP, paired by round (min..max) | "
+        "| job | step call ms (median over rounds) | of it: quorum wait / exchange / commit ms | "
+        "vs HSDP, paired by round (min..max) | "
         "wall ms between commits | vs HSDP |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, title in names.items():
-        quorum = f"{1e3 * median(name, 'quorum'):.1f}" if name == "ft" else "-"
+        parts = ("quorum", "exchange", "commit")
+        quorum = " / ".join(f"{1e3 * median(name, key):.1f}" for key in parts) if name == "ft" else "-"
         low, high = min(ratios[name]), max(ratios[name])
         rows.append(
             f"| {title} | {1e3 * median(name, 'call'):.1f} | {quorum} | {statistics.median(ratios[name]):.3f} "

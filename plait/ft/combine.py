@@ -7,9 +7,11 @@ device trained on the union of the committed groups' batches computes L = sum_g 
 
     G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
 
-and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (s, w_g, w_g L_g) and its owned
-gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in the order of s,
-the group's place in the quorum (its data slot; spares, past the R slots, contribute w = 0). Adding an exact zero
+and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers a row (s, w_g, w_g L_g, trained, job)
+and its owned gradients times w_g = N_g from the same rank of every group in the quorum, then sums them in the
+order of s, the group's place in the quorum (its data slot; spares past the R slots, groups still healing and a
+group that computed another slot than its place contribute w = 0 and ``trained`` 0). ``job`` is a 48-bit code of
+the job's fingerprint: a group of another job in the quorum is refused before any gradient moves. Adding an exact zero
 never changes a floating-point sum, so a replay (``plait.ft.log``) in which every slot is trained but those
 outside Q contribute w = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G bitwise, whichever
 groups trained the slots. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.comm import Comm
+from plait.errors import ConfigError
 from plait.ft.quorum import AXIS
 from plait.logging import get_logger
 from plait.parallel.loss_normalization import TokenMeanStep
@@ -42,6 +45,8 @@ class Combined:
     slots: list[int]
     """The places in the quorum whose rows were summed, in order (data slots 0..R-1, then any spares)."""
     weights: list[float]
+    trained: list[bool]
+    """Whether the row's slot trained its batch at this step (what the committed log records)."""
     loss: float
 
 
@@ -62,10 +67,19 @@ def combine(
     weight: float,
     loss: torch.Tensor,
     die_inside: Callable[[], bool] = lambda: False,
+    trained: bool = True,
+    job: int = 0,
 ) -> Combined:
-    """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring)."""
-    row = torch.tensor([float(slot), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
-    rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, 3)
+    """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring); ``weight``
+    is 0 unless ``trained``."""
+    weight = weight if trained else 0.0
+    values = [float(slot), weight, weight * float(loss) if weight else 0.0, float(trained), float(job)]
+    rows = comm.all_gather(torch.tensor(values, dtype=torch.float64).to(comm.device), AXIS).cpu().view(-1, 5)
+    if any(int(code) != job for code in rows[:, 4].tolist()):
+        raise ConfigError(
+            "a replica group in the quorum trains another job (its fingerprint differs). Fix: start every replica "
+            "group with the same configuration."
+        )
     order = sorted(range(rows.shape[0]), key=lambda i: float(rows[i, 0]))
     total = float(rows[:, 1].sum())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -91,6 +105,7 @@ def combine(
     return Combined(
         slots=[int(rows[i, 0]) for i in order],
         weights=[float(rows[i, 1]) for i in order],
+        trained=[bool(rows[i, 3]) for i in order],
         loss=loss_sum / total if total else float("nan"),
     )
 

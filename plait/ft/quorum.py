@@ -3,7 +3,8 @@ over a process group that torchft re-forms whenever the quorum changes.
 
 ``QuorumMesh`` is a one-axis Mesh whose group and size are read at call time, so a ``plait.comm.Comm`` over it
 (collectives with byte accounting, timeouts, and a ``CommError`` naming rank, axis and operation) follows the
-quorum from step to step. Its ranks are the quorum's replica ranks (torchft orders the live groups).
+quorum from step to step. Its ranks are the quorum's replica ranks (torchft orders the groups by their ids), those
+of groups still healing included: they take part in every collective, with zeros.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class QuorumMesh(Mesh):
 
     @property
     def rank(self) -> int:  # type: ignore[override]  # the quorum's, read at call time
-        return int(self.manager.participating_rank() or 0)
+        group = self.group_pg._pg  # every group of the quorum, those still healing too (torchft's re-formed group)
+        return int(group.rank()) if group is not None else 0
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
-        return int(self.manager.num_participants())
+        group = self.group_pg._pg
+        return int(group.size()) if group is not None else 1
 
     def size(self, axis: str) -> int:
         return self.world_size if axis == AXIS else 1

@@ -3,26 +3,31 @@ around ``Engine.train_step`` (a layer above the step: the step itself is unchang
 
 Each step, on every rank of the group:
 
-1. **Quorum** (torchft's Manager and Lighthouse): the live replica groups agree on who takes part; torchft
-   re-forms the ``replicate`` process group when that changes. A group behind the others (new, restarted, or
-   one that failed to commit) **heals** here: the same rank of a live group sends its whole state
-   (``plait.ft.state``, ``plait.ft.transport``) and the step continues from it. Nothing is read from disk.
-2. **The step**: ``Engine.train_step`` on the batch of this step (pure in the step: ``loader.batch_at``); once
-   the group's gradients are synchronised, ``Engine.commit_gradients`` combines them across the quorum
-   (``plait.ft.combine``: the token mean over the committed groups' tokens, in a fixed order).
+1. **Quorum** (torchft's Manager and Lighthouse), asked for as the step starts and formed in torchft's thread while
+   the step computes, so its round trips to the quorum service hide behind forward and backward: the live replica
+   groups agree on who takes part; torchft re-forms the ``replicate`` process group when that changes. A group
+   behind the others (new, restarted, or one that failed to commit) **heals** in that thread: the same rank of a
+   live group sends its whole state (``plait.ft.state``, ``plait.ft.transport``), loaded before the update of
+   the step (in ``should_commit``). Nothing is read from disk. A healing group's own step adds zeros.
+2. **The step**: ``Engine.train_step`` on the batch of the group's data slot at this step (pure in the step:
+   ``SlotBatches.batch_at``); once the group's gradients are synchronised, ``Engine.commit_gradients`` waits for
+   the quorum and combines the gradients across it (``plait.ft.combine``: the token mean over the trained slots'
+   tokens, in slot order).
 3. **Commit**: torchft's ``should_commit`` agrees, over the group's ranks, that every collective succeeded and
    enough groups took part; then (and only then) the optimizer steps. A group that lost a peer mid-step does not
    commit: the step is retried, on the same batches, with the next quorum. A lost group's batch share of the
-   steps it missed is not trained; the groups of every committed step are logged (``plait.ft.log``).
+   steps it missed is not trained; the slots of every committed step are logged (``plait.ft.log``).
 
-**Data slots and spares.** The quorum lists its groups in order of their index; the group at place s < R trains
-data slot s (``plait.train.replicas.SlotBatches``), so without faults group g trains slot g. A job may run K
-*spare* groups beyond the R (``PLAIT_FT_SPARES``, ``plait train --ft-spares K``): a spare takes part in every step
-with weight 0 (it computes on slot 0's batch, which keeps it exercised, and adds exact zeros), so it holds the
-same state as the others; when a group is lost, the spare moves up to its place and trains its slot at the next
-step, with nothing to heal: the job is back at full strength one heartbeat timeout after the loss instead of
-after the lost group's restart. The restarted group rejoins at its old place (its index sorts first) and the
-spare steps back.
+**Data slots and spares.** The quorum lists its groups in order of their index; the group at place s < R among
+those at the newest step trains data slot s (``plait.train.replicas.SlotBatches``), so without faults group g
+trains slot g. A group computes the slot of the place it expects (its place among all groups of the last
+quorum); when the quorum gives it another, it adds zeros for that step, so a change of membership costs the slot
+that moves one step. A job may run K *spare* groups beyond the R (``PLAIT_FT_SPARES``, ``plait train --ft-spares
+K``): a spare takes part in every step with weight 0 (it computes on slot 0's batch, which keeps it exercised,
+and adds exact zeros), so it holds the same state as the others; when a group is lost, the spare moves up to its
+place and trains its slot from the next step on, with nothing to heal: the job is back at full strength a
+heartbeat timeout and a step after the loss instead of after the lost group's restart. The restarted group
+heals, rejoins at its old place (its index sorts first) and the spare steps back.
 
 The first step waits for all R + K groups (a job starts whole); later steps need ``PLAIT_FT_MIN_GROUPS`` (1).
 torchft's quorum server (one per group, on its rank 0) listens on ``PLAIT_FT_BIND``, 127.0.0.1 unless set: torchft
@@ -32,8 +37,12 @@ itself binds every interface.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -112,7 +121,8 @@ class FaultTolerantSteps:
             world_size=world.world_size,
             hostname=options.bind,
             checkpoint_transport=self.transport,
-            use_async_quorum=False,
+            use_async_quorum=True,  # the quorum forms while the step computes
+            init_sync=False,  # groups start alike (same configuration and seed; ``combine`` checks the job)
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
@@ -121,49 +131,74 @@ class FaultTolerantSteps:
             self.manager.load_state_dict({"step": engine.step, "batches_committed": 0})
         self.comm = quorum_comm(self.manager, self.pg, engine.comm.stats, options.timeout_s, engine.comm.device)
         self.combined: cross.Combined | None = None
-        self.place = options.group
-        """This group's place in the current quorum: the data slot it trains when below R, else a spare."""
+        self.place: int | None = options.group
+        """This group's place in the last quorum: the data slot it trains when below R, a spare beyond, None while
+        it heals. Without faults group g is at place g."""
+        self.next_place = options.group
+        """The place this group expects in the next quorum."""
+        self.trained = False
+        self.computing: int | None = None
+        """The data slot this attempt computes (its place in the last quorum), None for a spare's filler batch."""
+        self.quorum_error: Exception | None = None
+        self.job = int(hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12], 16)
+        """The job's fingerprint as a 48-bit integer (exact in float64): every row of the exchange carries it."""
         self.committed = False
-        self.timings = (0.0, 0.0)
-        """Seconds of the last commit's cross-group exchange and of torchft's should_commit."""
+        self.timings = (0.0, 0.0, 0.0)
+        """Seconds of the last commit's wait for the quorum, its cross-group exchange and torchft's should_commit."""
         self.lost_steps = 0
         engine.commit_gradients = self._commit
         self._waiting = False
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ----------------------------------------------------------------- one step
-    def _quorum(self, started: float) -> None:
-        """torchft's quorum for the next attempt (healing this group if it is behind), retried while the quorum
-        service answers late; a FaultToleranceError once it has not answered for ``QUORUM_PATIENCE`` timeouts.
-        SIGTERM while waiting here exits at once: the group's agent stops it because a rank of the group died,
-        and nothing of its state is lost (the live groups hold it)."""
-        timeout = timedelta(seconds=self.options.timeout_s)
-        while True:
-            self._waiting = True
+    def _start_quorum(self) -> None:
+        """Ask for this attempt's quorum. It forms in torchft's thread while the step computes (the round trip to
+        the quorum service hides behind forward and backward); a group behind the others receives a live group's
+        state there, and loads it at the commit."""
+        self.quorum_error = None
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.options.timeout_s))
+        except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
+            self._quorum_failed(error)
+
+    def _quorum_failed(self, error: Exception) -> None:
+        self.quorum_error = error
+        self.manager._quorum_future = None  # consumed: the next start_quorum asks again instead of re-raising it
+        log.warning("no quorum (%s)", str(error).splitlines()[0][:160] if str(error) else type(error).__name__)
+
+    def _await_quorum(self) -> bool:
+        """Wait for the quorum asked for at the attempt's start (SIGTERM while waiting exits at once); False when
+        there is none. A refused peer (another job) raises here."""
+        if self.quorum_error is None:
             try:
-                self.manager.start_quorum(timeout=timeout)
-                return
-            except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
-                if time.perf_counter() - started > QUORUM_PATIENCE * self.options.timeout_s:
-                    raise FaultToleranceError(
-                        f"rank {self.world.rank} of replica group {self.options.group}: no quorum from the quorum "
-                        f"service at {self.options.lighthouse} for {time.perf_counter() - started:.0f} s "
-                        f"({str(error).splitlines()[0][:200]}). The last checkpoint is intact. Fix: check that the "
-                        f"quorum service (plait lighthouse) runs and every group can reach it, then resume."
-                    ) from error
-                log.warning("no quorum yet (%s); asking again", str(error).splitlines()[0][:120])
-            finally:
-                self._waiting = False
+                self.manager.wait_quorum()
+            except Exception as error:  # noqa: BLE001 - as above
+                self._quorum_failed(error)
+        if self.transport.refused is not None:
+            raise self.transport.refused
+        if self.quorum_error is not None:
+            self.manager.report_error(self.quorum_error)
+            return False
+        return True
 
     def _give_up_after(self, started: float, attempts: int, doing: str) -> None:
         waited = time.perf_counter() - started
-        if waited > QUORUM_PATIENCE * self.options.timeout_s:
+        if waited <= QUORUM_PATIENCE * self.options.timeout_s:
+            return
+        if self.quorum_error is not None:
             raise FaultToleranceError(
-                f"replica group {self.options.group}: step {self.engine.step + 1} not committed after {attempts} "
-                f"attempts and {waited:.0f} s ({doing}; {self.manager.num_participants()} group(s) in the quorum, "
-                f"{self.manager._min_replica_size} needed). Fix: check the other replica groups' errors; a job whose "
-                f"groups are all lost resumes from its last checkpoint."
-            )
+                f"rank {self.world.rank} of replica group {self.options.group}: no quorum from the quorum "
+                f"service at {self.options.lighthouse} for {waited:.0f} s "
+                f"({str(self.quorum_error).splitlines()[0][:200] if str(self.quorum_error) else 'timed out'}). The "
+                f"last checkpoint is intact. Fix: check that the quorum service (plait lighthouse) runs and every "
+                f"group can reach it, then resume."
+            ) from self.quorum_error
+        raise FaultToleranceError(
+            f"replica group {self.options.group}: step {self.engine.step + 1} not committed after {attempts} "
+            f"attempts and {waited:.0f} s ({doing}; {self.manager.num_participants()} group(s) in the quorum, "
+            f"{self.manager._min_replica_size} needed). Fix: check the other replica groups' errors; a job whose "
+            f"groups are all lost resumes from its last checkpoint."
+        )
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._waiting:
@@ -181,83 +216,86 @@ class FaultTolerantSteps:
         return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
     def _commit(self, engine: Any) -> bool:
-        """``Engine.commit_gradients``: combine over the quorum, then agree whether to commit."""
+        """``Engine.commit_gradients``: wait for the quorum, combine over it, then agree whether to commit (a
+        healing group loads the live group's state inside torchft's ``should_commit``, before the update)."""
         self.combined = None
         started = time.perf_counter()
+        self._waiting = True  # from here to the vote this group waits on others: SIGTERM exits at once
         try:
-            weight, loss = cross.group_weight(engine)
-            if self.place >= self.options.groups:  # a spare: its step adds exact zeros
-                weight = 0.0
-            elif self.replay is not None and self.place not in self.replay.groups(engine.step + 1):
-                weight = 0.0
-            grads = engine.strategy.owned_grads()
-            self.combined = cross.combine(grads, self.comm, self.place, weight, loss, self._die_inside)
-        except (CommError, RuntimeError) as error:
-            log.warning("step %d: the cross-group exchange failed: %s", engine.step + 1, str(error).splitlines()[0])
-            self.manager.report_error(error)
+            return self._combine_and_vote(engine, started)
+        finally:
+            self._waiting = False
+
+    def _combine_and_vote(self, engine: Any, started: float) -> bool:
+        if self._await_quorum():
+            if self.manager._healing and self.replay is None:  # joining a job already running: no waiting for all
+                self.manager._min_replica_size = self.options.min_groups
+            self.place = self.manager.participating_rank()  # among the groups at the newest step; None: healing
+            self.next_place = self.comm.mesh.rank  # among every group of this quorum: the next one's, unchanged
+            trained = self.place is not None and self.place == self.computing
+            if trained and self.replay is not None and self.place not in self.replay.groups(engine.step + 1):
+                trained = False
+            self.trained = trained
+            key = self.place if self.place is not None else self.options.members + self.comm.mesh.rank
+            waited = time.perf_counter()
+            try:  # a group of another job fails its exchange here (a ConfigError names it)
+                weight, loss = cross.group_weight(engine)
+                grads = engine.strategy.owned_grads()
+                self.combined = cross.combine(
+                    grads, self.comm, key, weight, loss, self._die_inside, trained=trained, job=self.job
+                )
+            except (CommError, RuntimeError) as error:
+                log.warning("step %d: the cross-group exchange failed: %s", engine.step + 1, str(error).splitlines()[0])
+                self.manager.report_error(error)
+            if self.combined is not None and not any(self.combined.trained):  # every group moved or heals: retry
+                self.manager.report_error(RuntimeError("no data slot trained at this step"))
+                self.combined = None
+        else:
+            waited, self.trained = time.perf_counter(), False
         exchanged = time.perf_counter()
         self.committed = bool(self.manager.should_commit())
-        self.timings = (exchanged - started, time.perf_counter() - exchanged)
+        self.timings = (waited - started, exchanged - waited, time.perf_counter() - exchanged)
         return self.committed
-
-    def _take_place(self) -> None:
-        """This group's place in the quorum just formed (torchft's replica rank: the quorum ordered by group)."""
-        place = self.manager.participating_rank()
-        if place is None:
-            raise FaultToleranceError(f"replica group {self.options.group}: the quorum did not give it a place")
-        if place != self.place:
-            what = f"data slot {place}" if place < self.options.groups else "a spare"
-            log.info("replica group %d now trains as %s (place %d in the quorum)", self.options.group, what, place)
-        self.place = place
 
     def train_step(self, loader: Any) -> tuple[Any, dict[str, Any]]:
         """One committed step (retried until a quorum commits it): the engine's StepStats, with the quorum's loss,
-        and what the quorum did, for the step's record."""
-        started, attempts, healed_from = time.perf_counter(), 0, None
+        and what the quorum did, for the step's record.
+
+        The group computes the data slot of the place it expects in this step's quorum (its place among every group
+        of the last one, which a group that has just healed holds too; a spare computes slot 0's batch as filler).
+        If the quorum gives it another place, or it heals in this step, it adds zeros and that slot is not trained
+        at this step: a membership change costs the slot it moves one step (the records say so)."""
+        started, attempts, quorum_s = time.perf_counter(), 0, 0.0
         while True:
             attempts += 1
-            before = self.engine.step
-            self._quorum(started)
-            if self.transport.refused is not None:
-                raise self.transport.refused
-            if self.manager.num_participants() < self.manager._min_replica_size:  # cannot commit: do not compute
-                self._give_up_after(started, attempts, "waiting for enough replica groups to join")
-                time.sleep(0.2)
-                continue
-            if self.engine.step != before:
-                healed_from = before
-                log.info(
-                    "replica group %d healed: step %d -> %d from a live group",
-                    self.options.group,
-                    before,
-                    self.engine.step,
-                )
             step = self.engine.step
-            self._take_place()
-            slot = self.place if self.place < self.options.groups else 0  # a spare computes on slot 0's batch
-            stats = self.engine.train_step(loader.batch_at(slot, step))
+            self._start_quorum()
+            guess = self.next_place
+            self.computing = guess if guess < self.options.groups else None
+            stats = self.engine.train_step(loader.batch_at(self.computing or 0, step))
+            quorum_s += self.timings[0]
             if self.committed and self.combined is not None:
                 break
-            self.engine.step = step  # not committed: the optimizer did not step; retry this step
+            self.engine.step -= 1  # not committed: the optimizer did not step (a healed state keeps its own step)
             self.lost_steps += 1
             log.warning("step %d was not committed (attempt %d); retrying with the next quorum", step + 1, attempts)
             self._give_up_after(started, attempts, "retrying")
+            if self.quorum_error is None and self.manager.num_participants() < self.manager._min_replica_size:
+                time.sleep(0.2)  # waiting for groups to join: do not spin
         if self.replay is None:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
-        combined = self.combined
+        combined, healed_from = self.combined, (step if stats.step - 1 != step else None)  # healed: a peer's step
+        step = stats.step - 1
         stats._loss = combined.loss
         info = {
-            "ft_groups": [  # the data slots committed (the batches trained; plait.ft.log)
-                s
-                for s, w in zip(combined.slots, combined.weights)
-                if s < self.options.groups and (self.replay is None or w or self.replay.committed(step + 1, s))
-            ],
-            "ft_slot": self.place if self.place < self.options.groups else None,  # None: a spare at this step
+            "ft_groups": [s for s, t in zip(combined.slots, combined.trained) if t],  # the slots trained (log)
+            "ft_slot": self.place if self.trained else None,  # None: a spare, healing, or moved at this step
             "ft_members": len(combined.slots),
             "ft_attempts": attempts,
-            "ft_quorum_s": round(time.perf_counter() - started - stats.seconds, 4),
-            "ft_exchange_s": round(self.timings[0], 4),  # inside the step's seconds, as should_commit's
-            "ft_commit_s": round(self.timings[1], 4),
+            "ft_step_s": round(time.perf_counter() - started, 4),  # every attempt: what the step cost
+            "ft_quorum_s": round(quorum_s, 4),  # of it, waiting for the quorum (after forward and backward)
+            "ft_exchange_s": round(self.timings[1], 4),
+            "ft_commit_s": round(self.timings[2], 4),
             "ft_time": round(time.time(), 3),  # when the step committed (the time lost to a fault is read from it)
         }
         if healed_from is not None:
@@ -267,6 +305,21 @@ class FaultTolerantSteps:
         return stats, info
 
     def close(self) -> None:
+        """Hand the engine back. Leaving on an error with a quorum request in flight (a rank of the group died
+        mid-step) exits the process at once, the error logged: torchft's quorum thread would hold the exit until
+        its request times out, and the group's agent restarts it sooner (it heals from a live group)."""
+        pending = self.manager._quorum_future
+        error = sys.exc_info()[1]
+        if error is not None and pending is not None and not pending.done():
+            log.error(
+                "rank %d of replica group %d failed (%s: %s); leaving at once, its agent restarts the group",
+                self.world.rank,
+                self.options.group,
+                type(error).__name__,
+                str(error).splitlines()[0][:300] if str(error) else "",
+            )
+            logging.shutdown()
+            os._exit(1)
         signal.signal(signal.SIGTERM, self._previous_sigterm)
         self.engine.commit_gradients = None
         self.manager.shutdown(wait=False)
