@@ -33,10 +33,12 @@ from plait.errors import CommError, PlaitError
 from plait.ft import combine as cross
 from plait.ft.log import ReplayLog
 from plait.ft.options import FTOptions
+from plait.ft.outer import QuorumWindows
 from plait.ft.quorum import quorum_comm
 from plait.ft.state import engine_state, load_engine_state
 from plait.ft.transport import PeerTransport
 from plait.logging import get_logger
+from plait.parallel.semisync import SemiSync
 
 log = get_logger(__name__)
 
@@ -63,7 +65,9 @@ def _bind_manager_server(host: str) -> None:
 class FaultTolerantSteps:
     """Runs a replica group's steps under a quorum (module docstring)."""
 
-    def __init__(self, options: FTOptions, engine: Any, world: Any, fingerprint: dict[str, Any]) -> None:
+    def __init__(
+        self, options: FTOptions, engine: Any, world: Any, fingerprint: dict[str, Any], sync: SemiSync | None = None
+    ) -> None:
         from torchft import Manager, ProcessGroupGloo
 
         self.options, self.engine, self.world = options, engine, world
@@ -79,14 +83,15 @@ class FaultTolerantSteps:
             )
         if getattr(engine, "outer", None) is not None:
             raise FaultToleranceError(
-                "--ft with train.sync='localsgd'/'diloco' is not supported yet (its outer step spans the groups "
-                "outside the quorum). Fix: train.sync='sync' with --ft, or semi-synchronous training without --ft."
+                "--ft got an engine with its own outer step (parallelize(sync=...)): under --ft the quorum runs it. "
+                "Fix: build the group's engine with sync=None and pass the SemiSync to FaultTolerantSteps."
             )
         if engine.precision.loss_scale is not None:
             raise FaultToleranceError("--ft does not take fp16 loss scaling (its scale is per group). Fix: bf16.")
         self.replay = ReplayLog.read(options.replay) if options.replay else None
         if self.replay is not None:
             self.replay.check(fingerprint, options.groups)
+        self.windows = QuorumWindows(sync, self) if sync is not None else None  # semi-synchronous: plait.ft.outer
         _bind_manager_server(options.bind)
         timeout = timedelta(seconds=options.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
@@ -95,8 +100,10 @@ class FaultTolerantSteps:
         self.manager = Manager(
             pg=self.pg,
             min_replica_size=options.groups,  # the first step: every group (then min_groups)
-            load_state_dict=functools.partial(load_engine_state, engine, source="the live replica group"),
-            state_dict=functools.partial(engine_state, engine),
+            load_state_dict=self.windows.load_state
+            if self.windows
+            else functools.partial(load_engine_state, engine, source="the live replica group"),
+            state_dict=self.windows.state if self.windows else functools.partial(engine_state, engine),
             replica_id=f"plait_group_{options.group}",
             lighthouse_addr=options.lighthouse,
             rank=world.rank,
@@ -109,12 +116,13 @@ class FaultTolerantSteps:
             connect_timeout=timeout,
         )
         if engine.step:  # resumed from this group's checkpoint: the quorum starts from there
-            self.manager.load_state_dict({"step": engine.step, "batches_committed": 0})
+            committed = engine.step // sync.every if sync is not None else engine.step  # semisync: windows
+            self.manager.load_state_dict({"step": committed, "batches_committed": 0})
         self.comm = quorum_comm(self.manager, self.pg, engine.comm.stats, options.timeout_s, engine.comm.device)
         self.combined: cross.Combined | None = None
         self.committed = False
         self.lost_steps = 0
-        engine.commit_gradients = self._commit
+        engine.commit_gradients = self._commit if self.windows is None else None  # semisync: inner steps commit
         self._waiting = False
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -185,6 +193,8 @@ class FaultTolerantSteps:
     def train_step(self, loader: Any) -> tuple[Any, dict[str, Any]]:
         """One committed step (retried until a quorum commits it): the engine's StepStats, with the quorum's loss,
         and what the quorum did, for the step's record."""
+        if self.windows is not None:  # semi-synchronous: a quorum per window (plait.ft.outer)
+            return self.windows.train_step(loader)
         started, attempts, healed_from = time.perf_counter(), 0, None
         while True:
             attempts += 1
