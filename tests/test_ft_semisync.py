@@ -21,7 +21,8 @@ import torch
 from helpers import ft
 
 from plait.checkpoint import load_full_state
-from plait.ft.log import ReplayLog, replica_dir
+from plait.errors import ConfigError
+from plait.ft.log import ReplayLog, merge, replica_dir
 
 EVERY = 4
 SMALL = ["model.n_layer=2", "model.d_model=64", f"train.sync_every={EVERY}"]
@@ -132,3 +133,37 @@ def test_a_rank_killed_mid_window_costs_the_window_and_the_run_replays_bitwise(t
     assert _bitwise(_final(replay)[0], final[0])  # the replay: the same bits
     assert _window_losses(ft.step_records(replay, 0)) == _window_losses(records)
     _matches_the_simulation(run, steps, final[0], _window_losses(records))
+
+
+# ----------------------------------------------------------------- no processes
+
+
+def test_the_committed_log_gives_every_step_its_windows_groups(tmp_path):
+    for group, windows in ((0, {4: [0, 1], 8: [0], 12: [0, 1]}), (1, {4: [0, 1], 12: [0, 1]})):
+        folder = replica_dir(tmp_path, group)
+        folder.mkdir(parents=True)
+        (folder / "ft.json").write_text(json.dumps({"model": {"n_layer": 2}}))
+        inner = [json.dumps({"kind": "train", "step": s, "ft_loss_of": "group"}) for s in range(1, 13) if s % 4]
+        lines = [json.dumps({"step": s, "ft_groups": g, "ft_window": 4}) for s, g in windows.items()]
+        (folder / "metrics.jsonl").write_text("\n".join(inner + lines) + "\n")
+    log = merge(tmp_path, 2)
+    assert log.steps == {s: [0] if 5 <= s <= 8 else [0, 1] for s in range(1, 13)}
+    (replica_dir(tmp_path, 1) / "metrics.jsonl").write_text(
+        json.dumps({"step": 8, "ft_groups": [0, 1], "ft_window": 4})
+    )
+    with pytest.raises(ConfigError, match="disagree on the quorum of step 5"):
+        merge(tmp_path, 2)
+
+
+def test_a_run_that_ends_inside_a_window_is_refused_before_any_step(tmp_path, monkeypatch):
+    from plait.train import replicas
+    from plait.train.config import RunConfig
+
+    for name, value in {"PLAIT_FT_GROUPS": "2", "PLAIT_FT_GROUP": "0", "PLAIT_FT_LIGHTHOUSE": "http://h:1"}.items():
+        monkeypatch.setenv(name, value)
+    train = {"sync": "diloco", "sync_every": 4, "save_every": 8, "steps": 10}
+    config = RunConfig.from_dict({"layout": {"dp": 2}, "train": train})
+    assert replicas.engine_sync(config.train) is None  # under --ft the quorum runs the outer step, not the engine
+    with pytest.raises(ConfigError, match=r"train.steps=10 ends inside a window.*Fix: .*\(e.g. 8\)"):
+        replicas.start(config, None, None, tmp_path)
+    assert not (tmp_path / "ft.json").exists()

@@ -154,8 +154,8 @@ class QuorumWindows:
                 break
             session._give_up_after(started, 1, "waiting for enough replica groups to join")
             time.sleep(0.2)
-        rejoins = self.healed
-        if self.healed:
+        rejoins = self.healed  # torchft also heals every group from one at step 0 (the same start): harmless
+        if self.healed and engine.step != before:
             self.healed_from = before
             log.info(
                 "replica group %d healed: step %d -> %d from a live group", session.options.group, before, engine.step
@@ -248,11 +248,7 @@ class QuorumWindows:
         for indices in by_dtype.values():
             flat = torch.cat([held[i].detach().reshape(-1).to(comm.device) for i in indices])
             flat = flat.mul_(weight) if weight else torch.zeros_like(flat)
-            gathered = comm.all_gather(flat, AXIS).view(rows.shape[0], -1)
-            summed = gathered[order[0]].clone()
-            for index in order[1:]:
-                summed += gathered[index]
-            summed /= max(total, 1.0)
+            summed = cross.in_group_order(comm.all_gather(flat, AXIS).view(rows.shape[0], -1), order, total)
             offset = 0
             for i in indices:
                 averages[i] = summed[offset : offset + held[i].numel()].view_as(held[i]).to(held[i].device)

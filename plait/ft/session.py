@@ -15,6 +15,9 @@ Each step, on every rank of the group:
    commit: the step is retried, on the same batches, with the next quorum. A lost group's batch share of the
    steps it missed is not trained; the groups of every committed step are logged (``plait.ft.log``).
 
+Under ``train.sync = "localsgd" | "diloco"`` the quorum, the healing and the commit happen once per window of H
+inner steps instead, around the outer step (``plait.ft.outer``); ``train_step`` hands each step to it.
+
 The first step waits for all R groups (a job starts whole); later steps need ``PLAIT_FT_MIN_GROUPS`` (1).
 torchft's quorum server (one per group, on its rank 0) listens on ``PLAIT_FT_BIND``, 127.0.0.1 unless set: torchft
 itself binds every interface.
