@@ -27,6 +27,10 @@ A window of replica group g, steps w+1 .. w+H (w a multiple of H), on every rank
    group lost mid-window: the exchange fails): every group rolls back to the window's start and trains the window
    again, on the same batches, with the next quorum. A lost group costs the others that window's inner steps.
 
+Memory: each rank keeps the window's start, a copy of what it holds (theta: DiLoCo needs it anyway) and of its
+inner optimizer state, and DiLoCo's b (4 bytes per held element). Traffic: one all-gather of the held tensors per
+window, (n-1) x 4 P_rank bytes per rank over n groups (``plait.ft.combine``'s trade: a fixed order).
+
 The committed log (``plait.ft.log``) names, per window, the groups that were averaged (``ft_groups`` with
 ``ft_window`` = H on the window's last step). ``--ft-replay`` runs every group, gives the groups outside a
 window's logged set w_g = 0 (an exact zero: the same bits), and starts the inner optimizer afresh in a group that
