@@ -118,7 +118,7 @@ def test_a_rank_killed_mid_window_costs_the_window_and_the_run_replays_bitwise(t
     kill = {  # rank 1 of group 1 dies before step 6: inside the window of steps 5-8
         "PLAIT_FT_FAULT_GROUP": "1",
         "PLAIT_FAULT_INJECT": "rank=1,step=6,action=kill",
-        "PLAIT_FT_STEP_DELAY_S": "0.6",  # the live group outlasts the restart (~20 s on a busy 2-core machine)
+        "PLAIT_FT_STEP_DELAY_S": "0.8",  # outlasts the restart: 48 x 0.8 s; a restart took 14 s
     }
     done = ft.run_ft(run, steps, extra=_extra("diloco"), env=kill)
     assert done.returncode == 0, done.stderr[-3000:]
