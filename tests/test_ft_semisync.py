@@ -88,6 +88,7 @@ def test_fault_free_equals_semisync_hsdp_and_the_simulation(tmp_path, mode):
     records, other = ft.step_records(run, 0), ft.step_records(run, 1)
     assert sorted(records) == [EVERY, 2 * EVERY, 3 * EVERY], records  # one committed record per window
     assert all(r["ft_groups"] == [0, 1] and r["ft_window"] == EVERY and r["ft_attempts"] == 1 for r in records.values())
+    assert all(r["ft_slot"] == 0 and r["ft_members"] == 2 for r in records.values())
     assert ReplayLog.read(run).steps == {s: [0, 1] for s in range(1, steps + 1)}  # every step of every window
     inner = [json.loads(line) for line in (replica_dir(run, 0) / "metrics.jsonl").read_text().splitlines()]
     inner_1 = {r["step"]: r for r in map(json.loads, (replica_dir(run, 1) / "metrics.jsonl").read_text().splitlines())}
@@ -173,3 +174,15 @@ def test_a_run_that_ends_inside_a_window_is_refused_before_any_step(tmp_path, mo
     with pytest.raises(ConfigError, match=r"train.steps=10 ends inside a window.*Fix: .*\(e.g. 8\)"):
         replicas.start(config, None, None, tmp_path)
     assert not (tmp_path / "ft.json").exists()
+
+
+def test_spares_are_refused_under_semisync():
+    """A spare would take a lost group's slot, but a semi-synchronous group's inner state belongs to its slot."""
+    from types import SimpleNamespace
+
+    from plait.ft.outer import QuorumWindows
+    from plait.parallel.semisync import SemiSync
+
+    session = SimpleNamespace(options=SimpleNamespace(spares=1), engine=None)
+    with pytest.raises(ConfigError, match=r"--ft-spares 1 with train.sync='diloco'.*Fix: --ft-spares 0"):
+        QuorumWindows(SemiSync("diloco", every=4), session)

@@ -7,11 +7,12 @@ device trained on the union of the committed groups' batches computes L = sum_g 
 
     G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
 
-and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (g, w_g, w_g L_g) and its owned
-gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in group order.
-Adding an exact zero never changes a floating-point sum, so a replay (``plait.ft.log``) in which every group is
-alive but those outside Q contribute w_g = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G
-bitwise. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
+and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (s, w_g, w_g L_g) and its owned
+gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in the order of s,
+the group's place in the quorum (its data slot; spares, past the R slots, contribute w = 0). Adding an exact zero
+never changes a floating-point sum, so a replay (``plait.ft.log``) in which every slot is trained but those
+outside Q contribute w = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G bitwise, whichever
+groups trained the slots. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
 
 Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
 gradient bytes, a shard under ZeRO), n/2 times a ring all-reduce's 2(n-1)/n x P_owned; for the two to eight
@@ -38,8 +39,8 @@ log = get_logger(__name__)
 class Combined:
     """What the quorum computed for one step."""
 
-    groups: list[int]
-    """The replica groups whose rows were summed (the quorum), in order."""
+    slots: list[int]
+    """The places in the quorum whose rows were summed, in order (data slots 0..R-1, then any spares)."""
     weights: list[float]
     loss: float
 
@@ -66,13 +67,13 @@ def in_group_order(gathered: torch.Tensor, order: list[int], total: float) -> to
 def combine(
     grads: list[torch.Tensor],
     comm: Comm,
-    group: int,
+    slot: int,
     weight: float,
     loss: torch.Tensor,
     die_inside: Callable[[], bool] = lambda: False,
 ) -> Combined:
     """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring)."""
-    row = torch.tensor([float(group), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
+    row = torch.tensor([float(slot), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
     rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, 3)
     order = sorted(range(rows.shape[0]), key=lambda i: float(rows[i, 0]))
     total = float(rows[:, 1].sum())
@@ -93,7 +94,7 @@ def combine(
             offset += grad.numel()
     loss_sum = float(sum(float(rows[i, 2]) for i in order))
     return Combined(
-        groups=[int(rows[i, 0]) for i in order],
+        slots=[int(rows[i, 0]) for i in order],
         weights=[float(rows[i, 1]) for i in order],
         loss=loss_sum / total if total else float("nan"),
     )

@@ -10,8 +10,9 @@ A window of replica group g, steps w+1 .. w+H (w a multiple of H), on every rank
    afresh** (empty, as a new optimizer's): each group's inner state is its own (DiLoCo's paper), the peer's would
    make the result depend on which peer torchft picked, and a fresh one does not (so ``--ft-replay`` reproduces
    it: below). The group then keeps a copy of the window's start (theta, inner optimizer and lr state, RNG, step).
-2. **Inner steps**: ``Engine.train_step`` inside the group, no quorum and no traffic across groups; each step's
-   reported loss is the group's own token mean L_gt (its records say ``"ft_loss_of": "group"``).
+2. **Inner steps**: ``Engine.train_step`` inside the group, no quorum and no traffic across groups, on the
+   group's own data slot g (whatever its place in the quorum: its inner optimizer state is that slot's; no spares);
+   each step's reported loss is the group's own token mean L_gt (its records say ``"ft_loss_of": "group"``).
 3. **Outer step** after step w+H, over the window's quorum Q (``plait.ft.quorum``): an all-gather of
    (g, w_g, then N_gt and N_gt L_gt for the H steps) and of w_g theta_g, summed in group order, so
 
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from plait.errors import CommError
+from plait.errors import CommError, ConfigError
 from plait.ft import combine as cross
 from plait.ft.quorum import AXIS
 from plait.ft.state import engine_state, load_engine_state, rng_state, set_rng_state
@@ -75,6 +76,12 @@ class QuorumWindows:
     """A replica group's windows under a quorum (module docstring); ``FaultTolerantSteps`` dispatches to it."""
 
     def __init__(self, config: SemiSync, session: Any) -> None:
+        if session.options.spares:
+            raise ConfigError(
+                f"--ft-spares {session.options.spares} with train.sync={config.kind.value!r}: a spare takes a lost "
+                f"group's data slot, but a group's inner optimizer state and window belong to its own slot. Fix: "
+                f"--ft-spares 0 (a lost group costs the others its window's inner steps either way)."
+            )
         self.config, self.session, self.engine = config, session, session.engine
         self.every = config.every
         self.momentum: list[torch.Tensor] | None = None
@@ -123,11 +130,13 @@ class QuorumWindows:
                 attempts,
             )
             self.session._give_up_after(started, attempts, "retrying the window")
-        groups, losses = done
+        groups, losses, members = done
         stats._loss = losses[-1]
         info: dict[str, Any] = {
             "ft_loss_of": "quorum",
-            "ft_groups": groups,
+            "ft_groups": groups,  # the data slots averaged: slot g is group g's under semisync
+            "ft_slot": self.session.options.group,
+            "ft_members": members,
             "ft_window": self.every,
             "ft_window_loss": losses,
             "ft_attempts": attempts,
@@ -184,7 +193,7 @@ class QuorumWindows:
         return replay is not None and replay.committed(step, self.session.options.group)
 
     def _inner(self, loader: Any) -> Any:
-        stats = self.engine.train_step(loader.batch_at(self.engine.step))
+        stats = self.engine.train_step(loader.batch_at(self.session.options.group, self.engine.step))
         self.window.append(cross.group_weight(self.engine))
         return stats
 
@@ -208,9 +217,9 @@ class QuorumWindows:
             publish()
 
     @torch.no_grad()
-    def _outer(self, step: int) -> tuple[list[int], list[float]] | None:
-        """The outer step over the quorum and the commit: (the groups averaged, the window's quorum losses), or
-        None after a rollback."""
+    def _outer(self, step: int) -> tuple[list[int], list[float], int] | None:
+        """The outer step over the quorum and the commit: (the groups averaged, the window's quorum losses, the
+        groups in the quorum), or None after a rollback."""
         session, start = self.session, self.start
         assert start is not None
         weight = 0.0 if session.replay is not None and not self._logged(step) else 1.0
@@ -226,16 +235,16 @@ class QuorumWindows:
             self.start = None
             return None
         self.start = None
-        groups, losses, theta, momentum = result
+        groups, losses, theta, momentum, members = result
         for tensor, value in zip(held_tensors(self.engine.strategy), theta):
             tensor.copy_(value)
         self._publish()
         self.momentum = momentum
-        return groups, losses
+        return groups, losses, members
 
     def _exchange(
         self, weight: float, start: WindowStart
-    ) -> tuple[list[int], list[float], list[torch.Tensor], list[torch.Tensor] | None]:
+    ) -> tuple[list[int], list[float], list[torch.Tensor], list[torch.Tensor] | None, int]:
         comm, group = self.session.comm, self.session.options.group
         values = [group, weight]
         for tokens, loss in self.window:
@@ -266,7 +275,7 @@ class QuorumWindows:
         for t in range(len(self.window)):
             tokens = sum(float(rows[i, 2 + 2 * t]) for i in order)
             losses.append(sum(float(rows[i, 3 + 2 * t]) for i in order) / tokens if tokens else float("nan"))
-        return groups, losses, averages, momentum
+        return groups, losses, averages, momentum, len(order)
 
 
 __all__ = ["OUTER", "QuorumWindows", "WindowStart"]

@@ -37,10 +37,16 @@ FT_ENV = {**ENV, "PLAIT_FT_HEARTBEAT_MS": "2000", "PLAIT_FT_TIMEOUT_S": "30"}
 
 
 def run_ft(
-    out: Path, steps: int, extra: list[str] = (), env: dict[str, str] | None = None, timeout: float = 600
+    out: Path,
+    steps: int,
+    extra: list[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    nproc: int = 4,
 ) -> subprocess.CompletedProcess[str]:
-    """``plait train --ft`` on 4 local processes (2 groups of 2) into ``out``."""
-    command = [sys.executable, "-m", "plait", "train", "--ft", "--nproc", "4", "--out", str(out), "--max-restarts", "1"]
+    """``plait train --ft`` on ``nproc`` local processes (2 groups of nproc / 2) into ``out``."""
+    command = [sys.executable, "-m", "plait", "train", "--ft", "--nproc", str(nproc), "--out", str(out)]
+    command += ["--max-restarts", "1"]
     for setting in [*SETTINGS, f"train.steps={steps}", f"train.save_every={steps}"]:
         command += ["--set", setting]
     return subprocess.run(
