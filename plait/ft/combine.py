@@ -60,6 +60,15 @@ def group_weight(engine: object) -> tuple[float, torch.Tensor]:
     return weight, reported
 
 
+def in_group_order(gathered: torch.Tensor, order: list[int], total: float) -> torch.Tensor:
+    """The rows of ``gathered`` summed in ``order`` (group order: the same bits whatever order the quorum lists the
+    groups in), divided by ``total`` (at least 1)."""
+    summed = gathered[order[0]].clone()
+    for index in order[1:]:
+        summed += gathered[index]
+    return summed.div_(max(total, 1.0))
+
+
 def combine(
     grads: list[torch.Tensor],
     comm: Comm,
@@ -92,11 +101,7 @@ def combine(
         if die_inside():  # PLAIT_FT_FAULT=where=sync: die with the exchange in flight
             log.error("PLAIT_FT_FAULT: dying inside the cross-group exchange")
             os._exit(9)
-        gathered = pending.wait().view(rows.shape[0], -1)
-        summed = gathered[order[0]].clone()
-        for index in order[1:]:
-            summed += gathered[index]
-        summed /= max(total, 1.0)
+        summed = in_group_order(pending.wait().view(rows.shape[0], -1), order, total)
         offset = 0
         for grad in members:
             grad.copy_(summed[offset : offset + grad.numel()].view_as(grad))
@@ -110,4 +115,4 @@ def combine(
     )
 
 
-__all__ = ["Combined", "combine", "group_weight"]
+__all__ = ["Combined", "combine", "group_weight", "in_group_order"]

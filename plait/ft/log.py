@@ -5,7 +5,9 @@ Each group's rank 0 records, per committed step, the data slots its quorum train
 held place s in the quorum; without faults group s) and, at its start, the job's fingerprint
 (``replica-<g>/ft.json``). The launcher merges them into ``<run>/committed.jsonl``: a header line
 ``{"fingerprint": ..., "groups": R}``, then one line ``{"step": s, "groups": [...]}`` per step. Groups that were
-alive at a step agree on its quorum (they summed the same rows); a disagreement is an error, not a choice.
+alive at a step agree on its quorum (they summed the same rows); a disagreement is an error, not a choice. Under
+semi-synchronous training (``plait.ft.outer``) a window's last step records its groups with ``ft_window`` = H,
+and every step of the window gets them.
 
 ``plait train --ft-replay <run>`` trains the same job with every group alive and, at step s, the slots outside
 the logged ones contributing zero weight (``plait.ft.combine``): bitwise the run that was logged. One device
@@ -105,12 +107,13 @@ def merge(run: str | Path, groups: int, folders: int | None = None) -> ReplayLog
                 continue  # a line cut by a kill
             if "ft_groups" not in record:
                 continue
-            step, members = int(record["step"]), sorted(int(g) for g in record["ft_groups"])
-            if steps.setdefault(step, members) != members:
-                raise ConfigError(
-                    f"{run}: replica groups disagree on the quorum of step {step} ({steps[step]} and {members}): the "
-                    f"records were mixed with another run's. Fix: replay a run folder written by one job."
-                )
+            last, members = int(record["step"]), sorted(int(g) for g in record["ft_groups"])
+            for step in range(last - int(record.get("ft_window", 1)) + 1, last + 1):  # semisync: the window's steps
+                if steps.setdefault(step, members) != members:
+                    raise ConfigError(
+                        f"{run}: replica groups disagree on the quorum of step {step} ({steps[step]} and {members}): "
+                        f"the records were mixed with another run's. Fix: replay a run folder written by one job."
+                    )
     if fingerprint is None:
         raise ConfigError(f"{run} has no replica-<g>/{FINGERPRINT}: it is not a fault-tolerant run's folder.")
     gaps = [s for s in range(1, max(steps, default=0) + 1) if s not in steps]

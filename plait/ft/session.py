@@ -18,6 +18,10 @@ Each step, on every rank of the group:
    commit: the step is retried, on the same batches, with the next quorum. A lost group's batch share of the
    steps it missed is not trained; the slots of every committed step are logged (``plait.ft.log``).
 
+Under ``train.sync = "localsgd" | "diloco"`` the quorum (synchronous there), the healing and the commit happen once
+per window of H inner steps instead, around the outer step (``plait.ft.outer``); ``train_step`` hands each step to
+it.
+
 **Data slots and spares.** The quorum lists its groups in order of their index; the group at place s < R among
 those at the newest step trains data slot s (``plait.train.replicas.SlotBatches``), so without faults group g
 trains slot g. A group computes the slot of the place it expects (its place among all groups of the last
@@ -51,10 +55,12 @@ from plait.errors import CommError, PlaitError
 from plait.ft import combine as cross
 from plait.ft.log import ReplayLog
 from plait.ft.options import FTOptions
+from plait.ft.outer import QuorumWindows
 from plait.ft.quorum import quorum_comm
 from plait.ft.state import engine_state, load_engine_state
 from plait.ft.transport import PeerTransport
 from plait.logging import get_logger
+from plait.parallel.semisync import SemiSync
 
 log = get_logger(__name__)
 
@@ -81,7 +87,9 @@ def _bind_manager_server(host: str) -> None:
 class FaultTolerantSteps:
     """Runs a replica group's steps under a quorum (module docstring)."""
 
-    def __init__(self, options: FTOptions, engine: Any, world: Any, fingerprint: dict[str, Any]) -> None:
+    def __init__(
+        self, options: FTOptions, engine: Any, world: Any, fingerprint: dict[str, Any], sync: SemiSync | None = None
+    ) -> None:
         from torchft import Manager, ProcessGroupGloo
 
         self.options, self.engine, self.world = options, engine, world
@@ -97,14 +105,15 @@ class FaultTolerantSteps:
             )
         if getattr(engine, "outer", None) is not None:
             raise FaultToleranceError(
-                "--ft with train.sync='localsgd'/'diloco' is not supported yet (its outer step spans the groups "
-                "outside the quorum). Fix: train.sync='sync' with --ft, or semi-synchronous training without --ft."
+                "--ft got an engine with its own outer step (parallelize(sync=...)): under --ft the quorum runs it. "
+                "Fix: build the group's engine with sync=None and pass the SemiSync to FaultTolerantSteps."
             )
         if engine.precision.loss_scale is not None:
             raise FaultToleranceError("--ft does not take fp16 loss scaling (its scale is per group). Fix: bf16.")
         self.replay = ReplayLog.read(options.replay) if options.replay else None
         if self.replay is not None:
             self.replay.check(fingerprint, options.groups)
+        self.windows = QuorumWindows(sync, self) if sync is not None else None  # semi-synchronous: plait.ft.outer
         _bind_manager_server(options.bind)
         timeout = timedelta(seconds=options.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
@@ -113,22 +122,25 @@ class FaultTolerantSteps:
         self.manager = Manager(
             pg=self.pg,
             min_replica_size=options.members,  # the first step: every group (then min_groups)
-            load_state_dict=functools.partial(load_engine_state, engine, source="the live replica group"),
-            state_dict=functools.partial(engine_state, engine),
+            load_state_dict=self.windows.load_state
+            if self.windows
+            else functools.partial(load_engine_state, engine, source="the live replica group"),
+            state_dict=self.windows.state if self.windows else functools.partial(engine_state, engine),
             replica_id=f"plait_group_{options.group:05d}",  # zero-padded: torchft orders the quorum by this text
             lighthouse_addr=options.lighthouse,
             rank=world.rank,
             world_size=world.world_size,
             hostname=options.bind,
             checkpoint_transport=self.transport,
-            use_async_quorum=True,  # the quorum forms while the step computes
-            init_sync=False,  # groups start alike (same configuration and seed; ``combine`` checks the job)
+            use_async_quorum=self.windows is None,  # the quorum forms while the step computes (a window's: at once)
+            init_sync=self.windows is not None,  # groups start alike (same configuration and seed; ``combine`` checks)
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
         )
         if engine.step:  # resumed from this group's checkpoint: the quorum starts from there
-            self.manager.load_state_dict({"step": engine.step, "batches_committed": 0})
+            committed = engine.step // sync.every if sync is not None else engine.step  # semisync: windows
+            self.manager.load_state_dict({"step": committed, "batches_committed": 0})
         self.comm = quorum_comm(self.manager, self.pg, engine.comm.stats, options.timeout_s, engine.comm.device)
         self.combined: cross.Combined | None = None
         self.place: int | None = options.group
@@ -146,7 +158,7 @@ class FaultTolerantSteps:
         self.timings = (0.0, 0.0, 0.0)
         """Seconds of the last commit's wait for the quorum, its cross-group exchange and torchft's should_commit."""
         self.lost_steps = 0
-        engine.commit_gradients = self._commit
+        engine.commit_gradients = self._commit if self.windows is None else None  # semisync: inner steps commit
         self._waiting = False
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -160,6 +172,25 @@ class FaultTolerantSteps:
             self.manager.start_quorum(timeout=timedelta(seconds=self.options.timeout_s))
         except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
             self._quorum_failed(error)
+
+    def _quorum(self, started: float) -> None:
+        """A synchronous quorum (semi-synchronous windows, ``plait.ft.outer``): healing this group if it is behind,
+        retried while the quorum service answers late; a FaultToleranceError once it has not answered for
+        ``QUORUM_PATIENCE`` timeouts. SIGTERM while waiting here exits at once."""
+        timeout = timedelta(seconds=self.options.timeout_s)
+        while True:
+            self._waiting = True
+            try:
+                self.manager.start_quorum(timeout=timeout)
+                self.quorum_error = None
+                return
+            except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
+                self.manager._quorum_future = None
+                self.quorum_error = error
+                self._give_up_after(started, 1, "waiting for the quorum")
+                log.warning("no quorum yet (%s); asking again", str(error).splitlines()[0][:120])
+            finally:
+                self._waiting = False
 
     def _quorum_failed(self, error: Exception) -> None:
         self.quorum_error = error
@@ -265,6 +296,8 @@ class FaultTolerantSteps:
         of the last one, which a group that has just healed holds too; a spare computes slot 0's batch as filler).
         If the quorum gives it another place, or it heals in this step, it adds zeros and that slot is not trained
         at this step: a membership change costs the slot it moves one step (the records say so)."""
+        if self.windows is not None:  # semi-synchronous: a quorum per window (plait.ft.outer)
+            return self.windows.train_step(loader)
         started, attempts, quorum_s = time.perf_counter(), 0, 0.0
         while True:
             attempts += 1

@@ -25,7 +25,7 @@ from plait.errors import CheckpointError
 ENTRIES, EXTRAS = "entries", "extras"
 
 
-def _rng() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": list(internal), "version": version}
     state["gauss"] = gauss
@@ -34,7 +34,7 @@ def _rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["torch_cuda"])
@@ -48,7 +48,7 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "step": engine.step,
         "param_groups": extras.param_groups(engine.strategy.optimizer, canonical.group_names(engine)),
         "lr_scheduler": extras.scheduler_state(engine.lr_scheduler),
-        "rng": _rng(),
+        "rng": rng_state(),
     }
     return {ENTRIES: entries, EXTRAS: extra}
 
@@ -75,8 +75,8 @@ def load_engine_state(engine: Any, state: dict[str, Any], source: str) -> None:
     extra = state[EXTRAS]
     extras.load_param_groups(engine.strategy.optimizer, canonical.group_names(engine), extra["param_groups"])
     extras.load_scheduler(engine.lr_scheduler, extra["lr_scheduler"])
-    _set_rng(extra["rng"])
+    set_rng_state(extra["rng"])
     engine.step = int(extra["step"])
 
 
-__all__ = ["engine_state", "load_engine_state"]
+__all__ = ["engine_state", "load_engine_state", "rng_state", "set_rng_state"]

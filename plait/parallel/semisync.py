@@ -136,6 +136,23 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
+@torch.no_grad()
+def nesterov(
+    theta: list[torch.Tensor], averages: list[torch.Tensor], momentum: list[torch.Tensor] | None, mu: float, eta: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo's outer step, out of place (the arguments are left as they are): with Delta = theta - average,
+    b' = Delta (no b yet) or mu b + Delta, and theta' = theta - eta (Delta + mu b') (torch.optim.SGD's Nesterov
+    form). Returns (theta', b')."""
+    deltas = [outer - average for outer, average in zip(theta, averages)]
+    if momentum is None:
+        stepped = [delta.clone() for delta in deltas]
+    else:
+        stepped = [buf.mul(mu).add_(delta) for buf, delta in zip(momentum, deltas)]
+    return [
+        outer.add(delta.add(buf, alpha=mu), alpha=-eta) for outer, delta, buf in zip(theta, deltas, stepped)
+    ], stepped
+
+
 class OuterLoop:
     """The outer steps of one engine: called by ``Engine.train_step`` after every inner step."""
 
@@ -188,15 +205,9 @@ class OuterLoop:
         """theta <- theta - eta (Delta + mu b), b <- mu b + Delta (b = Delta at the first outer step)."""
         if self.outer is None:
             raise RuntimeError("DiLoCo's outer step ran without theta: begin_step was not called at the window start")
-        mu, eta = self.config.outer_momentum, self.config.outer_lr
-        deltas = [theta - average for theta, average in zip(self.outer, averages)]
-        if self.momentum is None:
-            self.momentum = [delta.clone() for delta in deltas]
-        else:
-            for buf, delta in zip(self.momentum, deltas):
-                buf.mul_(mu).add_(delta)
-        for theta, delta, buf in zip(self.outer, deltas, self.momentum):
-            theta.add_(delta.add(buf, alpha=mu), alpha=-eta)
+        self.outer, self.momentum = nesterov(
+            self.outer, averages, self.momentum, self.config.outer_momentum, self.config.outer_lr
+        )
         return self.outer
 
     # ----------------------------------------------------------------- checkpoints
@@ -249,4 +260,4 @@ def attach(engine: Any, config: SemiSync | None) -> None:
         )
 
 
-__all__ = ["GROUP_PREFIX", "OuterLoop", "SemiSync", "SyncMode", "attach", "held_tensors"]
+__all__ = ["GROUP_PREFIX", "OuterLoop", "SemiSync", "SyncMode", "attach", "held_tensors", "nesterov"]

@@ -139,7 +139,7 @@ def build(config: RunConfig, world: World, optimizer: Any = None) -> tuple[Engin
         device=world.device,
         param_groups=groups,
         weights=weights,
-        sync=train.semisync(),
+        sync=replicas.engine_sync(train),  # under --ft the quorum runs the outer step (plait.ft.outer)
     )
     return engine, dataset, model_config
 

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from plait.data import ShardedBatches
+from plait.errors import ConfigError
 from plait.ft.log import FINGERPRINT
 from plait.ft.options import FTOptions
-from plait.train.config import RunConfig
+from plait.parallel.semisync import SemiSync
+from plait.train.config import RunConfig, TrainConfig
 from plait.train.fault import restart_count
 
 STARTS = "starts.jsonl"
@@ -76,6 +78,13 @@ def heals_from_peers(attempt: int) -> bool:
     return attempt > 0 and FTOptions.from_env() is not None
 
 
+def engine_sync(train: TrainConfig) -> SemiSync | None:
+    """The ``SemiSync`` the engine itself runs: ``train.semisync()``, except under fault tolerance, where a group's
+    engine trains synchronously inside the group and its session runs the outer step over the quorum
+    (``plait.ft.outer``)."""
+    return None if FTOptions.from_env() is not None else train.semisync()
+
+
 def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     """The group's ``FaultTolerantSteps`` when the environment asks for fault tolerance, else None; rank 0 of the
     group records the job's fingerprint in its folder (``plait.ft.log`` merges it)."""
@@ -84,6 +93,13 @@ def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
         return None
     from plait.ft.session import FaultTolerantSteps
 
+    sync = config.train.semisync()
+    if sync is not None and config.train.steps % sync.every:
+        raise ConfigError(
+            f"--ft with train.sync={config.train.sync!r}: train.steps={config.train.steps} ends inside a window of "
+            f"train.sync_every={sync.every} steps, which no quorum would commit. Fix: train.steps a multiple of "
+            f"{sync.every} (e.g. {max(sync.every, config.train.steps // sync.every * sync.every)})."
+        )
     print_ = fingerprint(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     if world.rank == 0:
@@ -91,7 +107,7 @@ def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     start = {"rank": world.rank, "pid": os.getpid(), "attempt": restart_count(), "time": round(time.time(), 3)}
     with open(run_dir / STARTS, "a") as handle:  # one short line per write: appends of ranks do not interleave
         handle.write(json.dumps(start) + "\n")
-    return FaultTolerantSteps(options, engine, world, print_)
+    return FaultTolerantSteps(options, engine, world, print_, sync)
 
 
-__all__ = ["SlotBatches", "fingerprint", "heals_from_peers", "start"]
+__all__ = ["SlotBatches", "engine_sync", "fingerprint", "heals_from_peers", "start"]

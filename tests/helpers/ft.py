@@ -131,3 +131,47 @@ def wait_for_step(out: Path, group: int, step: int, process: subprocess.Popen[st
         assert process.poll() is None, f"group {group} ended (exit {process.returncode}) before step {step}"
         time.sleep(0.5)
     raise AssertionError(f"group {group} did not reach step {step} in {timeout} s")
+
+
+def semisync_one_process(out: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The one-process simulation of a fault-tolerant LocalSGD / DiLoCo run over its committed log (plait.ft.outer):
+    R one-device copies, copy g trained on group g's rows of each step's global batch, and after each window the
+    papers' outer step (tests/helpers/semisync_reference.py's, torch's Nesterov SGD) over the copies of the groups
+    the window committed; every copy then holds theta. A copy that rejoins (committed in a window, not in the one
+    before) starts its inner optimizer afresh, as a healed group does. Returns copy 0's parameters and each step's
+    loss over the committed groups' tokens (sum N_g L_g / sum N_g)."""
+    from helpers.semisync_reference import outer_step
+
+    from plait.ft.combine import group_weight
+
+    log = ReplayLog.read(out)
+    overrides = ["layout.dp=1", "layout.zero=0", "layout.dp_replicate=1", "train.sync=sync", "train.out=''"]
+    config = load_config(replica_dir(out, 0) / "config.toml", overrides)
+    train = load_config(replica_dir(out, 0) / "config.toml").train  # the run's own: its mode and outer settings
+    built = [build(config, World(0, 1, 0, torch.device("cpu"), None)) for _ in range(log.group_count)]
+    copies = [engine for engine, _, _ in built]
+    theta = [p.detach().clone().requires_grad_(True) for p in copies[0].module.parameters()]
+    outer = torch.optim.SGD(theta, lr=train.outer_lr, momentum=train.outer_momentum, nesterov=True)
+    batches = ShardedBatches(built[0][1], train.global_batch, 0, 1)
+    share, losses, every = train.global_batch // log.group_count, [], train.sync_every
+    for step in range(1, steps + 1):
+        committed = log.groups(step)
+        if (step - 1) % every == 0 and step > every:  # a window's first step: rejoining copies start afresh
+            for g in set(committed) - set(log.groups(step - 1)):
+                copies[g].strategy.optimizer.state.clear()
+        inputs, targets = batches.batch_at(step - 1)
+        summed = tokens = 0.0
+        for g, engine in enumerate(copies):
+            rows = torch.arange(g * share, (g + 1) * share)
+            engine.train_step((inputs[rows], targets[rows]))
+            weight, loss = group_weight(engine)
+            if g in committed:
+                summed, tokens = summed + weight * float(loss), tokens + weight
+        losses.append(summed / tokens)
+        if step % every == 0:
+            outer_step(train.sync, [copies[g].module for g in committed], theta, outer)
+            with torch.no_grad():
+                for g in set(range(len(copies))) - set(committed):
+                    for param, value in zip(copies[g].module.parameters(), theta):
+                        param.copy_(value)
+    return {name: p.detach().clone() for name, p in copies[0].module.named_parameters()}, losses

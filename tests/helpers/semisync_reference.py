@@ -76,13 +76,15 @@ def simulate(
             count += float(scored)
         out.losses.append(float(total / count))
         if (step + 1) % every == 0:
-            _outer_step(mode, copies, theta, outer)
+            outer_step(mode, copies, theta, outer)
         out.params.append([snapshot_params(model) for model in copies])
     return out
 
 
 @torch.no_grad()
-def _outer_step(mode: str, copies: list[torch.nn.Module], theta: list[torch.Tensor], outer: torch.optim.SGD) -> None:
+def outer_step(mode: str, copies: list[torch.nn.Module], theta: list[torch.Tensor], outer: torch.optim.SGD) -> None:
+    """The papers' outer step over ``copies`` (module docstring); every copy then holds theta. Also the simulation
+    of a fault-tolerant run (tests/helpers/ft.py), over the copies of a window's committed groups."""
     per_copy = [list(model.parameters()) for model in copies]
     for index, target in enumerate(theta):
         summed = per_copy[0][index].detach().clone()
