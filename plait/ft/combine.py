@@ -16,6 +16,9 @@ bitwise. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1
 Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
 gradient bytes, a shard under ZeRO), n/2 times a ring all-reduce's 2(n-1)/n x P_owned; for the two to eight
 replica groups of a job it buys an order that does not depend on which groups are alive.
+
+A caller may add a float64 vector of its own to the row (``extra``: a Mixture-of-Experts model's routing statistics,
+``plait.ft.experts``), summed over the quorum in the same group order: one exchange, before the commit.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ class Combined:
     """The replica groups whose rows were summed (the quorum), in order."""
     weights: list[float]
     loss: float
+    extra: torch.Tensor | None = None
+    """The callers' ``extra`` vectors summed in group order (None without one)."""
+
+
+def token_weight(loss: object) -> float:
+    """w_g of a step's loss normalisation (``Engine.step_loss``): its scored tokens N_g (1 for a loss that is not a
+    token mean)."""
+    return float(loss.counts.sum()) if isinstance(loss, TokenMeanStep) else 1.0
 
 
 def group_weight(engine: object) -> tuple[float, torch.Tensor]:
@@ -50,8 +61,7 @@ def group_weight(engine: object) -> tuple[float, torch.Tensor]:
     if loss is None or total is None:
         raise RuntimeError("commit_gradients ran outside Engine.train_step")
     reported = loss.report(total).detach().reshape(()).double().cpu()
-    weight = float(loss.counts.sum()) if isinstance(loss, TokenMeanStep) else 1.0
-    return weight, reported
+    return token_weight(loss), reported
 
 
 def combine(
@@ -61,10 +71,14 @@ def combine(
     weight: float,
     loss: torch.Tensor,
     die_inside: Callable[[], bool] = lambda: False,
+    extra: torch.Tensor | None = None,
 ) -> Combined:
-    """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring)."""
-    row = torch.tensor([float(group), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
-    rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, 3)
+    """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring); ``extra``
+    (float64, the same length in every group; zeros from a group that must not count) is summed in group order."""
+    head = torch.tensor([float(group), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
+    width = 3 + (extra.numel() if extra is not None else 0)
+    row = torch.cat([head, extra.detach().reshape(-1).double().cpu()]) if extra is not None else head
+    rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, width)
     order = sorted(range(rows.shape[0]), key=lambda i: float(rows[i, 0]))
     total = float(rows[:, 1].sum())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -87,11 +101,17 @@ def combine(
             grad.copy_(summed[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
     loss_sum = float(sum(float(rows[i, 2]) for i in order))
+    extras = None
+    if extra is not None:
+        extras = rows[order[0], 3:].clone()
+        for index in order[1:]:
+            extras += rows[index, 3:]
     return Combined(
         groups=[int(rows[i, 0]) for i in order],
         weights=[float(rows[i, 1]) for i in order],
         loss=loss_sum / total if total else float("nan"),
+        extra=extras.view_as(extra) if extras is not None and extra is not None else None,
     )
 
 
-__all__ = ["Combined", "combine", "group_weight"]
+__all__ = ["Combined", "combine", "group_weight", "token_weight"]

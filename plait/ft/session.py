@@ -31,6 +31,7 @@ from typing import Any
 
 from plait.errors import CommError, PlaitError
 from plait.ft import combine as cross
+from plait.ft.experts import QuorumExperts
 from plait.ft.log import ReplayLog
 from plait.ft.options import FTOptions
 from plait.ft.quorum import quorum_comm
@@ -72,18 +73,11 @@ class FaultTolerantSteps:
                 f"--ft does not take schedule={engine.layout.schedule!r}: PipeDream steps the optimizer inside its "
                 f"schedule, where no quorum can commit it. Fix: schedule='1f1b' (or another synchronous schedule)."
             )
-        if getattr(engine, "experts", None) is not None:
-            raise FaultToleranceError(
-                "--ft does not take Mixture-of-Experts models yet (their balance statistics "
-                "span the groups). Fix: train them without --ft (restart-and-resume)."
-            )
         if getattr(engine, "outer", None) is not None:
             raise FaultToleranceError(
                 "--ft with train.sync='localsgd'/'diloco' is not supported yet (its outer step spans the groups "
                 "outside the quorum). Fix: train.sync='sync' with --ft, or semi-synchronous training without --ft."
             )
-        if engine.precision.loss_scale is not None:
-            raise FaultToleranceError("--ft does not take fp16 loss scaling (its scale is per group). Fix: bf16.")
         self.replay = ReplayLog.read(options.replay) if options.replay else None
         if self.replay is not None:
             self.replay.check(fingerprint, options.groups)
@@ -111,6 +105,9 @@ class FaultTolerantSteps:
         if engine.step:  # resumed from this group's checkpoint: the quorum starts from there
             self.manager.load_state_dict({"step": engine.step, "batches_committed": 0})
         self.comm = quorum_comm(self.manager, self.pg, engine.comm.stats, options.timeout_s, engine.comm.device)
+        self.experts = None  # Mixture-of-Experts: the balance loss and routing statistics across groups
+        if getattr(engine, "experts", None) is not None:
+            self.experts = QuorumExperts(engine, self.comm, self._counted, self.manager.report_error)
         self.combined: cross.Combined | None = None
         self.committed = False
         self.lost_steps = 0
@@ -167,18 +164,25 @@ class FaultTolerantSteps:
         fault = self.options.fault or {}
         return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
+    def _counted(self, step: int) -> bool:
+        """Whether this group's rows count at ``step`` (in a replay: only if its log committed the group)."""
+        return self.replay is None or self.options.group in self.replay.groups(step)
+
     def _commit(self, engine: Any) -> bool:
         """``Engine.commit_gradients``: combine over the quorum, then agree whether to commit."""
         self.combined = None
         try:
             weight, loss = cross.group_weight(engine)
-            if self.replay is not None and self.options.group not in self.replay.groups(engine.step + 1):
+            if not self._counted(engine.step + 1):
                 weight = 0.0
             grads = engine.strategy.owned_grads()
-            self.combined = cross.combine(grads, self.comm, self.options.group, weight, loss, self._die_inside)
+            extra = self.experts.statistics() if self.experts is not None else None
+            self.combined = cross.combine(grads, self.comm, self.options.group, weight, loss, self._die_inside, extra)
         except (CommError, RuntimeError) as error:
             log.warning("step %d: the cross-group exchange failed: %s", engine.step + 1, str(error).splitlines()[0])
             self.manager.report_error(error)
+        if self.experts is not None:
+            self.experts.combined(self.combined)
         self.committed = bool(self.manager.should_commit())
         return self.committed
 
@@ -235,6 +239,8 @@ class FaultTolerantSteps:
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self._previous_sigterm)
         self.engine.commit_gradients = None
+        if self.experts is not None:
+            self.experts.detach()
         self.manager.shutdown(wait=False)
 
 

@@ -80,14 +80,18 @@ class RouterStats:
         self.local = list(layers)
         self.axes = [GRAD_AXIS] + [a for a in ("pp",) if comm.size(a) > 1] + (["tp"] if sequence_parallel else [])
 
-    def begin(self, sequences: int, loss_scale: float | None) -> None:
-        """Before the step's forwards: the global batch has ``sequences`` sequences."""
-        scale = self.comm.size(GRAD_AXIS) / sequences * (loss_scale or 1.0)
+    def begin(self, sequences: int, loss_scale: float | None, weight: float = 1.0) -> None:
+        """Before the step's forwards: the global batch has ``sequences`` sequences. Each local layer's balance-loss
+        gradient becomes G x ``weight`` / ``sequences`` (x the fp16 loss scale): the objective's d/d(S_aux) of one
+        sequence, G times over for the average over the G data ranks (module docstring). Per-step fault tolerance
+        passes the quorum's sequences and a weight of its own (``plait.ft.experts``)."""
+        scale = self.comm.size(GRAD_AXIS) * weight / sequences * (loss_scale or 1.0)
         for layer in self.local:
             layer.aux_grad_scale = scale
 
-    def end(self, sequences: int, update_biases: bool) -> MoEStepStats:
-        """After the step (every rank: collectives). ``update_biases``: False for a step fp16 skipped."""
+    def gather(self) -> Tensor:
+        """The step's [layers, 2E + 1] statistics table summed over every rank of this layout (every rank:
+        collectives); each layer's counts are taken (reset) here."""
         experts = self.plan.experts
         table = torch.zeros(len(self.rows), 2 * experts + 1, dtype=torch.float64, device=self.comm.device)
         for layer in self.local:
@@ -96,6 +100,12 @@ class RouterStats:
                 table[self.rows[layer.layer]] = stats.to(table.device)
         for axis in self.axes:
             self.comm.all_reduce(table, axis)
+        return table
+
+    def finish(self, table: Tensor, sequences: int, update_biases: bool) -> MoEStepStats:
+        """The step's statistics from a ``gather``ed table (of this layout, or summed over several: ``plait.ft``)
+        of ``sequences`` sequences; moves the aux-free biases by its loads unless ``update_biases`` is False."""
+        experts = self.plan.experts
         load = table[:, :experts]
         if update_biases:
             for layer in self.local:
@@ -103,6 +113,10 @@ class RouterStats:
         return MoEStepStats(
             self.plan.layers, load, table[:, experts : 2 * experts], table[:, 2 * experts].sum() / sequences
         )
+
+    def end(self, sequences: int, update_biases: bool) -> MoEStepStats:
+        """After the step (every rank: collectives). ``update_biases``: False for a step fp16 skipped."""
+        return self.finish(self.gather(), sequences, update_biases)
 
 
 __all__ = ["MoEStepStats", "RouterStats"]

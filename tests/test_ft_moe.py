@@ -1,0 +1,189 @@
+"""Mixture-of-Experts models and fp16 loss scaling under per-step fault tolerance (plait/ft/experts.py,
+docs/fault_tolerance.md): two replica groups of 2 ranks (ep=2 inside each) train exactly what one device trains
+on the union of the committed groups' batches, with uneven loss masks (instruction data: each group scores another
+share of its tokens, so N_g / B_g differs between the groups) and uneven routing; a replay that leaves a group out
+equals one device on the other group's rows; fp16 keeps one loss-scale trajectory, HSDP's own."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ft
+
+from plait.checkpoint import load_full_state
+from plait.data import prepare
+from plait.ft.log import ReplayLog, replica_dir
+
+STEPS = 6
+MOE = [
+    "layout.dp_replicate=2",
+    "layout.ep=2",
+    "model.n_layer=2",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_experts=4",
+    "model.top_k=2",
+    "model.moe_d_ff=16",
+    "model.moe_start=1",
+    "train.global_batch=8",
+    "train.eval_every=0",
+    "train.samples=0",
+    "train.log_every=1",
+    # SGD with momentum (tests/helpers/ft.py: Adam turns the rounding noise of zero-gradient biases into full steps)
+    "train.optimizer=sgd",
+    "train.lr=0.05",
+    "train.momentum=0.9",
+]
+"""A tiny MoE GPT (block 1: 4 experts, top 2) over two replica groups with ep=2 inside each."""
+ONE_DEVICE = ["layout.ep=1"]
+
+LOSS_ATOL = 1e-6
+"""fp32 losses: the groups' token means are combined as sum_g N_g L_g / N, one device sums at once (measured 4e-7)."""
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-7
+"""fp32 parameters after 6 steps: sum_g N_g G_g / N against one device's one sum (measured 4e-9). The engine's own
+balance weight 1 / B_g (no exchange) moves the router's gate 8e-6 away here: the tolerance tells them apart."""
+FP16_ATOL, FP16_RTOL = 1e-5, 1e-4
+"""fp16 autocast over fp32 master weights: activations round at 2^-11, so one fp32 ulp of a weight (the combine
+sums in another order than HSDP's all-reduce) can move an activation by an fp16 ulp (measured after 10 steps:
+parameters 4.4e-7, losses 1.2e-6 apart)."""
+NORM_RTOL = 1e-6
+"""The gradient norm before clipping, the balance loss: fp32 / fp64 sums in another order (measured 3e-7)."""
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A token folder of prompt / response records of different lengths (only responses score): uneven loss masks
+    and packed documents of different lengths."""
+    rng = random.Random(0)
+    words = "the cat sat on a mat while experts route tokens to layers of many kinds".split()
+    folder = tmp_path_factory.mktemp("instruct")
+    lines = []
+    for _ in range(400):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        response = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+        lines.append(json.dumps({"prompt": prompt + ": ", "response": response}) + "\n")
+    (folder / "pairs.jsonl").write_text("".join(lines))
+    prepare([folder / "pairs.jsonl"], folder / "tokens", val_fraction=0.0, progress=False, instruct=True)
+    return folder / "tokens"
+
+
+def _settings(data: Path, *extra: str) -> list[str]:
+    return [*MOE, "data.name=tokens", f"data.path={data}", "data.seq_len=32", "data.attention=document", *extra]
+
+
+def _final(run: Path, group: int) -> dict[str, torch.Tensor]:
+    return load_full_state(replica_dir(run, group) / "ckpt")[0]
+
+
+def _assert_one_device(run: Path, clipped: bool) -> None:
+    """The run's group-0 records and final state against one device trained on its committed rows, step by step:
+    losses, gradient norms, routed and dropped tokens per expert, the balance loss, parameters, aux-free biases."""
+    engine, reference = ft.one_device_steps(run, STEPS, ONE_DEVICE)
+    records = ft.step_records(run, 0)
+    for step, expected in enumerate(reference, start=1):
+        got = records[step]
+        assert abs(got["loss"] - expected.loss) < LOSS_ATOL, (step, got["loss"], expected.loss)
+        assert got["moe"]["load"] == expected.moe.load and got["moe"]["dropped"] == expected.moe.dropped, step
+        assert got["moe"]["aux_loss"] == pytest.approx(expected.moe.aux_loss, rel=NORM_RTOL, abs=1e-12), step
+        if clipped:
+            assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=NORM_RTOL), step
+    final = _final(run, 0)
+    for name, value in engine.module.state_dict().items():
+        if name.endswith("expert_bias"):  # moved by sign(mean - load) of the same integer loads: the same bits
+            assert torch.equal(final[name], value), name
+        else:
+            torch.testing.assert_close(final[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+
+
+def _assert_groups_agree(run: Path) -> None:
+    """Both groups committed every step together, report the same numbers and hold the same bits."""
+    zero, one = ft.step_records(run, 0), ft.step_records(run, 1)
+    assert sorted(zero) == sorted(one) == list(range(1, STEPS + 1))
+    for step in zero:
+        for key in ("loss", "grad_norm", "skipped", "loss_scale", "moe"):
+            assert zero[step].get(key) == one[step].get(key), (step, key)
+    final = [_final(run, g) for g in (0, 1)]
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(600)  # two 4-process runs and two one-device references: ~2 min on 2 busy cores
+def test_moe_balance_loss_under_ft_equals_one_device_and_a_replay_leaves_a_group_out(instructions, tmp_path):
+    """aux_loss balancing, clipped, ZeRO-2: the balance loss weighed W / (w_g B) across groups of uneven N_g / B_g;
+    then a replay of a log without group 1 at steps 2-3 and without group 0 at step 5 (those groups add zeros)."""
+    settings = _settings(instructions, "layout.zero=2", "model.aux_loss_coef=0.1", "train.max_grad_norm=0.5")
+    run = tmp_path / "run"
+    done = ft.run_ft(run, STEPS, settings=settings, env={"PLAIT_FT_TIMEOUT_S": "60"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratios = ft.scored_per_sequence(run, 1, ONE_DEVICE)
+    assert abs(ratios[0] - ratios[1]) > 1.0, ratios  # uneven N_g / B_g: the 1 / B_g weight would be wrong
+    _assert_groups_agree(run)
+    _assert_one_device(run, clipped=True)
+
+    log = ReplayLog.read(run)
+    log.steps.update({2: [0], 3: [0], 5: [1]})
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    log.write(crafted / "committed.jsonl")
+    replay = tmp_path / "replay"
+    again = ft.run_ft(replay, STEPS, ["--ft-replay", str(crafted)], settings=settings, env={"PLAIT_FT_TIMEOUT_S": "60"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ReplayLog.read(replay).steps == log.steps  # the replay's own log: the groups that counted
+    _assert_groups_agree(replay)
+    _assert_one_device(replay, clipped=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(600)
+def test_moe_aux_free_biases_under_ft_equal_one_device(instructions, tmp_path):
+    """aux_free balancing, unclipped, ZeRO-3: every group moves its biases by the loads summed over the quorum in
+    the commit's exchange, so the biases equal one device's bitwise."""
+    settings = _settings(instructions, "layout.zero=3", "model.moe_balance=aux_free", "model.bias_update_rate=0.01") + [
+        "train.max_grad_norm=0"
+    ]
+    run = tmp_path / "run"
+    done = ft.run_ft(run, STEPS, settings=settings, env={"PLAIT_FT_TIMEOUT_S": "60"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_groups_agree(run)
+    _assert_one_device(run, clipped=False)
+    biases = [v for k, v in _final(run, 0).items() if k.endswith("expert_bias")]
+    assert biases and all(b.abs().max() > 0 for b in biases)  # the biases moved
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(600)
+def test_fp16_under_ft_keeps_hsdp_loss_scale_trajectory(tmp_path):
+    """fp16 with an MoE model: every group unscales and checks the combined gradient, so both groups skip the same
+    steps and keep one scale, and with as many scored tokens per group (the addition task) each rank's backward
+    starts from HSDP's seed S D / N: the same overflow (step 2 here), the same scale, the same updates."""
+    settings = [*MOE, "data.name=addition", "layout.zero=2", "layout.precision=fp16", "train.max_grad_norm=0.5"]
+    runs = {True: tmp_path / "ft", False: tmp_path / "hsdp"}
+    for fault_tolerant, out in runs.items():
+        done = ft.run_ft(out, 10, settings=settings, fault_tolerant=fault_tolerant, env={"PLAIT_FT_TIMEOUT_S": "60"})
+        assert done.returncode == 0, done.stderr[-3000:]
+    records = ft.step_records(runs[True], 0)
+    hsdp = {}
+    for line in (runs[False] / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            hsdp[record["step"]] = record
+    assert [records[s]["loss_scale"] for s in records] == [hsdp[s]["loss_scale"] for s in hsdp]
+    assert [records[s]["skipped"] for s in records] == [hsdp[s]["skipped"] for s in hsdp]
+    assert any(r["skipped"] for r in records.values())  # the trajectory holds an overflow
+    for step, record in records.items():
+        assert abs(record["loss"] - hsdp[step]["loss"]) < FP16_ATOL, step
+    ft_state, hsdp_state = _final(runs[True], 0), load_full_state(runs[False] / "ckpt")[0]
+    for name, value in hsdp_state.items():
+        torch.testing.assert_close(ft_state[name], value, rtol=FP16_RTOL, atol=FP16_ATOL, msg=name)
+    zero, one = ft.step_records(runs[True], 0), ft.step_records(runs[True], 1)
+    assert all(zero[s]["loss_scale"] == one[s]["loss_scale"] for s in zero)
