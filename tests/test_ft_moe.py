@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,17 @@ from helpers import ft
 
 from plait.checkpoint import load_full_state
 from plait.data import prepare
+from plait.distributed import World
+from plait.errors import CheckpointError
+from plait.ft import wire
+from plait.ft.combine import combine
+from plait.ft.experts import QuorumExperts
 from plait.ft.log import ReplayLog, replica_dir
+from plait.ft.state import engine_state, load_engine_state
+from plait.parallel.expert.stats import RouterStats
+from plait.parallel.loss_normalization import TokenMeanStep
+from plait.train.config import load_config
+from plait.train.loop import build
 
 STEPS = 6
 MOE = [
@@ -187,3 +198,106 @@ def test_fp16_under_ft_keeps_hsdp_loss_scale_trajectory(tmp_path):
         torch.testing.assert_close(ft_state[name], value, rtol=FP16_RTOL, atol=FP16_ATOL, msg=name)
     zero, one = ft.step_records(runs[True], 0), ft.step_records(runs[True], 1)
     assert all(zero[s]["loss_scale"] == one[s]["loss_scale"] for s in zero)
+
+
+# ----------------------------------------------------------------- the pieces, in one process
+
+
+class _Quorum:
+    """A stand-in for the quorum's Comm: the other groups' rows (by row width) around this rank's, in group order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, before: list[torch.Tensor], after: list[torch.Tensor], fail: bool = False) -> None:
+        self.before, self.after, self.fail = before, after, fail
+
+    def all_gather(self, tensor, axis, async_op=False):
+        if self.fail:
+            raise RuntimeError("peer gone")
+        width = tensor.numel()
+        rows = [r for r in self.before if r.numel() == width] + [tensor] + [r for r in self.after if r.numel() == width]
+        out = torch.cat([r.to(tensor.dtype) for r in rows])
+
+        class Done:
+            def wait(self):
+                return out
+
+        return Done() if async_op else out
+
+    def size(self, axis):
+        return 2  # the group's own data ranks (RouterStats' G)
+
+
+def _router_stats(comm: _Quorum) -> tuple[RouterStats, list[SimpleNamespace]]:
+    """A RouterStats over two fake local layers and this stand-in's G = 2 (no model, no collectives of its own)."""
+    stats = object.__new__(RouterStats)
+    layers = [SimpleNamespace(aux_grad_scale=None, layer=1), SimpleNamespace(aux_grad_scale=None, layer=3)]
+    stats.plan, stats.comm, stats.local, stats.rows, stats.axes = None, comm, layers, {1: 0, 3: 1}, []
+    return stats, layers
+
+
+def _engine(stats: RouterStats, tokens: int, step: int = 0) -> SimpleNamespace:
+    loss = object.__new__(TokenMeanStep)
+    loss.counts = torch.tensor([tokens])
+    return SimpleNamespace(experts=stats, step_loss=loss, step=step)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_the_balance_loss_is_weighed_by_the_quorums_tokens_and_sequences(counted):
+    """Group 0 scores 30 tokens in 4 sequences, group 1 90 in 4: each scales its balance gradient by
+    G x N / (N_g B) x S (one device: 1 / B), not the engine's G / B_g; a group that does not count sends zeros."""
+    other = torch.tensor([90.0, 4.0], dtype=torch.float64)
+    comm = _Quorum([], [other])
+    stats, layers = _router_stats(comm)
+    engine = _engine(stats, 30)
+    errors = []
+    experts = QuorumExperts(engine, comm, lambda step: counted, errors.append)
+    assert engine.experts is experts
+    experts.begin(4, 8.0)
+    if counted:
+        assert experts.sequences == 8
+        assert all(layer.aux_grad_scale == pytest.approx(2 * 120 / (30 * 8) * 8.0, rel=1e-15) for layer in layers)
+    else:  # a replay's left-out group: the totals are the counted groups', its own balance gradient 0
+        assert experts.sequences == 4 and all(layer.aux_grad_scale == 0.0 for layer in layers)
+    assert not errors
+    experts.detach()
+    assert engine.experts is stats
+
+
+def test_a_failed_balance_exchange_is_reported_and_the_step_runs_on_its_own_weights():
+    comm = _Quorum([], [], fail=True)
+    stats, layers = _router_stats(comm)
+    errors = []
+    experts = QuorumExperts(_engine(stats, 30), comm, lambda step: True, errors.append)
+    experts.begin(4, None)
+    assert len(errors) == 1 and all(layer.aux_grad_scale == 2 / 4 for layer in layers)
+
+
+def test_the_commit_exchange_sums_the_callers_statistics_in_group_order():
+    """``combine``'s extra rides the row exchange: summed in group order (here group 1's row arrives first)."""
+    mine, theirs = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
+    table = torch.tensor([[5.0, 0.0, 0.25]], dtype=torch.float64)
+    their_table = torch.tensor([[7.0, 1.0, 0.5]], dtype=torch.float64)
+    their_row = torch.cat([torch.tensor([1.0, 20.0, 20.0], dtype=torch.float64), their_table.view(-1)])
+    comm = _Quorum([their_row, theirs * 20.0], [])
+    grad = mine.clone()
+    done = combine([grad], comm, 0, 10.0, torch.tensor(1.0), extra=table)
+    assert done.groups == [0, 1] and torch.equal(done.extra, table + their_table)
+    torch.testing.assert_close(grad, (10.0 * mine + 20.0 * theirs) / 30.0)  # fp32 of 2 terms
+
+
+def test_healing_carries_the_fp16_loss_scale(tmp_path):
+    """A healed rank continues with the live group's scale, its good-step count and its skips."""
+    config = load_config(None, ["layout.precision=fp16", "model.n_layer=1", "model.d_model=16", "train.out=''"])
+    live, _, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
+    healed, _, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
+    live.precision.scaler.scale, live.precision.scaler.good_steps, live.precision.scaler.skipped_steps = 512.0, 7, 3
+    load_engine_state(healed, wire.loads(wire.dumps(engine_state(live))), "the live replica group")
+    scaler = healed.precision.scaler
+    assert (scaler.scale, scaler.good_steps, scaler.skipped_steps) == (512.0, 7, 3)
+    fp32, _, _ = build(
+        load_config(None, ["model.n_layer=1", "model.d_model=16", "train.out=''"]),
+        World(0, 1, 0, torch.device("cpu"), None),
+    )
+    with pytest.raises(CheckpointError, match="precisions differ"):
+        load_engine_state(fp32, wire.loads(wire.dumps(engine_state(live))), "the live replica group")
