@@ -90,24 +90,31 @@ def _final(run: Path, group: int) -> dict[str, torch.Tensor]:
     return load_full_state(replica_dir(run, group) / "ckpt")[0]
 
 
-def _assert_one_device(run: Path, clipped: bool) -> None:
+def _assert_one_device(
+    run: Path,
+    clipped: bool,
+    steps: int = STEPS,
+    loss_atol: float = LOSS_ATOL,
+    param_atol: float = PARAM_ATOL,
+    norm_rtol: float = NORM_RTOL,
+) -> None:
     """The run's group-0 records and final state against one device trained on its committed rows, step by step:
     losses, gradient norms, routed and dropped tokens per expert, the balance loss, parameters, aux-free biases."""
-    engine, reference = ft.one_device_steps(run, STEPS, ONE_DEVICE)
+    engine, reference = ft.one_device_steps(run, steps, ONE_DEVICE)
     records = ft.step_records(run, 0)
     for step, expected in enumerate(reference, start=1):
         got = records[step]
-        assert abs(got["loss"] - expected.loss) < LOSS_ATOL, (step, got["loss"], expected.loss)
+        assert abs(got["loss"] - expected.loss) < loss_atol, (step, got["loss"], expected.loss)
         assert got["moe"]["load"] == expected.moe.load and got["moe"]["dropped"] == expected.moe.dropped, step
-        assert got["moe"]["aux_loss"] == pytest.approx(expected.moe.aux_loss, rel=NORM_RTOL, abs=1e-12), step
+        assert got["moe"]["aux_loss"] == pytest.approx(expected.moe.aux_loss, rel=norm_rtol, abs=1e-12), step
         if clipped:
-            assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=NORM_RTOL), step
+            assert got["grad_norm"] == pytest.approx(expected.grad_norm, rel=norm_rtol), step
     final = _final(run, 0)
     for name, value in engine.module.state_dict().items():
         if name.endswith("expert_bias"):  # moved by sign(mean - load) of the same integer loads: the same bits
             assert torch.equal(final[name], value), name
         else:
-            torch.testing.assert_close(final[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+            torch.testing.assert_close(final[name], value, rtol=PARAM_RTOL, atol=param_atol, msg=name)
 
 
 def _assert_groups_agree(run: Path) -> None:
@@ -198,6 +205,41 @@ def test_fp16_under_ft_keeps_hsdp_loss_scale_trajectory(tmp_path):
         torch.testing.assert_close(ft_state[name], value, rtol=FP16_RTOL, atol=FP16_ATOL, msg=name)
     zero, one = ft.step_records(runs[True], 0), ft.step_records(runs[True], 1)
     assert all(zero[s]["loss_scale"] == one[s]["loss_scale"] for s in zero)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(900)  # a run with a restart and its replay: ~2 min on 2 busy cores
+def test_a_killed_rank_of_an_moe_job_heals_its_biases_and_the_run_replays_bitwise(instructions, tmp_path):
+    """tests/test_ft.py's kill, on an MoE model with aux-free biases: group 1 loses a rank at step 4, group 0 trains
+    alone (its own balance weights and statistics), group 1 heals (biases included) and rejoins; every replica
+    ends bitwise equal, and the replay of the committed log gives the same bits."""
+    steps, run = 100, tmp_path / "run"
+    settings = _settings(instructions, "layout.zero=2", "model.moe_balance=aux_free", "model.bias_update_rate=0.01")
+    settings += ["train.max_grad_norm=0.5"]
+    kill = {"PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FAULT_INJECT": "rank=1,step=4,action=kill"}
+    done = ft.run_ft(run, steps, settings=settings, env={**kill, "PLAIT_FT_STEP_DELAY_S": "0.3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [s["attempt"] for s in ft.starts(run, 0)] == [0, 0]
+    assert sorted(s["attempt"] for s in ft.starts(run, 1)) == [0, 0, 1, 1]
+    records, healed = ft.step_records(run, 0), ft.step_records(run, 1)
+    assert records[4]["ft_groups"] == [0] and records[steps]["ft_groups"] == [0, 1]
+    joined = min(s for s in healed if s > 4)
+    assert "ft_healed_from_step" in healed[joined]
+    assert all(records[s]["moe"] == healed[s]["moe"] for s in healed)  # one table: the quorum's
+    final = [_final(run, g) for g in (0, 1)]
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+
+    replay = tmp_path / "replay"
+    again = ft.run_ft(replay, steps, ["--ft-replay", str(run)], settings=settings)
+    assert again.returncode == 0, again.stderr[-3000:]
+    replayed = _final(replay, 0)
+    assert all(torch.equal(replayed[name], final[0][name]) for name in final[0])
+    assert [r["moe"] for r in ft.step_records(replay, 0).values()] == [r["moe"] for r in records.values()]
+    # one device on the committed rows: fp32 rounding over 100 steps (measured: parameters 4.8e-7, losses 7e-7, norms
+    # 1.1e-6 apart; the same tokens routed to every expert at every step, the same biases)
+    _assert_one_device(run, clipped=True, steps=steps, loss_atol=5e-6, param_atol=5e-6, norm_rtol=1e-5)
 
 
 # ----------------------------------------------------------------- the pieces, in one process
