@@ -72,7 +72,8 @@ class MoEStepStats:
 
 class RouterStats:
     """Per step: ``begin`` sets every local MoE layer's balance-loss gradient scale, ``end`` gathers the statistics
-    (module docstring) and moves the aux-free biases."""
+    (module docstring) and moves the aux-free biases: ``gather`` then ``finish``, which per-step fault tolerance
+    calls apart, to sum the table over the replica groups in between (``plait.ft.experts``)."""
 
     def __init__(self, plan: ExpertPlan, layers: Sequence[MoE], comm: Comm, sequence_parallel: bool) -> None:
         self.plan, self.comm = plan, comm
