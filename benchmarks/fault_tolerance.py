@@ -10,7 +10,9 @@ ZeRO-3, clip 0.5, lr 5e-4) and reads what they write (``metrics.jsonl``, ``repli
 step k, k - 1 steps committed) in two jobs of the same layout, R = 2 replica groups of 2 ZeRO-3 ranks:
 
 - ``--ft``: ``plait train --ft --nproc 4 --max-restarts 1`` (``PLAIT_FT_FAULT_GROUP=1``: rank 1 of group 1 dies;
-  group 0 goes on alone, group 1 is restarted by its own agent and heals from group 0 over the network);
+  group 0 goes on alone, group 1 is restarted by its own agent and heals from group 0 over the network), at
+  heartbeat timeouts of 2 s (plait's default) and 1 s; and the same with ``--ft-spares 1`` (a third group of 2
+  ranks that steps with weight 0 and takes group 1's data slot once the quorum drops it: 6 processes);
 - restart-and-resume: ``plait train --nproc 4 --max-restarts 1`` with ``layout.dp=4, dp_replicate=2`` (HSDP in
   one job): every rank is stopped, relaunched, reloads the checkpoint of step c = save_every x floor((k-1) /
   save_every) and trains steps c+1..k-1 again.
@@ -110,13 +112,14 @@ class Settings:
     rounds: int = 3
     steps: int = 150
     warmup: int = 10
-    heartbeats_ms: tuple[int, ...] = (5000, 1000)
-    """The quorum service's heartbeat timeouts tried (5 s: ``plait lighthouse``'s default): a dead group is dropped
-    from the quorum once its heartbeat lapses, which bounds the step that stalls."""
+    faults: tuple[tuple[int, int], ...] = ((2000, 0), (1000, 0), (2000, 1), (1000, 1))
+    """The ``--ft`` fault jobs: (the quorum service's heartbeat timeout in ms, spare groups). A dead group is dropped
+    from the quorum once its heartbeat lapses (2 s: plait's default), which bounds the step that stalls; with a
+    spare (``--ft-spares 1``) the job is back at full strength at that step."""
 
     @classmethod
     def quick(cls) -> Settings:
-        return cls(6, 4, 200, 12, 1, 12, 2, (2000,))
+        return cls(6, 4, 200, 12, 1, 12, 2, ((2000, 0), (2000, 1)))
 
 
 # ----------------------------------------------------------------- running jobs
@@ -183,11 +186,18 @@ class Job:
 
 
 def train(
-    out: Path, steps: int, layout: list[str], ft: bool, save_every: int = 0, env: dict[str, str] | None = None
+    out: Path,
+    steps: int,
+    layout: list[str],
+    ft: bool,
+    save_every: int = 0,
+    env: dict[str, str] | None = None,
+    spares: int = 0,
 ) -> Job:
-    """``plait train`` on 4 local processes into ``out`` (``--max-restarts 1`` when it saves)."""
+    """``plait train`` on 4 local processes (and ``spares`` spare groups of 2 under ``--ft``) into ``out``
+    (``--max-restarts 1`` when it saves)."""
     command = [sys.executable, "-m", "plait", "train", "--nproc", "4", "--out", str(out)]
-    command += ["--ft"] * ft + ["--max-restarts", "1"] * bool(save_every)
+    command += ["--ft"] * ft + ["--max-restarts", "1"] * bool(save_every) + ["--ft-spares", str(spares)] * bool(spares)
     for setting in [*MODEL, *layout, f"train.steps={steps}", f"train.save_every={save_every}"]:
         command += ["--set", setting]
     root = Path(__file__).resolve().parent.parent
@@ -244,6 +254,7 @@ def fault_ft(job: Job, kill: int, groups: int = 2) -> dict[str, Any]:
         "step_s": step,
         "no_progress_s": times[kill] - t_kill - step,
         "failed_attempts": survivor[kill]["ft_attempts"] - 1,
+        "slots_at_kill": len(survivor[kill]["ft_groups"]),
         "quorum_wait_s": survivor[kill]["ft_quorum_s"],
         "restarted_s": restarted - t_kill,
         "healed_from": healed["ft_healed_from_step"] if healed else None,
@@ -300,20 +311,25 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def fault_table(fts: dict[int, dict[str, Any]], restart: dict[str, Any], settings: Settings) -> str:
-    """Part 1's table: a ``--ft`` column per heartbeat timeout, restart-and-resume, and their ratios."""
+def _column(ms: int, spares: int) -> str:
+    return f"`--ft`{' + 1 spare' * bool(spares)}, heartbeat {ms / 1000:g} s"
+
+
+def fault_table(fts: dict[tuple[int, int], dict[str, Any]], restart: dict[str, Any], settings: Settings) -> str:
+    """Part 1's table: a ``--ft`` column per (heartbeat timeout, spares), restart-and-resume, and their ratios."""
     measures = [
         ("until full strength (the issue's measure)", "full_s"),
         ("capacity lost (job-seconds)", "capacity_s"),
         ("capacity lost, the live groups' steps counted at T", "capacity_at_T_s"),
         ("no progress", "no_progress_s"),
     ]
-    beats = [f"`--ft`, heartbeat {ms / 1000:g} s" for ms in fts]
+    names = [_column(*key) for key in fts]
+    short = [f"{ms / 1000:g} s{' +spare' * bool(spares)}" for ms, spares in fts]
     rows = [
         "| time lost per fault (s, one normal step T deducted) | "
-        + " | ".join(beats)
+        + " | ".join(names)
         + " | restart-and-resume | "
-        + " | ".join(f"restart / ft ({ms / 1000:g} s)" for ms in fts)
+        + " | ".join(f"restart / ft ({name})" for name in short)
         + " | target |",
         "|---|" + "---:|" * (2 * len(fts) + 2),
     ]
@@ -323,7 +339,7 @@ def fault_table(fts: dict[int, dict[str, Any]], restart: dict[str, Any], setting
             values.append(_s(ft[key]))
             ratios.append(_ratio(restart[key], ft[key]))
             met.append(ft[key] is not None and (ft[key] <= 0 or restart[key] / ft[key] >= 5))
-        verdict = ", ".join(f"{'met' if m else 'not met'} ({ms / 1000:g} s)" for m, ms in zip(met, fts))
+        verdict = ", ".join(f"{'met' if m else 'not met'} ({name})" for m, name in zip(met, short))
         rows.append(f"| {name} | {' | '.join(values)} | {_s(restart[key])} | {' | '.join(ratios)} | >= 5x: {verdict} |")
     k = settings.kill_step
     steps = ", ".join(f"{1e3 * ft['step_s']:.0f}" for ft in fts.values())
@@ -332,13 +348,13 @@ def fault_table(fts: dict[int, dict[str, Any]], restart: dict[str, Any], setting
         f"T = {steps} ms (`--ft`), "
         f"{1e3 * restart['step_s']:.0f} ms (restart)."
     ]
-    for ms, ft in fts.items():
+    for key, ft in fts.items():
         notes.append(
-            f"`--ft` (heartbeat {ms / 1000:g} s): step {k} committed by group 0 alone after "
+            f"{_column(*key)}: step {k} committed with {ft['slots_at_kill']} of 2 data slots after "
             f"{ft['failed_attempts']} failed attempt(s) and {ft['quorum_wait_s']:.2f} s in the quorum; group 1's ranks "
             f"restarted (built, ready to heal) {ft['restarted_s']:.2f} s after the kill, healed from step "
             f"{ft['healed_from']} (its checkpoint) to {ft['healed_at']} over the network; "
-            f"{ft.get('degraded_steps', '-')} steps committed by one group."
+            f"{ft.get('degraded_steps', '-')} steps committed with one slot."
         )
     notes.append(
         f"Restart: resumed from step {restart['resumed_from']}; {_s(restart['down_s'])} s with no step at all "
@@ -454,12 +470,13 @@ def measure(settings: Settings, folder: Path) -> str:
     kill = {"PLAIT_FAULT_INJECT": f"rank=1,step={settings.kill_step},action=kill"}
     k, every = settings.kill_step, settings.save_every
     fts = {}
-    for ms in settings.heartbeats_ms:
+    for ms, spares in settings.faults:
         env = {**kill, "PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FT_HEARTBEAT_MS": str(ms)}
-        fts[ms] = fault_ft(train_again_once(folder / f"fault-ft-{ms}", settings.ft_steps, HSDP, True, every, env), k)
+        job = train_again_once(folder / f"fault-ft-{ms}-{spares}", settings.ft_steps, HSDP, True, every, env, spares)
+        fts[(ms, spares)] = fault_ft(job, k)
     restart_job = train_again_once(folder / "fault-restart", settings.restart_steps, HSDP, False, every, kill)
     fault = fault_table(fts, fault_restart(restart_job, k), settings)
-    heartbeat = {"PLAIT_FT_HEARTBEAT_MS": str(settings.heartbeats_ms[0])}
+    heartbeat = {"PLAIT_FT_HEARTBEAT_MS": str(settings.faults[0][0])}
     rounds = []
     order = [("ft", HSDP, True), ("hsdp", HSDP, False), ("zero3", ZERO3, False)]
     for number in range(settings.rounds):

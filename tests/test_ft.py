@@ -157,6 +157,40 @@ def test_a_killed_rank_heals_from_a_live_group_and_the_run_replays_bitwise(tmp_p
     assert all(abs(records[s]["loss"] - losses[s - 1]) < 1e-5 for s in records)  # every step's loss, the fault's too
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(900)  # a run with a spare and its replay: ~1.5 min on 2 idle cores, more when busy
+def test_a_spare_takes_a_lost_groups_slot_at_once_and_the_run_equals_one_without_faults(tmp_path):
+    """R = 2 groups of one rank and a spare: group 1 killed before step 4. The spare trains slot 1 from the step
+    the quorum drops group 1 on, so every step trains both slots: the run is bitwise the fault-free job's."""
+    steps, run = 80, tmp_path / "run"
+    kill = {
+        "PLAIT_FT_FAULT_GROUP": "1",
+        "PLAIT_FAULT_INJECT": "rank=0,step=4,action=kill",
+        "PLAIT_FT_STEP_DELAY_S": "0.2",
+    }
+    done = ft.run_ft(run, steps, extra=["--ft-spares", "1"], env=kill, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [s["attempt"] for s in ft.starts(run, 0) + ft.starts(run, 2)] == [0, 0]  # survivor and spare: never
+    assert sorted(s["attempt"] for s in ft.starts(run, 1)) == [0, 1]  # group 1: restarted by its agent
+    records, lost, spare = (ft.step_records(run, g) for g in (0, 1, 2))
+    assert len(records) == steps and all(r["ft_groups"] == [0, 1] for r in records.values())  # never below R
+    assert spare[1]["ft_slot"] is None and spare[4]["ft_slot"] == 1  # the spare took slot 1 at the fault's step
+    back = min(s for s, r in lost.items() if s > 4)
+    assert "ft_healed_from_step" in lost[back] and lost[back]["ft_slot"] == 1  # group 1 healed, back in its slot
+    assert spare[back]["ft_slot"] is None and spare[steps]["ft_slot"] is None  # and the spare stepped back
+    final = [load_full_state(replica_dir(run, g) / "ckpt")[0] for g in (0, 1, 2)]
+    assert all(torch.equal(final[0][name], other[name]) for other in final[1:] for name in final[0])
+
+    clean = tmp_path / "clean"
+    again = ft.run_ft(clean, steps, nproc=2)  # the same job without faults and without a spare
+    assert again.returncode == 0, again.stderr[-3000:]
+    reference = load_full_state(replica_dir(clean, 0) / "ckpt")[0]
+    assert all(torch.equal(reference[name], final[0][name]) for name in final[0])  # the same bits
+    assert [r["loss"] for r in ft.step_records(clean, 0).values()] == [r["loss"] for r in records.values()]
+
+
 # ----------------------------------------------------------------- what listens, and where
 
 
@@ -219,7 +253,7 @@ def test_groups_with_uneven_tokens_are_weighed_by_their_tokens_in_group_order(ot
     grad = mine.clone()
     done = combine([grad], comm, 0, n_mine, torch.tensor(l_mine))
     torch.testing.assert_close(grad, (n_mine * mine + n_theirs * theirs) / (n_mine + n_theirs))  # fp32 of 3 terms
-    assert done.groups == [0, 1] and done.weights == [n_mine, n_theirs]
+    assert done.slots == [0, 1] and done.weights == [n_mine, n_theirs]
     assert done.loss == pytest.approx((n_mine * l_mine + n_theirs * l_theirs) / (n_mine + n_theirs), rel=1e-12)
     zero = mine.clone()
     combine([zero], comm, 0, 0.0, torch.tensor(float("nan")))  # a group outside the logged quorum: exact zeros

@@ -316,7 +316,7 @@ def test_a_failed_balance_exchange_is_reported_and_the_step_runs_on_its_own_weig
 
 
 def test_the_commit_exchange_sums_the_callers_statistics_in_group_order():
-    """``combine``'s extra rides the row exchange: summed in group order (here group 1's row arrives first)."""
+    """``combine``'s extra rides the row exchange: summed in slot order (here slot 1's row arrives first)."""
     mine, theirs = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
     table = torch.tensor([[5.0, 0.0, 0.25]], dtype=torch.float64)
     their_table = torch.tensor([[7.0, 1.0, 0.5]], dtype=torch.float64)
@@ -324,7 +324,7 @@ def test_the_commit_exchange_sums_the_callers_statistics_in_group_order():
     comm = _Quorum([their_row, theirs * 20.0], [])
     grad = mine.clone()
     done = combine([grad], comm, 0, 10.0, torch.tensor(1.0), extra=table)
-    assert done.groups == [0, 1] and torch.equal(done.extra, table + their_table)
+    assert done.slots == [0, 1] and torch.equal(done.extra, table + their_table)
     torch.testing.assert_close(grad, (10.0 * mine + 20.0 * theirs) / 30.0)  # fp32 of 2 terms
 
 

@@ -25,6 +25,14 @@ def add_ft_arguments(train: Any) -> None:
         help="per-step fault tolerance across layout.dp_replicate replica groups: a lost group is dropped for the "
         "step, restarted by its own agent (--max-restarts) and healed from a live group; the others never stop",
     )
+    ft.add_argument(
+        "--ft-spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K spare replica groups beyond layout.dp_replicate: they step with the others and take a lost group's "
+        "place at the next step, back at full strength without waiting for its restart (with --ft-group: the job's K)",
+    )
     ft.add_argument("--ft-replay", metavar="RUN", help="train RUN's committed log (RUN/committed.jsonl) without faults")
     ft.add_argument("--ft-group", type=int, metavar="G", help="be replica group G of a fault-tolerant job (clusters)")
     ft.add_argument("--ft-groups", type=int, metavar="R", help="with --ft-group: the job's replica groups")
@@ -33,7 +41,7 @@ def add_ft_arguments(train: Any) -> None:
 
 def set_group_environment(args: argparse.Namespace) -> None:
     """``--ft-group``: what the group's ranks read (``plait.ft.options``), checked here first."""
-    from plait.ft.options import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, FTOptions
+    from plait.ft.options import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, SPARES_ENV, FTOptions
 
     if args.ft_groups is None or not args.ft_lighthouse:
         raise ConfigError(
@@ -41,6 +49,7 @@ def set_group_environment(args: argparse.Namespace) -> None:
             "--ft-lighthouse http://HOST:29510 (the address plait lighthouse printed)."
         )
     env = {GROUP_ENV: str(args.ft_group), GROUPS_ENV: str(args.ft_groups), LIGHTHOUSE_ENV: args.ft_lighthouse}
+    env[SPARES_ENV] = str(args.ft_spares)
     FTOptions.from_env({**os.environ, **env})
     os.environ.update(env)
 

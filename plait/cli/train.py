@@ -444,6 +444,11 @@ def run_train(args: argparse.Namespace) -> int:
         )
     if not _in_torchrun():
         check_backend(args.backend, args.nproc)
+    if args.ft_spares and not (args.ft or args.ft_replay or args.ft_group is not None):
+        raise ConfigError(
+            f"--ft-spares {args.ft_spares} without --ft: spare replica groups serve a fault-tolerant job. Fix: add --ft "
+            f"(or --ft-group G on a cluster)."
+        )
     if not _in_torchrun() and (args.ft or args.ft_replay):
         return _launch_fault_tolerant(args)
     if args.ft_group is not None:

@@ -7,18 +7,19 @@ device trained on the union of the committed groups' batches computes L = sum_g 
 
     G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
 
-and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (g, w_g, w_g L_g) and its owned
-gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in group order.
-Adding an exact zero never changes a floating-point sum, so a replay (``plait.ft.log``) in which every group is
-alive but those outside Q contribute w_g = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G
-bitwise. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
+and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (s, w_g, w_g L_g) and its owned
+gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in the order of s,
+the group's place in the quorum (its data slot; spares, past the R slots, contribute w = 0). Adding an exact zero
+never changes a floating-point sum, so a replay (``plait.ft.log``) in which every slot is trained but those
+outside Q contribute w = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G bitwise, whichever
+groups trained the slots. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
 
 Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
 gradient bytes, a shard under ZeRO), n/2 times a ring all-reduce's 2(n-1)/n x P_owned; for the two to eight
 replica groups of a job it buys an order that does not depend on which groups are alive.
 
 A caller may add a float64 vector of its own to the row (``extra``: a Mixture-of-Experts model's routing statistics,
-``plait.ft.experts``), summed over the quorum in the same group order: one exchange, before the commit.
+``plait.ft.experts``), summed over the quorum in the same slot order: one exchange, before the commit.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ log = get_logger(__name__)
 class Combined:
     """What the quorum computed for one step."""
 
-    groups: list[int]
-    """The replica groups whose rows were summed (the quorum), in order."""
+    slots: list[int]
+    """The places in the quorum whose rows were summed, in order (data slots 0..R-1, then any spares)."""
     weights: list[float]
     loss: float
     extra: torch.Tensor | None = None
-    """The callers' ``extra`` vectors summed in group order (None without one)."""
+    """The callers' ``extra`` vectors summed in slot order (None without one)."""
 
 
 def token_weight(loss: object) -> float:
@@ -67,15 +68,15 @@ def group_weight(engine: object) -> tuple[float, torch.Tensor]:
 def combine(
     grads: list[torch.Tensor],
     comm: Comm,
-    group: int,
+    slot: int,
     weight: float,
     loss: torch.Tensor,
     die_inside: Callable[[], bool] = lambda: False,
     extra: torch.Tensor | None = None,
 ) -> Combined:
     """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring); ``extra``
-    (float64, the same length in every group; zeros from a group that must not count) is summed in group order."""
-    head = torch.tensor([float(group), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
+    (float64, the same length in every group; zeros from a group that must not count) is summed in slot order."""
+    head = torch.tensor([float(slot), weight, weight * float(loss) if weight else 0.0], dtype=torch.float64)
     width = 3 + (extra.numel() if extra is not None else 0)
     row = torch.cat([head, extra.detach().reshape(-1).double().cpu()]) if extra is not None else head
     rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, width)
@@ -107,7 +108,7 @@ def combine(
         for index in order[1:]:
             extras += rows[index, 3:]
     return Combined(
-        groups=[int(rows[i, 0]) for i in order],
+        slots=[int(rows[i, 0]) for i in order],
         weights=[float(rows[i, 1]) for i in order],
         loss=loss_sum / total if total else float("nan"),
         extra=extras.view_as(extra) if extras is not None and extra is not None else None,

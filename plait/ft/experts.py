@@ -13,13 +13,13 @@ sum_g (w_g a_g / W) dS_aux_g, which is sum_g dS_aux_g / B exactly when
 The engine's own choice a_g = 1 / B_g is right only when N_g / B_g is the same in every group, which uneven loss
 masks break. So before the step's forwards every group all-gathers (w_g, B_g) over the quorum (two numbers per
 rank) and sets its layers' balance-loss gradient to W / (w_g B) (``RouterStats.begin``'s weight). A group that
-must not count (outside the committed set in a replay, ``plait.ft.log``) sends (0, 0), so W and B are the
-committed groups' totals. A group whose batch scores no token (w_g = 0) is weighed 0 by the combine, so its
+must not count (a spare, or a slot outside the committed set in a replay, ``plait.ft.log``) sends (0, 0), so W and
+B are the committed slots' totals. A group whose batch scores no token (w_g = 0) is weighed 0 by the combine, so its
 balance gradient cannot be carried (one device would train on it): it is logged, and its balance term left out.
 
 **Statistics and the aux-free bias.** The routing statistics (tokens routed and dropped per expert, the balance
 loss's sum; ``RouterStats.gather``, summed inside the group) ride the commit's exchange (``combine``'s
-``extra``), summed over the quorum in group order, zeros from a group that must not count; every group then moves
+``extra``), summed over the quorum in slot order, zeros from a group that must not count; every group then moves
 its aux-free biases by the same summed loads, computed before the commit, so a group lost after the commit
 cannot leave the groups with different biases. A step that does not commit moves no bias.
 """

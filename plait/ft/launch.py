@@ -3,8 +3,8 @@
 The launcher starts torchft's Lighthouse on 127.0.0.1 (``lighthouse``), then one ``plait train --ft-group g``
 process per replica group: plait's own launcher (torchrun's agent on a loopback rendezvous, ``--max-restarts``,
 signals) running S = nproc / R ranks with the group's layout (dp / R data ranks, no replicate axis) into
-``<run>/replica-<g>``. A group whose rank dies is restarted by its own agent and heals from a live group; the
-other groups' processes never stop. On a cluster the same pieces run by hand: ``plait lighthouse`` once, then
+``<run>/replica-<g>``; ``--ft-spares K`` adds K spare groups (R + K in all, ``plait.ft.session``). A group whose
+rank dies is restarted by its own agent and heals from a live group; the other groups' processes never stop. On a cluster the same pieces run by hand: ``plait lighthouse`` once, then
 ``plait train --ft-group g --ft-groups R --ft-lighthouse URL`` (or torchrun with PLAIT_FT_* set) per group
 (docs/fault_tolerance.md). When the groups are done the launcher merges their records into
 ``<run>/committed.jsonl`` (``plait.ft.log``).
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from plait.errors import ConfigError
 from plait.ft import log as committed_log
-from plait.ft.options import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, REPLAY_ENV, FTOptions
+from plait.ft.options import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, REPLAY_ENV, SPARES_ENV, FTOptions
 from plait.logging import get_logger
 
 log = get_logger(__name__)
@@ -106,17 +106,22 @@ def run(args: Any, layout: Any) -> int:
         replay_log = committed_log.ReplayLog.read(args.ft_replay)
         replay = out / "replayed.jsonl"
         replay_log.write(replay)
+    spares = getattr(args, "ft_spares", 0) or 0
+    if spares < 0:
+        raise ConfigError(f"--ft-spares {spares}: a count of spare replica groups is >= 0. Fix: e.g. --ft-spares 1.")
     server, address = lighthouse()
     log.info(
-        "quorum service (torchft Lighthouse) at %s; %d replica groups of %d ranks -> %s",
+        "quorum service (torchft Lighthouse) at %s; %d replica groups (+%d spare) of %d ranks -> %s",
         address,
         groups,
+        spares,
         per_group,
         out,
     )
     children = []
-    for group in range(groups):
+    for group in range(groups + spares):
         env = {**os.environ, GROUP_ENV: str(group), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: address}
+        env[SPARES_ENV] = str(spares)
         env.setdefault("RUST_LOG", "warn")  # torchft's quorum servers log every quorum and commit at info
         if replay is not None:
             env[REPLAY_ENV] = str(replay)
@@ -137,16 +142,16 @@ def run(args: Any, layout: Any) -> int:
             signal.signal(signum, handler)
         server.shutdown()
     try:
-        merged = committed_log.merge(out, groups)
+        merged = committed_log.merge(out, groups, groups + spares)
         merged.write(out / committed_log.COMMITTED)
         log.info("%d committed steps -> %s", len(merged.steps), out / committed_log.COMMITTED)
     except ConfigError as error:
         log.error("%s", error)
         return 1
     failed = [g for g, code in enumerate(codes) if code]
-    if failed and len(failed) < groups:
+    if failed and len(failed) < len(codes):
         log.warning("replica group(s) %s failed for good; the others finished the run", failed)
-    return 0 if len(failed) < groups else max(codes)
+    return 0 if len(failed) < len(codes) else max(codes)
 
 
 __all__ = ["group_overrides", "lighthouse", "run"]

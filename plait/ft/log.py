@@ -1,13 +1,14 @@
 """The committed log of a fault-tolerant run: which replica groups' batches every step trained on.
 
-Each group's rank 0 records, per committed step, the groups of its quorum (``ft_groups`` in its
-``replica-<g>/metrics.jsonl``) and, at its start, the job's fingerprint (``replica-<g>/ft.json``). The launcher
-merges them into ``<run>/committed.jsonl``: a header line ``{"fingerprint": ..., "groups": R}``, then one line
-``{"step": s, "groups": [...]}`` per step. Groups that were alive at a step agree on its quorum (they summed the
-same rows); a disagreement is an error, not a choice.
+Each group's rank 0 records, per committed step, the data slots its quorum trained (``ft_groups`` in its
+``replica-<g>/metrics.jsonl``: slot s is the s-th of the R shares of the global batch, trained by whichever group
+held place s in the quorum; without faults group s) and, at its start, the job's fingerprint
+(``replica-<g>/ft.json``). The launcher merges them into ``<run>/committed.jsonl``: a header line
+``{"fingerprint": ..., "groups": R}``, then one line ``{"step": s, "groups": [...]}`` per step. Groups that were
+alive at a step agree on its quorum (they summed the same rows); a disagreement is an error, not a choice.
 
-``plait train --ft-replay <run>`` trains the same job with every group alive and, at step s, the groups outside
-the logged quorum contributing zero weight (``plait.ft.combine``): bitwise the run that was logged. One device
+``plait train --ft-replay <run>`` trains the same job with every group alive and, at step s, the slots outside
+the logged ones contributing zero weight (``plait.ft.combine``): bitwise the run that was logged. One device
 trained on the committed groups' rows of each step equals both, within rounding (tests/test_ft.py).
 """
 
@@ -85,11 +86,12 @@ class ReplayLog:
         path.write_text("\n".join(lines) + "\n")
 
 
-def merge(run: str | Path, groups: int) -> ReplayLog:
-    """The committed log of ``run`` from its groups' records (ConfigError when they disagree or miss a step)."""
+def merge(run: str | Path, groups: int, folders: int | None = None) -> ReplayLog:
+    """The committed log of ``run`` from the records of its ``folders`` groups (R + spares; ``groups``: R, the data
+    slots) (ConfigError when they disagree or miss a step)."""
     fingerprint: dict[str, Any] | None = None
     steps: dict[int, list[int]] = {}
-    for group in range(groups):
+    for group in range(folders or groups):
         folder = replica_dir(run, group)
         if (folder / FINGERPRINT).is_file() and fingerprint is None:
             fingerprint = json.loads((folder / FINGERPRINT).read_text())

@@ -1,8 +1,10 @@
 """How a replica group's ranks learn that they run under per-step fault tolerance: environment variables that the
 fault-tolerant launcher (``plait.ft.launch``, ``plait train --ft``) or a user's own torchrun command sets.
 
-    PLAIT_FT_GROUP       this replica group's index g in 0..R-1
-    PLAIT_FT_GROUPS      R, the replica groups of the job (HSDP's dp_replicate)
+    PLAIT_FT_GROUP       this replica group's index g in 0..R+K-1
+    PLAIT_FT_GROUPS      R, the replica groups of the job (HSDP's dp_replicate): the data slots a step trains
+    PLAIT_FT_SPARES      K, spare replica groups (default 0): they hold the state and step with the others, and one
+                         takes a lost group's data slot at the next step (``plait.ft.session``)
     PLAIT_FT_LIGHTHOUSE  the quorum service's address (torchft's Lighthouse, e.g. http://127.0.0.1:29510)
     PLAIT_FT_BIND        the interface this group's quorum server listens on (default 127.0.0.1: one machine)
     PLAIT_FT_MIN_GROUPS  the fewest groups that may commit a step (default 1: the last group carries on alone)
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "PLAIT_FT_GROUP", "PLAIT_FT_GROUPS", "PLAIT_FT_LIGHTHOUSE"
+SPARES_ENV = "PLAIT_FT_SPARES"
 BIND_ENV, MIN_GROUPS_ENV, TIMEOUT_ENV = "PLAIT_FT_BIND", "PLAIT_FT_MIN_GROUPS", "PLAIT_FT_TIMEOUT_S"
 REPLAY_ENV, FAULT_ENV, DELAY_ENV = "PLAIT_FT_REPLAY", "PLAIT_FT_FAULT", "PLAIT_FT_STEP_DELAY_S"
 DEFAULT_TIMEOUT_S = 60.0
@@ -42,6 +45,12 @@ class FTOptions:
     replay: str | None = None
     fault: dict[str, str] | None = None
     step_delay_s: float = 0.0
+    spares: int = 0
+
+    @property
+    def members(self) -> int:
+        """Every replica group of the job: R that train and K spares (R + K)."""
+        return self.groups + self.spares
 
     @staticmethod
     def timeout_from_env(environ: Mapping[str, str] = os.environ) -> float:
@@ -55,9 +64,11 @@ class FTOptions:
             return None
         groups = _integer(environ, GROUPS_ENV, 1)
         group = _integer(environ, GROUP_ENV, 0)
-        if group >= groups:
+        spares = _integer(environ, SPARES_ENV, 0) if SPARES_ENV in environ else 0
+        if group >= groups + spares:
             raise ConfigError(
-                f"{GROUP_ENV}={group} must be below {GROUPS_ENV}={groups}. Fix: number groups 0..{groups - 1}."
+                f"{GROUP_ENV}={group} must be below {GROUPS_ENV}={groups} + {SPARES_ENV}={spares}. Fix: number "
+                f"groups 0..{groups + spares - 1}."
             )
         lighthouse = environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
@@ -89,6 +100,7 @@ class FTOptions:
             replay=environ.get(REPLAY_ENV) or None,
             fault=fault,
             step_delay_s=float(environ.get(DELAY_ENV, "0") or 0),
+            spares=spares,
         )
 
 

@@ -15,7 +15,16 @@ Each step, on every rank of the group:
    commit: the step is retried, on the same batches, with the next quorum. A lost group's batch share of the
    steps it missed is not trained; the groups of every committed step are logged (``plait.ft.log``).
 
-The first step waits for all R groups (a job starts whole); later steps need ``PLAIT_FT_MIN_GROUPS`` (1).
+**Data slots and spares.** The quorum lists its groups in order of their index; the group at place s < R trains
+data slot s (``plait.train.replicas.SlotBatches``), so without faults group g trains slot g. A job may run K
+*spare* groups beyond the R (``PLAIT_FT_SPARES``, ``plait train --ft-spares K``): a spare takes part in every step
+with weight 0 (it computes on slot 0's batch, which keeps it exercised, and adds exact zeros), so it holds the
+same state as the others; when a group is lost, the spare moves up to its place and trains its slot at the next
+step, with nothing to heal: the job is back at full strength one heartbeat timeout after the loss instead of
+after the lost group's restart. The restarted group rejoins at its old place (its index sorts first) and the
+spare steps back.
+
+The first step waits for all R + K groups (a job starts whole); later steps need ``PLAIT_FT_MIN_GROUPS`` (1).
 torchft's quorum server (one per group, on its rank 0) listens on ``PLAIT_FT_BIND``, 127.0.0.1 unless set: torchft
 itself binds every interface.
 """
@@ -88,10 +97,10 @@ class FaultTolerantSteps:
         self.transport = PeerTransport(self.pg, fingerprint, die_while_serving=fault.get("where") == "heal")
         self.manager = Manager(
             pg=self.pg,
-            min_replica_size=options.groups,  # the first step: every group (then min_groups)
+            min_replica_size=options.members,  # the first step: every group (then min_groups)
             load_state_dict=functools.partial(load_engine_state, engine, source="the live replica group"),
             state_dict=functools.partial(engine_state, engine),
-            replica_id=f"plait_group_{options.group}",
+            replica_id=f"plait_group_{options.group:05d}",  # zero-padded: torchft orders the quorum by this text
             lighthouse_addr=options.lighthouse,
             rank=world.rank,
             world_size=world.world_size,
@@ -109,7 +118,11 @@ class FaultTolerantSteps:
         if getattr(engine, "experts", None) is not None:
             self.experts = QuorumExperts(engine, self.comm, self._counted, self.manager.report_error)
         self.combined: cross.Combined | None = None
+        self.place = options.group
+        """This group's place in the current quorum: the data slot it trains when below R, else a spare."""
         self.committed = False
+        self.timings = (0.0, 0.0)
+        """Seconds of the last commit's cross-group exchange and of torchft's should_commit."""
         self.lost_steps = 0
         engine.commit_gradients = self._commit
         self._waiting = False
@@ -165,26 +178,42 @@ class FaultTolerantSteps:
         return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
     def _counted(self, step: int) -> bool:
-        """Whether this group's rows count at ``step`` (in a replay: only if its log committed the group)."""
-        return self.replay is None or self.options.group in self.replay.groups(step)
+        """Whether this group's rows count at ``step``: it trains a data slot (not a spare) and, in a replay, the
+        log committed that slot."""
+        if self.place >= self.options.groups:
+            return False
+        return self.replay is None or self.place in self.replay.groups(step)
 
     def _commit(self, engine: Any) -> bool:
         """``Engine.commit_gradients``: combine over the quorum, then agree whether to commit."""
         self.combined = None
+        started = time.perf_counter()
         try:
             weight, loss = cross.group_weight(engine)
-            if not self._counted(engine.step + 1):
+            if not self._counted(engine.step + 1):  # a spare, or a replay's slot outside the log: exact zeros
                 weight = 0.0
             grads = engine.strategy.owned_grads()
             extra = self.experts.statistics() if self.experts is not None else None
-            self.combined = cross.combine(grads, self.comm, self.options.group, weight, loss, self._die_inside, extra)
+            self.combined = cross.combine(grads, self.comm, self.place, weight, loss, self._die_inside, extra)
         except (CommError, RuntimeError) as error:
             log.warning("step %d: the cross-group exchange failed: %s", engine.step + 1, str(error).splitlines()[0])
             self.manager.report_error(error)
         if self.experts is not None:
             self.experts.combined(self.combined)
+        exchanged = time.perf_counter()
         self.committed = bool(self.manager.should_commit())
+        self.timings = (exchanged - started, time.perf_counter() - exchanged)
         return self.committed
+
+    def _take_place(self) -> None:
+        """This group's place in the quorum just formed (torchft's replica rank: the quorum ordered by group)."""
+        place = self.manager.participating_rank()
+        if place is None:
+            raise FaultToleranceError(f"replica group {self.options.group}: the quorum did not give it a place")
+        if place != self.place:
+            what = f"data slot {place}" if place < self.options.groups else "a spare"
+            log.info("replica group %d now trains as %s (place %d in the quorum)", self.options.group, what, place)
+        self.place = place
 
     def train_step(self, loader: Any) -> tuple[Any, dict[str, Any]]:
         """One committed step (retried until a quorum commits it): the engine's StepStats, with the quorum's loss,
@@ -209,7 +238,9 @@ class FaultTolerantSteps:
                     self.engine.step,
                 )
             step = self.engine.step
-            stats = self.engine.train_step(loader.batch_at(step))
+            self._take_place()
+            slot = self.place if self.place < self.options.groups else 0  # a spare computes on slot 0's batch
+            stats = self.engine.train_step(loader.batch_at(slot, step))
             if self.committed and self.combined is not None:
                 break
             self.engine.step = step  # not committed: the optimizer did not step; retry this step
@@ -221,13 +252,17 @@ class FaultTolerantSteps:
         combined = self.combined
         stats._loss = combined.loss
         info = {
-            "ft_groups": [
-                g
-                for g, w in zip(combined.groups, combined.weights)
-                if self.replay is None or w or self.replay.committed(step + 1, g)
+            "ft_groups": [  # the data slots committed (the batches trained; plait.ft.log)
+                s
+                for s, w in zip(combined.slots, combined.weights)
+                if s < self.options.groups and (self.replay is None or w or self.replay.committed(step + 1, s))
             ],
+            "ft_slot": self.place if self.place < self.options.groups else None,  # None: a spare at this step
+            "ft_members": len(combined.slots),
             "ft_attempts": attempts,
             "ft_quorum_s": round(time.perf_counter() - started - stats.seconds, 4),
+            "ft_exchange_s": round(self.timings[0], 4),  # inside the step's seconds, as should_commit's
+            "ft_commit_s": round(self.timings[1], 4),
             "ft_time": round(time.time(), 3),  # when the step committed (the time lost to a fault is read from it)
         }
         if healed_from is not None:

@@ -398,12 +398,10 @@ def _run(
             engine.strategy.held_parameter_count() / 1e6,  # ZeRO-3: this rank's shards
             run_dir,
         )
-    loader = ShardedBatches(
-        dataset,
-        train.global_batch,
-        *replicas.data_ranks(ft and ft.options, *_data_ranks(engine)),
-        start_step=engine.step,
-    )
+    loader = ShardedBatches(dataset, train.global_batch, *_data_ranks(engine), start_step=engine.step)
+    slots = None  # under plait.ft a group reads the data slot the quorum gives it at each step
+    if ft is not None:
+        slots = replicas.SlotBatches(dataset, train.global_batch, *_data_ranks(engine), ft.options.groups, engine.step)
     dp_rank, dp_size = _data_ranks(engine)  # evaluation: each replica group evaluates the whole held-out batches
     eval_batches, held_out = evaluation_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)
     per_source = source_batches(dataset, train.global_batch, train.eval_batches, dp_rank, dp_size)  # a mixture's
@@ -428,7 +426,7 @@ def _run(
 
                 tracer = Tracer(engine).start()
             meter.before_step()
-            stats, quorum = ft.train_step(loader) if ft is not None else (engine.train_step(batch), None)
+            stats, quorum = ft.train_step(slots) if ft is not None else (engine.train_step(batch), None)
             throughput.add(stats.tokens, stats.seconds)
             lr = engine.optimizer.param_groups[0]["lr"]
             observed = meter.measure(stats, stop.signum if stop is not None else 0)  # a collective: every rank

@@ -1,9 +1,11 @@
 """``plait train`` under per-step fault tolerance (``plait.ft``): what a replica group's run changes.
 
 A group is a job of its own (its own world, its layout with dp / R data ranks), but it reads the data of a job of
-R x its data ranks: data rank g x D + d of D x R (g: the group, d: the rank's data index in the group), so the R
-groups together train exactly the global batch the configuration names, and a healed group reads at step s what
-it would have read had it never been lost.
+R x its data ranks: in data slot s it reads data rank s x D + d of D x R (d: the rank's data index in the group),
+so the R slots together train exactly the global batch the configuration names. Which group trains slot s is the
+quorum's choice at each step (``plait.ft.session``: its place in the quorum; a spare group takes a lost group's
+slot); data is a pure function of (seed, step, data rank), so whichever group reads slot s at step s reads what
+an uninterrupted run would have read.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.data import ShardedBatches
 from plait.ft.log import FINGERPRINT
 from plait.ft.options import FTOptions
 from plait.train.config import RunConfig
@@ -47,11 +50,24 @@ def fingerprint(config: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(whole, sort_keys=True, default=str))
 
 
-def data_ranks(options: FTOptions | None, index: int, size: int) -> tuple[int, int]:
-    """(data rank, data ranks) this rank reads as (module docstring)."""
-    if options is None:
-        return index, size
-    return options.group * size + index, options.groups * size
+class SlotBatches:
+    """The batches of every data slot, for one rank of a replica group (module docstring): ``batch_at(slot, step)``.
+    Each slot's loader is built when the group first trains that slot (a loader is a few integers)."""
+
+    def __init__(self, dataset: Any, global_batch: int, index: int, size: int, slots: int, start_step: int) -> None:
+        self.dataset, self.global_batch, self.index, self.size = dataset, global_batch, index, size
+        self.slots, self.start_step = slots, start_step
+        self._loaders: dict[int, ShardedBatches] = {}
+
+    def batch_at(self, slot: int, step: int) -> Any:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"data slot {slot} outside 0..{self.slots - 1}")
+        if slot not in self._loaders:
+            rank = slot * self.size + self.index
+            self._loaders[slot] = ShardedBatches(
+                self.dataset, self.global_batch, rank, self.slots * self.size, start_step=self.start_step
+            )
+        return self._loaders[slot].batch_at(step)
 
 
 def heals_from_peers(attempt: int) -> bool:
@@ -78,4 +94,4 @@ def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     return FaultTolerantSteps(options, engine, world, print_)
 
 
-__all__ = ["data_ranks", "fingerprint", "heals_from_peers", "start"]
+__all__ = ["SlotBatches", "fingerprint", "heals_from_peers", "start"]

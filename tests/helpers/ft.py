@@ -46,13 +46,14 @@ def run_ft(
     extra: list[str] = (),
     env: dict[str, str] | None = None,
     timeout: float = 600,
+    nproc: int = 4,
     settings: list[str] = SETTINGS,
     fault_tolerant: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """``plait train --ft`` on 4 local processes (2 groups of 2) into ``out`` (``fault_tolerant=False``: the same
-    job as plain HSDP, for a comparison)."""
+    """``plait train --ft`` on ``nproc`` local processes (2 groups of nproc / 2) into ``out`` (``fault_tolerant=False``:
+    the same job as plain HSDP, for a comparison)."""
     command = [sys.executable, "-m", "plait", "train", *(["--ft"] if fault_tolerant else [])]
-    command += ["--nproc", "4", "--out", str(out), "--max-restarts", "1"]
+    command += ["--nproc", str(nproc), "--out", str(out), "--max-restarts", "1"]
     for setting in [*settings, f"train.steps={steps}", f"train.save_every={steps}"]:
         command += ["--set", setting]
     return subprocess.run(
