@@ -242,6 +242,32 @@ def test_a_killed_rank_of_an_moe_job_heals_its_biases_and_the_run_replays_bitwis
     _assert_one_device(run, clipped=True, steps=steps, loss_atol=5e-6, param_atol=5e-6, norm_rtol=1e-5)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.cli
+@pytest.mark.timeout(900)  # a run with a spare and a fault-free run: ~2 min on 2 busy cores
+def test_a_spare_of_an_moe_job_adds_zeros_and_takes_a_lost_slot_bitwise(instructions, tmp_path):
+    """tests/test_ft.py's spare, on an MoE model (groups of one rank: three processes): the spare sends (0, 0) to
+    the balance exchange and zeros to the statistics while it waits, then trains group 1's slot; the run equals
+    the fault-free job without a spare bitwise: parameters, every step's loss and routing statistics."""
+    steps, run = 60, tmp_path / "run"
+    settings = [s for s in _settings(instructions, "layout.zero=2", "model.aux_loss_coef=0.1") if "ep=" not in s]
+    kill = {"PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FAULT_INJECT": "rank=0,step=4,action=kill"}
+    env = {**kill, "PLAIT_FT_STEP_DELAY_S": "0.2", "PLAIT_FT_TIMEOUT_S": "60"}
+    done = ft.run_ft(run, steps, ["--ft-spares", "1"], env=env, nproc=2, settings=settings)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records, spare = ft.step_records(run, 0), ft.step_records(run, 2)
+    assert all(r["ft_groups"] == [0, 1] for r in records.values())
+    assert spare[1]["ft_slot"] is None and spare[4]["ft_slot"] == 1  # the spare took slot 1 at the fault's step
+    clean = tmp_path / "clean"
+    again = ft.run_ft(clean, steps, nproc=2, settings=settings, env={"PLAIT_FT_TIMEOUT_S": "60"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    reference, final = _final(clean, 0), _final(run, 0)
+    assert all(torch.equal(reference[name], final[name]) for name in final)
+    fault_free = ft.step_records(clean, 0)
+    assert [(r["loss"], r["moe"]) for r in fault_free.values()] == [(r["loss"], r["moe"]) for r in records.values()]
+
+
 # ----------------------------------------------------------------- the pieces, in one process
 
 
