@@ -242,10 +242,10 @@ class Engine:
             self.outer.begin_step(self.step)
         group = "shard" if self.outer is not None else None  # semi-synchronous: token means over one replica group
         loss = step_loss(self.loss_fn, self.comm, [targets for _, targets in micro], window, group)
+        self.step_loss, self.step_total = loss, None  # before experts.begin: plait.ft weighs by its token counts
         sequences = batch[1].shape[0] * self.mesh.size("dp")  # the global batch's sequences (balance loss)
         if self.experts is not None:
             self.experts.begin(sequences, self.precision.loss_scale)
-        self.step_loss, self.step_total = loss, None
         total = self.runner.run(micro, self.apply_update, loss)
         self.step_total = total
         skipped, grad_norm = (False, None) if self.runner.owns_updates else self.apply_update()

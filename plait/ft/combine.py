@@ -19,6 +19,9 @@ groups trained the slots. A loss that is not a token mean (``MicroMeanStep``) we
 Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
 gradient bytes, a shard under ZeRO), n/2 times a ring all-reduce's 2(n-1)/n x P_owned; for the two to eight
 replica groups of a job it buys an order that does not depend on which groups are alive.
+
+A caller may add a float64 vector of its own to the row (``extra``: a Mixture-of-Experts model's routing statistics,
+``plait.ft.experts``), summed over the quorum in the same slot order: one exchange, before the commit.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from plait.logging import get_logger
 from plait.parallel.loss_normalization import TokenMeanStep
 
 log = get_logger(__name__)
+HEAD = 5
+"""A row's own columns (slot, w, w L, trained, job); a caller's ``extra`` follows."""
 
 
 @dataclass
@@ -48,6 +53,14 @@ class Combined:
     trained: list[bool]
     """Whether the row's slot trained its batch at this step (what the committed log records)."""
     loss: float
+    extra: torch.Tensor | None = None
+    """The callers' ``extra`` vectors summed in slot order (None without one)."""
+
+
+def token_weight(loss: object) -> float:
+    """w_g of a step's loss normalisation (``Engine.step_loss``): its scored tokens N_g (1 for a loss that is not a
+    token mean)."""
+    return float(loss.counts.sum()) if isinstance(loss, TokenMeanStep) else 1.0
 
 
 def group_weight(engine: object) -> tuple[float, torch.Tensor]:
@@ -56,8 +69,7 @@ def group_weight(engine: object) -> tuple[float, torch.Tensor]:
     if loss is None or total is None:
         raise RuntimeError("commit_gradients ran outside Engine.train_step")
     reported = loss.report(total).detach().reshape(()).double().cpu()
-    weight = float(loss.counts.sum()) if isinstance(loss, TokenMeanStep) else 1.0
-    return weight, reported
+    return token_weight(loss), reported
 
 
 def in_group_order(gathered: torch.Tensor, order: list[int], total: float) -> torch.Tensor:
@@ -78,12 +90,17 @@ def combine(
     die_inside: Callable[[], bool] = lambda: False,
     trained: bool = True,
     job: int = 0,
+    extra: torch.Tensor | None = None,
 ) -> Combined:
     """Replace ``grads`` (this rank's owned gradients) by the quorum's token mean (module docstring); ``weight``
-    is 0 unless ``trained``."""
+    is 0 unless ``trained``; ``extra`` (float64, the same length in every group; zeros from a group that must not
+    count) is summed in slot order."""
     weight = weight if trained else 0.0
     values = [float(slot), weight, weight * float(loss) if weight else 0.0, float(trained), float(job)]
-    rows = comm.all_gather(torch.tensor(values, dtype=torch.float64).to(comm.device), AXIS).cpu().view(-1, 5)
+    head = torch.tensor(values, dtype=torch.float64)
+    width = HEAD + (extra.numel() if extra is not None else 0)
+    row = torch.cat([head, extra.detach().reshape(-1).double().cpu()]) if extra is not None else head
+    rows = comm.all_gather(row.to(comm.device), AXIS).cpu().view(-1, width)
     if any(int(code) != job for code in rows[:, 4].tolist()):
         raise ConfigError(
             "a replica group in the quorum trains another job (its fingerprint differs). Fix: start every replica "
@@ -107,12 +124,18 @@ def combine(
             grad.copy_(summed[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
     loss_sum = float(sum(float(rows[i, 2]) for i in order))
+    extras = None
+    if extra is not None:
+        extras = rows[order[0], HEAD:].clone()
+        for index in order[1:]:
+            extras += rows[index, HEAD:]
     return Combined(
         slots=[int(rows[i, 0]) for i in order],
         weights=[float(rows[i, 1]) for i in order],
         trained=[bool(rows[i, 3]) for i in order],
         loss=loss_sum / total if total else float("nan"),
+        extra=extras.view_as(extra) if extras is not None and extra is not None else None,
     )
 
 
-__all__ = ["Combined", "combine", "group_weight", "in_group_order"]
+__all__ = ["Combined", "combine", "group_weight", "in_group_order", "token_weight"]

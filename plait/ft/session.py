@@ -53,6 +53,7 @@ from typing import Any
 
 from plait.errors import CommError, PlaitError
 from plait.ft import combine as cross
+from plait.ft.experts import QuorumExperts
 from plait.ft.log import ReplayLog
 from plait.ft.options import FTOptions
 from plait.ft.outer import QuorumWindows
@@ -98,22 +99,18 @@ class FaultTolerantSteps:
                 f"--ft does not take schedule={engine.layout.schedule!r}: PipeDream steps the optimizer inside its "
                 f"schedule, where no quorum can commit it. Fix: schedule='1f1b' (or another synchronous schedule)."
             )
-        if getattr(engine, "experts", None) is not None:
-            raise FaultToleranceError(
-                "--ft does not take Mixture-of-Experts models yet (their balance statistics "
-                "span the groups). Fix: train them without --ft (restart-and-resume)."
-            )
         if getattr(engine, "outer", None) is not None:
             raise FaultToleranceError(
                 "--ft got an engine with its own outer step (parallelize(sync=...)): under --ft the quorum runs it. "
                 "Fix: build the group's engine with sync=None and pass the SemiSync to FaultTolerantSteps."
             )
-        if engine.precision.loss_scale is not None:
-            raise FaultToleranceError("--ft does not take fp16 loss scaling (its scale is per group). Fix: bf16.")
         self.replay = ReplayLog.read(options.replay) if options.replay else None
         if self.replay is not None:
             self.replay.check(fingerprint, options.groups)
         self.windows = QuorumWindows(sync, self) if sync is not None else None  # semi-synchronous: plait.ft.outer
+        # a window's quorum comes first (plait.ft.outer); so does an MoE step's, whose balance loss weighs the
+        # quorum's tokens before the forward (plait.ft.experts); otherwise it forms while the step computes
+        synchronous = self.windows is not None or getattr(engine, "experts", None) is not None
         _bind_manager_server(options.bind)
         timeout = timedelta(seconds=options.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
@@ -132,8 +129,8 @@ class FaultTolerantSteps:
             world_size=world.world_size,
             hostname=options.bind,
             checkpoint_transport=self.transport,
-            use_async_quorum=self.windows is None,  # the quorum forms while the step computes (a window's: at once)
-            init_sync=self.windows is not None,  # groups start alike (same configuration and seed; ``combine`` checks)
+            use_async_quorum=not synchronous,  # the quorum forms while the step computes
+            init_sync=synchronous,  # else groups start alike (same configuration and seed; ``combine`` checks)
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
@@ -142,6 +139,9 @@ class FaultTolerantSteps:
             committed = engine.step // sync.every if sync is not None else engine.step  # semisync: windows
             self.manager.load_state_dict({"step": committed, "batches_committed": 0})
         self.comm = quorum_comm(self.manager, self.pg, engine.comm.stats, options.timeout_s, engine.comm.device)
+        self.experts = None  # Mixture-of-Experts: the balance loss and routing statistics across groups
+        if getattr(engine, "experts", None) is not None:
+            self.experts = QuorumExperts(engine, self.comm, self._counted, self.manager.report_error)
         self.combined: cross.Combined | None = None
         self.place: int | None = options.group
         """This group's place in the last quorum: the data slot it trains when below R, a spare beyond, None while
@@ -166,12 +166,20 @@ class FaultTolerantSteps:
     def _start_quorum(self) -> None:
         """Ask for this attempt's quorum. It forms in torchft's thread while the step computes (the round trip to
         the quorum service hides behind forward and backward); a group behind the others receives a live group's
-        state there, and loads it at the commit."""
+        state there, and loads it at the commit. A synchronous quorum (MoE) waits here and heals before the step."""
         self.quorum_error = None
+        synchronous = not self.manager._use_async_quorum
+        self._waiting = synchronous  # SIGTERM while waiting for the quorum exits at once
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.options.timeout_s))
         except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
             self._quorum_failed(error)
+        finally:
+            self._waiting = False
+        if synchronous and self.quorum_error is None:  # healed already: the place is known before the step
+            place = self.manager.participating_rank()
+            self.place = place
+            self.next_place = place if place is not None else self.next_place
 
     def _quorum(self, started: float) -> None:
         """A synchronous quorum (semi-synchronous windows, ``plait.ft.outer``): healing this group if it is behind,
@@ -246,6 +254,13 @@ class FaultTolerantSteps:
         fault = self.options.fault or {}
         return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
+    def _counted(self, step: int) -> bool:
+        """Whether this group's rows count at ``step``: it trains a data slot (not a spare) and, in a replay, the
+        log committed that slot."""
+        if self.place is None or self.place >= self.options.groups or self.place != self.computing:
+            return False
+        return self.replay is None or self.place in self.replay.groups(step)
+
     def _commit(self, engine: Any) -> bool:
         """``Engine.commit_gradients``: wait for the quorum, combine over it, then agree whether to commit (a
         healing group loads the live group's state inside torchft's ``should_commit``, before the update)."""
@@ -272,8 +287,9 @@ class FaultTolerantSteps:
             try:  # a group of another job fails its exchange here (a ConfigError names it)
                 weight, loss = cross.group_weight(engine)
                 grads = engine.strategy.owned_grads()
+                extra = self.experts.statistics() if self.experts is not None else None  # zeros unless trained
                 self.combined = cross.combine(
-                    grads, self.comm, key, weight, loss, self._die_inside, trained=trained, job=self.job
+                    grads, self.comm, key, weight, loss, self._die_inside, trained=trained, job=self.job, extra=extra
                 )
             except (CommError, RuntimeError) as error:
                 log.warning("step %d: the cross-group exchange failed: %s", engine.step + 1, str(error).splitlines()[0])
@@ -283,6 +299,8 @@ class FaultTolerantSteps:
                 self.combined = None
         else:
             waited, self.trained = time.perf_counter(), False
+        if self.experts is not None:
+            self.experts.combined(self.combined)
         exchanged = time.perf_counter()
         self.committed = bool(self.manager.should_commit())
         self.timings = (waited - started, exchanged - waited, time.perf_counter() - exchanged)
@@ -355,6 +373,8 @@ class FaultTolerantSteps:
             os._exit(1)
         signal.signal(signal.SIGTERM, self._previous_sigterm)
         self.engine.commit_gradients = None
+        if self.experts is not None:
+            self.experts.detach()
         self.manager.shutdown(wait=False)
 
 

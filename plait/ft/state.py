@@ -3,7 +3,8 @@
 Replica groups have the same layout, so rank r of one group holds exactly the pieces that rank r of another holds.
 A live rank sends the pieces of its canonical entries (``plait.checkpoint.canonical.save_state``: parameters, fp32
 masters, optimizer states; views of its live buffers, in a fixed order), the optimizer's hyper-parameters and the
-lr scheduler (as a checkpoint's plait.json has them), its step and its random generators; the healing rank
+lr scheduler (as a checkpoint's plait.json has them), its step, its random generators and, under fp16, the loss
+scaler's state (so every group scales by the same S from then on: ``plait.parallel.precision``); the healing rank
 builds the same views for loading (``plait.checkpoint.restore.LoadPlan``) and copies the pieces in. Nothing is
 read from disk, and a live rank's state is bitwise what the healed rank continues from.
 
@@ -22,7 +23,7 @@ from plait.checkpoint import canonical, extras
 from plait.checkpoint.restore import LoadPlan
 from plait.errors import CheckpointError
 
-ENTRIES, EXTRAS = "entries", "extras"
+ENTRIES, EXTRAS, SCALER = "entries", "extras", "loss_scaler"
 
 
 def rng_state() -> dict[str, Any]:
@@ -50,6 +51,9 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "lr_scheduler": extras.scheduler_state(engine.lr_scheduler),
         "rng": rng_state(),
     }
+    scaler = engine.precision.scaler
+    if scaler is not None:
+        extra[SCALER] = {"scale": scaler.scale, "good_steps": scaler.good_steps, "skipped_steps": scaler.skipped_steps}
     return {ENTRIES: entries, EXTRAS: extra}
 
 
@@ -76,6 +80,17 @@ def load_engine_state(engine: Any, state: dict[str, Any], source: str) -> None:
     extras.load_param_groups(engine.strategy.optimizer, canonical.group_names(engine), extra["param_groups"])
     extras.load_scheduler(engine.lr_scheduler, extra["lr_scheduler"])
     set_rng_state(extra["rng"])
+    scaler = engine.precision.scaler
+    if (scaler is None) != (SCALER not in extra):
+        raise CheckpointError(
+            f"rank {engine.mesh.rank}: {source} {'has no' if SCALER not in extra else 'has a'} fp16 loss scaler and "
+            f"this rank {'has' if scaler is not None else 'has none'}: the replica groups' precisions differ. Fix: "
+            f"run every replica group with the same layout.precision."
+        )
+    if scaler is not None:
+        scaler.scale = float(extra[SCALER]["scale"])
+        scaler.good_steps = int(extra[SCALER]["good_steps"])
+        scaler.skipped_steps = int(extra[SCALER]["skipped_steps"])
     engine.step = int(extra["step"])
 
 

@@ -7,13 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from helpers.processes import ENV
 
 from plait.data import ShardedBatches
 from plait.distributed import World
+from plait.engine import StepStats
 from plait.ft.log import ReplayLog, replica_dir
+from plait.models import inputs as model_inputs
+from plait.models.loss import IGNORE_INDEX
 from plait.train.config import load_config
 from plait.train.loop import build
 
@@ -43,11 +47,14 @@ def run_ft(
     env: dict[str, str] | None = None,
     timeout: float = 600,
     nproc: int = 4,
+    settings: list[str] = SETTINGS,
+    fault_tolerant: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """``plait train --ft`` on ``nproc`` local processes (2 groups of nproc / 2) into ``out``."""
-    command = [sys.executable, "-m", "plait", "train", "--ft", "--nproc", str(nproc), "--out", str(out)]
-    command += ["--max-restarts", "1"]
-    for setting in [*SETTINGS, f"train.steps={steps}", f"train.save_every={steps}"]:
+    """``plait train --ft`` on ``nproc`` local processes (2 groups of nproc / 2) into ``out`` (``fault_tolerant=False``:
+    the same job as plain HSDP, for a comparison)."""
+    command = [sys.executable, "-m", "plait", "train", *(["--ft"] if fault_tolerant else [])]
+    command += ["--nproc", str(nproc), "--out", str(out), "--max-restarts", "1"]
+    for setting in [*settings, f"train.steps={steps}", f"train.save_every={steps}"]:
         command += ["--set", setting]
     return subprocess.run(
         command + list(extra), env={**FT_ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout
@@ -73,17 +80,38 @@ def step_records(out: Path, group: int) -> dict[int, dict]:
 def one_device(out: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process trained, at each step, on the rows of the global batch that the committed groups read
     (group g of R: rows [g G/R, (g+1) G/R)); returns its parameters and its losses."""
+    engine, records = one_device_steps(out, steps)
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, [r.loss for r in records]
+
+
+def _reference(out: Path, overrides: list[str]) -> tuple[Any, ShardedBatches, ReplayLog, int]:
+    """One device's engine for the run ``out`` (its config, then ``overrides``), its batches, the run's log and
+    the rows of one group's share of the global batch."""
     log = ReplayLog.read(out)
-    config = load_config(replica_dir(out, 0) / "config.toml", ["layout.dp=1", "layout.zero=0", "train.out=''"])
+    settings = ["layout.dp=1", "layout.zero=0", "train.out=''", *overrides]
+    config = load_config(replica_dir(out, 0) / "config.toml", settings)
     engine, dataset, _ = build(config, World(0, 1, 0, torch.device("cpu"), None))
-    global_batch, groups = config.train.global_batch, log.group_count
-    batches = ShardedBatches(dataset, global_batch, 0, 1)
-    share, losses = global_batch // groups, []
+    global_batch = config.train.global_batch
+    return engine, ShardedBatches(dataset, global_batch, 0, 1), log, global_batch // log.group_count
+
+
+def one_device_steps(out: Path, steps: int, overrides: list[str] = ()) -> tuple[Any, list[StepStats]]:
+    """``one_device``'s engine after ``steps`` steps (its config: the run's, then ``overrides``, e.g. layout.ep=1)
+    and each step's StepStats (losses, an MoE model's routing statistics)."""
+    engine, batches, log, share = _reference(out, list(overrides))
+    records = []
     for step in range(1, steps + 1):
         inputs, targets = batches.batch_at(step - 1)
         rows = torch.cat([torch.arange(g * share, (g + 1) * share) for g in log.groups(step)])
-        losses.append(engine.train_step((inputs[rows], targets[rows])).loss)
-    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, losses
+        records.append(engine.train_step((model_inputs.rows(inputs, rows), targets[rows])))
+    return engine, records
+
+
+def scored_per_sequence(out: Path, step: int, overrides: list[str] = ()) -> list[float]:
+    """Per replica group of the run ``out``: its scored tokens over its sequences at ``step`` (N_g / B_g)."""
+    _, batches, log, share = _reference(out, list(overrides))
+    scored = (batches.batch_at(step - 1)[1] != IGNORE_INDEX).sum(dim=1).double()
+    return [float(scored[g * share : (g + 1) * share].mean()) for g in range(log.group_count)]
 
 
 def start_lighthouse() -> tuple[subprocess.Popen[str], str]:

@@ -72,7 +72,8 @@ class MoEStepStats:
 
 class RouterStats:
     """Per step: ``begin`` sets every local MoE layer's balance-loss gradient scale, ``end`` gathers the statistics
-    (module docstring) and moves the aux-free biases."""
+    (module docstring) and moves the aux-free biases: ``gather`` then ``finish``, which per-step fault tolerance
+    calls apart, to sum the table over the replica groups in between (``plait.ft.experts``)."""
 
     def __init__(self, plan: ExpertPlan, layers: Sequence[MoE], comm: Comm, sequence_parallel: bool) -> None:
         self.plan, self.comm = plan, comm
@@ -80,14 +81,18 @@ class RouterStats:
         self.local = list(layers)
         self.axes = [GRAD_AXIS] + [a for a in ("pp",) if comm.size(a) > 1] + (["tp"] if sequence_parallel else [])
 
-    def begin(self, sequences: int, loss_scale: float | None) -> None:
-        """Before the step's forwards: the global batch has ``sequences`` sequences."""
-        scale = self.comm.size(GRAD_AXIS) / sequences * (loss_scale or 1.0)
+    def begin(self, sequences: int, loss_scale: float | None, weight: float = 1.0) -> None:
+        """Before the step's forwards: the global batch has ``sequences`` sequences. Each local layer's balance-loss
+        gradient becomes G x ``weight`` / ``sequences`` (x the fp16 loss scale): the objective's d/d(S_aux) of one
+        sequence, G times over for the average over the G data ranks (module docstring). Per-step fault tolerance
+        passes the quorum's sequences and a weight of its own (``plait.ft.experts``)."""
+        scale = self.comm.size(GRAD_AXIS) * weight / sequences * (loss_scale or 1.0)
         for layer in self.local:
             layer.aux_grad_scale = scale
 
-    def end(self, sequences: int, update_biases: bool) -> MoEStepStats:
-        """After the step (every rank: collectives). ``update_biases``: False for a step fp16 skipped."""
+    def gather(self) -> Tensor:
+        """The step's [layers, 2E + 1] statistics table summed over every rank of this layout (every rank:
+        collectives); each layer's counts are taken (reset) here."""
         experts = self.plan.experts
         table = torch.zeros(len(self.rows), 2 * experts + 1, dtype=torch.float64, device=self.comm.device)
         for layer in self.local:
@@ -96,6 +101,12 @@ class RouterStats:
                 table[self.rows[layer.layer]] = stats.to(table.device)
         for axis in self.axes:
             self.comm.all_reduce(table, axis)
+        return table
+
+    def finish(self, table: Tensor, sequences: int, update_biases: bool) -> MoEStepStats:
+        """The step's statistics from a ``gather``ed table (of this layout, or summed over several: ``plait.ft``)
+        of ``sequences`` sequences; moves the aux-free biases by its loads unless ``update_biases`` is False."""
+        experts = self.plan.experts
         load = table[:, :experts]
         if update_biases:
             for layer in self.local:
@@ -103,6 +114,10 @@ class RouterStats:
         return MoEStepStats(
             self.plan.layers, load, table[:, experts : 2 * experts], table[:, 2 * experts].sum() / sequences
         )
+
+    def end(self, sequences: int, update_biases: bool) -> MoEStepStats:
+        """After the step (every rank: collectives). ``update_biases``: False for a step fp16 skipped."""
+        return self.finish(self.gather(), sequences, update_biases)
 
 
 __all__ = ["MoEStepStats", "RouterStats"]
