@@ -319,8 +319,9 @@ class FaultTolerantSteps:
         started, attempts, quorum_s = time.perf_counter(), 0, 0.0
         while True:
             attempts += 1
-            step = self.engine.step
+            before = self.engine.step
             self._start_quorum()
+            step = self.engine.step  # a synchronous quorum (MoE) may have healed this group already
             guess = self.next_place
             self.computing = guess if guess < self.options.groups else None
             stats = self.engine.train_step(loader.batch_at(self.computing or 0, step))
@@ -335,7 +336,7 @@ class FaultTolerantSteps:
                 time.sleep(0.2)  # waiting for groups to join: do not spin
         if self.replay is None:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
-        combined, healed_from = self.combined, (step if stats.step - 1 != step else None)  # healed: a peer's step
+        combined, healed_from = self.combined, (before if stats.step - 1 != before else None)  # healed: a peer's step
         step = stats.step - 1
         stats._loss = combined.loss
         info = {
