@@ -7,11 +7,12 @@ device trained on the union of the committed groups' batches computes L = sum_g 
 
     G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
 
-and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers (s, w_g, w_g L_g) and its owned
-gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in the order of s,
-the group's place in the quorum (its data slot; spares, past the R slots, contribute w = 0). Adding an exact zero
-never changes a floating-point sum, so a replay (``plait.ft.log``) in which every slot is trained but those
-outside Q contribute w = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G bitwise, whichever
+and the reported loss is sum_g N_g L_g / sum_g N_g (``report``; NaN, 0/0, when the committed groups scored no
+token: the gradient is then zero, as one device's, and the run goes on). Every rank all-gathers (s, w_g, w_g L_g)
+and its owned gradients times w_g = N_g from the same rank of every group in the quorum, then sums the rows in the
+order of s, the group's place in the quorum (its data slot; spares, past the R slots, contribute w = 0). Adding an
+exact zero never changes a floating-point sum, so a replay (``plait.ft.log``) in which every slot is trained but
+those outside Q contribute w = 0 (zeros, not 0 x G_g: a non-finite G_g stays out) reproduces G bitwise, whichever
 groups trained the slots. A loss that is not a token mean (``MicroMeanStep``) weighs each group 1.
 
 Cost: an all-gather of the owned gradients moves (n-1)/n x n x P_owned bytes per rank (P_owned: this rank's
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,9 @@ from plait.comm import Comm
 from plait.ft.quorum import AXIS
 from plait.logging import get_logger
 from plait.parallel.loss_normalization import TokenMeanStep
+
+if TYPE_CHECKING:
+    from plait.engine import StepStats
 
 log = get_logger(__name__)
 
@@ -95,4 +100,13 @@ def combine(
     )
 
 
-__all__ = ["Combined", "combine", "group_weight"]
+def report(stats: StepStats, combined: Combined) -> None:
+    """The quorum's loss in the group's ``StepStats`` (``Engine.train_step`` reported the group's own): the token
+    mean over the committed groups' tokens, with the count it is a mean over (``StepStats.scored``, so a step whose
+    committed groups scored nothing is no divergence, even in a group that scored tokens but was not committed)."""
+    stats._loss = combined.loss
+    if stats.scored is not None:  # a token mean: the weights are the groups' scored tokens (0 outside a replay's Q)
+        stats._scored = sum(combined.weights)
+
+
+__all__ = ["Combined", "combine", "group_weight", "report"]

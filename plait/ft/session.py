@@ -245,7 +245,7 @@ class FaultTolerantSteps:
         if self.replay is None:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
         combined = self.combined
-        stats._loss = combined.loss
+        cross.report(stats, combined)
         info = {
             "ft_groups": [  # the data slots committed (the batches trained; plait.ft.log)
                 s
