@@ -133,8 +133,10 @@ def test_a_rank_killed_on_uneven_documents_heals_and_trains_the_committed_tokens
 @pytest.mark.timeout(900)
 def test_a_group_killed_inside_the_exchange_on_uneven_documents(tmp_path, documents):
     """The longer variant (make test-ft): group 1 dies with the cross-group all-gather in flight at step 5, and
-    160 steps follow."""
+    155 steps follow."""
     records = check_fault(
         tmp_path, documents, 160, {"PLAIT_FT_FAULT": "where=sync,step=5,group=1", "PLAIT_FT_STEP_DELAY_S": "0.2"}
     )
-    assert records[5]["ft_groups"] == [0] and records[5]["loss"] is None  # group 0 alone, scoring no token
+    # group 0 commits step 5 alone, scoring no token (loss null), unless group 1's rows reached it before group 1
+    # died (the all-gather was in flight: then both slots are trained, as the replay and one device agree)
+    assert records[5]["ft_groups"] in ([0], [0, 1]) and (records[5]["loss"] is None) == (records[5]["ft_groups"] == [0])
