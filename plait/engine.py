@@ -86,6 +86,7 @@ class StepStats:
         loss_scale: float | None = None,
         staleness: dict[int, dict[str, float]] | None = None,
         moe: MoEStepStats | None = None,
+        scored: Scalar | None = None,
     ) -> None:
         self.step = step
         self.tokens = tokens
@@ -102,6 +103,15 @@ class StepStats:
         loss of the step (``plait.parallel.expert.stats``; the same on every rank, read lazily); else None."""
         self._loss: Scalar = loss
         self._grad_norm: Scalar | None = grad_norm
+        self._scored: Scalar | None = scored
+
+    @property
+    def scored(self) -> float | None:
+        """The scored tokens ``loss`` is a mean over (a token-mean loss; read lazily), None for any other loss. 0:
+        no token was scored, the loss is 0/0 (NaN) and the gradient zero: not a divergence."""
+        if isinstance(self._scored, torch.Tensor):
+            self._scored = float(self._scored)
+        return self._scored
 
     @property
     def loss(self) -> float:
@@ -269,6 +279,7 @@ class Engine:
             loss_scale=self.precision.loss_scale,
             staleness=staleness,
             moe=moe,
+            scored=loss.scored,
         )
 
     def apply_update(self) -> tuple[bool, torch.Tensor | None]:

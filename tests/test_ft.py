@@ -5,6 +5,7 @@ replay bitwise and one device trained on the committed batches within rounding."
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import pytest
@@ -267,3 +268,28 @@ def test_groups_with_uneven_tokens_are_weighed_by_their_tokens_in_group_order(ot
     assert torch.equal(moved, theirs * n_theirs / n_theirs) and done.trained == [False, True]
     with pytest.raises(ConfigError, match="another job"):  # a group of another job: refused before gradients move
         combine([mine.clone()], comm, 0, n_mine, torch.tensor(l_mine), job=12345)
+
+
+def test_a_step_whose_committed_groups_scored_no_token_is_no_divergence():
+    """The quorum's loss is 0/0 when the committed groups scored nothing (instruction rows all prompt, the other
+    group lost): the step is recorded with a null loss and the run goes on, also in a replay's group that scored
+    tokens but was not committed; a NaN over scored tokens still stops the run."""
+    from plait.engine import StepStats
+    from plait.errors import PlaitError
+    from plait.ft.combine import Combined, report
+    from plait.train.metrics import check_step
+
+    def step(scored: int, slots: list[int], weights: list[float]) -> StepStats:
+        stats = StepStats(5, torch.tensor(1.5 if scored else float("nan")), 256, 0.1, scored=torch.tensor(scored))
+        total = sum(weights)
+        report(stats, Combined(slots, weights, [True] * len(slots), 1.5 if total else float("nan")))
+        return stats
+
+    check_step(step(0, [0], [0.0]))  # alone, and nothing scored
+    replayed = step(55, [0, 1], [0.0, 0.0])  # a replay: this group (55 tokens) was not committed at the step
+    assert replayed.scored == 0 and math.isnan(replayed.loss)
+    check_step(replayed)
+    diverged = step(55, [0, 1], [0.0, 55.0])
+    diverged._loss = float("nan")
+    with pytest.raises(PlaitError, match="training diverged"):
+        check_step(diverged)

@@ -224,7 +224,11 @@ def test_a_loss_that_is_not_a_mean_keeps_equal_micro_batch_weights():
 
 def test_a_batch_without_a_scored_token_reports_nan_and_moves_nothing():
     """0/0 is NaN, and the gradient of an empty sum is zero (not NaN: the count is clamped to 1 in the scale), so
-    SGD without weight decay leaves every parameter where it was."""
+    SGD without weight decay leaves every parameter where it was; the step says it scored nothing, so that
+    ``plait train`` records it (null) and goes on rather than stopping as diverged."""
+    from plait.errors import PlaitError
+    from plait.train.metrics import check_step
+
     model, _ = make_model()
     engine = plait.parallelize(
         model, Layout(microbatches=2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=lm_loss
@@ -232,9 +236,15 @@ def test_a_batch_without_a_scored_token_reports_nan_and_moves_nothing():
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     inputs, targets = batches(1)[0]
     stats = engine.train_step((inputs, torch.full_like(targets, -100)))
-    assert math.isnan(stats.loss)
+    assert math.isnan(stats.loss) and stats.scored == 0
+    check_step(stats)  # no error: nothing was scored, nothing diverged
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
+    scored = engine.train_step((inputs, targets))
+    assert scored.scored == int((targets != -100).sum()) and math.isfinite(scored.loss)
+    scored._loss = float("nan")  # a NaN over scored tokens is a divergence
+    with pytest.raises(PlaitError, match="training diverged"):
+        check_step(scored)
 
 
 # ----------------------------------------------------------------- units

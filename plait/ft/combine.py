@@ -7,7 +7,8 @@ device trained on the union of the committed groups' batches computes L = sum_g 
 
     G = sum over g in Q of  N_g G_g  /  sum over g in Q of N_g        (Q: the groups committed at this step)
 
-and the reported loss is sum_g N_g L_g / sum_g N_g. Every rank all-gathers a row (s, w_g, w_g L_g, trained, job)
+and the reported loss is sum_g N_g L_g / sum_g N_g (``report``; NaN, 0/0, when the committed groups scored no
+token: the gradient is then zero, as one device's, and the run goes on). Every rank all-gathers a row (s, w_g, w_g L_g, trained, job)
 and its owned gradients times w_g = N_g from the same rank of every group in the quorum, then sums them in the
 order of s, the group's place in the quorum (its data slot; spares past the R slots, groups still healing and a
 group that computed another slot than its place contribute w = 0 and ``trained`` 0). ``job`` is a 48-bit code of
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +39,9 @@ from plait.errors import ConfigError
 from plait.ft.quorum import AXIS
 from plait.logging import get_logger
 from plait.parallel.loss_normalization import TokenMeanStep
+
+if TYPE_CHECKING:
+    from plait.engine import StepStats
 
 log = get_logger(__name__)
 HEAD = 5
@@ -138,4 +143,13 @@ def combine(
     )
 
 
-__all__ = ["Combined", "combine", "group_weight", "in_group_order", "token_weight"]
+def report(stats: StepStats, combined: Combined) -> None:
+    """The quorum's loss in the group's ``StepStats`` (``Engine.train_step`` reported the group's own): the token
+    mean over the committed groups' tokens, with the count it is a mean over (``StepStats.scored``, so a step whose
+    committed groups scored nothing is no divergence, even in a group that scored tokens but was not committed)."""
+    stats._loss = combined.loss
+    if stats.scored is not None:  # a token mean: the weights are the groups' scored tokens (0 outside a replay's Q)
+        stats._scored = sum(combined.weights)
+
+
+__all__ = ["Combined", "combine", "group_weight", "in_group_order", "report", "token_weight"]

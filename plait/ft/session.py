@@ -338,7 +338,7 @@ class FaultTolerantSteps:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
         combined, healed_from = self.combined, (before if stats.step - 1 != before else None)  # healed: a peer's step
         step = stats.step - 1
-        stats._loss = combined.loss
+        cross.report(stats, combined)
         info = {
             "ft_groups": [s for s, t in zip(combined.slots, combined.trained) if t],  # the slots trained (log)
             "ft_slot": self.place if self.trained else None,  # None: a spare, healing, or moved at this step

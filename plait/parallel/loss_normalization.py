@@ -24,7 +24,7 @@ sum of N_g (one all-reduce of (S, n) over dp_cp): the token mean of the global b
 by its own parameters, the same number on every rank.
 
 A window without a scored token contributes zero gradients (N_w is clamped to 1) and the step reports NaN, as
-0/0 is.
+0/0 is; ``scored`` (0 then) says so, so that the NaN is not taken for a divergence (``plait.train.metrics``).
 
 **Other losses** (any ``loss_fn`` that is not a ``MeanLoss``): each micro-batch's loss l_k is taken as a mean
 of equal weight, so micro-batch k backpropagates l_k / w (w: the window's micro-batch count), the data axis
@@ -63,6 +63,12 @@ class StepLoss(Protocol):
         """The step's loss from this rank's sum of ``value`` over its micro-batches (a collective over dp_cp)."""
         ...
 
+    @property
+    def scored(self) -> Tensor | None:
+        """After ``report``: the scored items the reported loss is a mean over (a token mean; 0 when none was
+        scored and the loss is 0/0), None for a loss that is not a token mean."""
+        ...
+
 
 class _Scale(torch.autograd.Function):
     """``value * scale`` for a 0-dim ``scale`` that needs no gradient, keeping ``scale`` out of autograd's saved
@@ -97,6 +103,7 @@ class TokenMeanStep:
         self.windows = counts.view(-1, window).sum(dim=1).clamp_min(1)  # N_w of each update window (>= 1)
         self.window = window
         self.replicas = comm.size(GRAD_AXIS if group is None else group)
+        self.scored: Tensor | None = None
 
     def value(self, output: Tensor, target: Tensor) -> Tensor:
         return apply_total(self.loss, output, target)
@@ -110,13 +117,17 @@ class TokenMeanStep:
         if self.group is not None:  # every group's (S_g, N_g) summed: the token mean over the global batch
             pair = torch.stack([accumulated.to(torch.float64), self.local.to(accumulated.device, torch.float64)])
             self.comm.all_reduce(pair, GRAD_AXIS)
+            self.scored = pair[1]
             return (pair[0] / pair[1]).to(accumulated.dtype)
         total = self.comm.all_reduce(accumulated.clone(), GRAD_AXIS)
-        return total / self.counts.sum().to(total.dtype)
+        self.scored = self.counts.sum()
+        return total / self.scored.to(total.dtype)
 
 
 class MicroMeanStep:
     """Any other loss: micro-batch means of equal weight (module docstring)."""
+
+    scored: Tensor | None = None  # a mean over micro-batches, not over counted items
 
     def __init__(self, loss_fn: LossFn, comm: Comm, micro_batches: int, window: int) -> None:
         self.loss_fn, self.comm, self.micro_batches, self.window = loss_fn, comm, micro_batches, window

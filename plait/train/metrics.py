@@ -18,7 +18,9 @@ hosts; otherwise MFU is null and one log line names ``plait calibrate``. A model
 Every file is strict JSON (RFC 8259, which has no NaN or Infinity): a non-finite number (a NaN loss, an undefined
 entropy) is written as ``null`` (``json_safe``). A training step whose loss or gradient norm is not finite, and
 whose update the optimizer applied, stops the run (``check_step``): its record is written first, then every rank
-raises the same ``PlaitError`` (the loss is the same on every rank), so ``plait train`` exits non-zero.
+raises the same ``PlaitError`` (the loss is the same on every rank), so ``plait train`` exits non-zero. A step that
+scored no token at all (``StepStats.scored`` 0: every target masked) has the loss 0/0, NaN, and a zero gradient: it
+is recorded as null and the run goes on.
 
 A Mixture-of-Experts model adds a ``moe`` object to each train record (``moe_record``): per MoE layer (``layers``:
 block indices) the tokens routed to each expert in the step (``load``, summed over every rank), the imbalance
@@ -100,6 +102,8 @@ def check_step(stats: StepStats) -> None:
     if stats.skipped:
         return
     values = {"loss": stats.loss, "gradient norm": stats.grad_norm}
+    if stats.scored == 0:  # no token scored: the loss is 0/0, the weights had a zero gradient
+        del values["loss"]
     bad = {name: value for name, value in values.items() if value is not None and not math.isfinite(value)}
     if bad:
         what = ", ".join(f"{name} {value}" for name, value in bad.items())

@@ -4,20 +4,21 @@ exactly the batches it committed."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from helpers.processes import ENV
 
-from plait.data import ShardedBatches
+from plait.data import IGNORE_INDEX, ShardedBatches, make_dataset
 from plait.distributed import World
-from plait.engine import StepStats
+from plait.engine import Engine, StepStats
 from plait.ft.log import ReplayLog, replica_dir
 from plait.models import inputs as model_inputs
-from plait.models.loss import IGNORE_INDEX
 from plait.train.config import load_config
 from plait.train.loop import build
 
@@ -40,10 +41,52 @@ back (about 15 s on a busy 2-core machine) while the live group still trains (ab
 FT_ENV = {**ENV, "PLAIT_FT_HEARTBEAT_MS": "2000", "PLAIT_FT_TIMEOUT_S": "30"}
 
 
+def documents(root: Path) -> Path:
+    """A folder of packed instruction documents (``plait data prepare --instruct``, bytes tokenizer) in ``root``:
+    300 prompt / response pairs of uneven lengths, half of them mostly prompt (a long question, a word of answer),
+    half mostly response, and one in five with no prompt at all (a plain document, whose first target only
+    ``eod_mask_loss`` masks). Windows of 32 tokens cut them anywhere, so rows score from 0 to 32 targets and two
+    groups of 4 rows score clearly different counts (tens of tokens apart at most steps)."""
+    from plait.data import prepare
+
+    rng = random.Random(0)
+    words = "the a of to in is it that for on with as was at by be this from or an are not but".split()
+
+    def text(low: int, high: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    records = []
+    for i in range(300):
+        long_prompt = i % 2 == 0
+        prompt = "" if i % 5 == 4 else text(8, 30) + "? " if long_prompt else text(1, 3) + "? "
+        records.append({"prompt": prompt, "response": (text(0, 2) if long_prompt else text(8, 30)) + "."})
+    source = root / "pairs.jsonl"
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    prepare([source], root / "documents", val_fraction=0.05, progress=False, instruct=True)
+    return root / "documents"
+
+
+def document_settings(folder: Path) -> list[str]:
+    """The ``--set`` settings that train on ``documents(...)``: document attention, the end-of-document target
+    masked, 8 rows of 32 tokens per step (4 per replica group, 2 per rank). Data seed 157: the groups' counts
+    differ at each of the first 30 steps, and at step 5 group 0's rows are all prompt (N_0 = 0; group 1: 55).
+    After ``SETTINGS`` (a whole list for ``run_ft``'s ``settings``)."""
+    return [
+        *SETTINGS,
+        "data.name=tokens",
+        f"data.path='{folder}'",
+        "data.seed=157",
+        "data.seq_len=32",
+        "data.attention=document",
+        "data.eod_mask_loss=true",
+        "train.global_batch=8",
+    ]
+
+
 def run_ft(
     out: Path,
     steps: int,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     timeout: float = 600,
     nproc: int = 4,
@@ -77,11 +120,25 @@ def step_records(out: Path, group: int) -> dict[int, dict]:
     return {r["step"]: r for r in records if "ft_groups" in r}
 
 
-def one_device(out: Path, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def one_device(out: Path, steps: int, weigh: str = "tokens") -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process trained, at each step, on the rows of the global batch that the committed groups read
-    (group g of R: rows [g G/R, (g+1) G/R)); returns its parameters and its losses."""
-    engine, records = one_device_steps(out, steps)
-    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, [r.loss for r in records]
+    (group g of R: rows [g G/R, (g+1) G/R)); returns its parameters and its losses.
+
+    ``weigh="tokens"``: one step on those rows together, the token mean over all their scored tokens (what the
+    fault-tolerant run must equal). ``weigh="equal"``: the mutant that weighs every committed group alike,
+    G = sum_g G_g / |Q| (each G_g a token mean over its own rows): what a combine ignoring N_g would train."""
+    if weigh not in ("tokens", "equal"):
+        raise ValueError(f"weigh={weigh!r}: 'tokens' (the run's weighting) or 'equal' (the mutant)")
+    if weigh == "tokens":
+        engine, records = one_device_steps(out, steps)
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, [r.loss for r in records]
+    engine, batches, log, share = _reference(out, [])
+    losses = []
+    for step in range(1, steps + 1):
+        inputs, targets = batches.batch_at(step - 1)
+        rows = [torch.arange(g * share, (g + 1) * share) for g in log.groups(step)]
+        losses.append(_equal_step(engine, [(model_inputs.rows(inputs, r), targets[r]) for r in rows]))
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}, losses
 
 
 def _reference(out: Path, overrides: list[str]) -> tuple[Any, ShardedBatches, ReplayLog, int]:
@@ -112,6 +169,43 @@ def scored_per_sequence(out: Path, step: int, overrides: list[str] = ()) -> list
     _, batches, log, share = _reference(out, list(overrides))
     scored = (batches.batch_at(step - 1)[1] != IGNORE_INDEX).sum(dim=1).double()
     return [float(scored[g * share : (g + 1) * share].mean()) for g in range(log.group_count)]
+
+
+def _equal_step(engine: Engine, batches: list[tuple[model_inputs.Inputs, torch.Tensor]]) -> float:
+    """One optimizer step whose gradient is the plain mean of the batches' token-mean gradients (the mutant of
+    ``one_device``): the gradients of all but the last batch are kept and not committed (no optimizer step, as
+    an uncommitted step of --ft), then added to the last one's before it is clipped and stepped."""
+    step, kept, losses = engine.step, [], []
+
+    def keep(engine: Engine) -> bool:
+        kept.append([grad.clone() for grad in engine.strategy.owned_grads()])
+        return False
+
+    def mean(engine: Engine) -> bool:
+        for index, grad in enumerate(engine.strategy.owned_grads()):
+            grad.add_(sum(grads[index] for grads in kept)).div_(len(kept) + 1)
+        return True
+
+    for index, batch in enumerate(batches):
+        engine.commit_gradients = mean if index == len(batches) - 1 else keep
+        engine.step = step
+        losses.append(engine.train_step(batch).loss)
+    engine.commit_gradients = None
+    return sum(losses) / len(losses)
+
+
+def group_tokens(out: Path, steps: int) -> dict[int, list[int]]:
+    """The scored targets N_g of each replica group's rows at each step 1..``steps`` (all R groups, committed or
+    not), read from the run's data as its ranks read it."""
+    config = load_config(replica_dir(out, 0) / "config.toml")
+    dataset = make_dataset(config.data.dataset_name, **config.data.dataset_kwargs())
+    groups = ReplayLog.read(out).group_count
+    batches = ShardedBatches(dataset, config.train.global_batch, 0, 1)
+    counts = {}
+    for step in range(1, steps + 1):
+        scored = (batches.batch_at(step - 1)[1] != IGNORE_INDEX).sum(dim=1)
+        counts[step] = [int(part.sum()) for part in scored.chunk(groups)]
+    return counts
 
 
 def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
