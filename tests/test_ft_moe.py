@@ -346,7 +346,8 @@ def test_the_commit_exchange_sums_the_callers_statistics_in_group_order():
     mine, theirs = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
     table = torch.tensor([[5.0, 0.0, 0.25]], dtype=torch.float64)
     their_table = torch.tensor([[7.0, 1.0, 0.5]], dtype=torch.float64)
-    their_row = torch.cat([torch.tensor([1.0, 20.0, 20.0], dtype=torch.float64), their_table.view(-1)])
+    head = torch.tensor([1.0, 20.0, 20.0, 1.0, 0.0], dtype=torch.float64)  # slot, w, w L, trained, job code 0
+    their_row = torch.cat([head, their_table.view(-1)])
     comm = _Quorum([their_row, theirs * 20.0], [])
     grad = mine.clone()
     done = combine([grad], comm, 0, 10.0, torch.tensor(1.0), extra=table)

@@ -273,11 +273,12 @@ class FaultTolerantSteps:
             self._waiting = False
 
     def _combine_and_vote(self, engine: Any, started: float) -> bool:
+        in_quorum = None
         if self._await_quorum():
             if self.manager._healing and self.replay is None:  # joining a job already running: no waiting for all
                 self.manager._min_replica_size = self.options.min_groups
             self.place = self.manager.participating_rank()  # among the groups at the newest step; None: healing
-            self.next_place = self.comm.mesh.rank  # among every group of this quorum: the next one's, unchanged
+            in_quorum = self.comm.mesh.rank  # among every group of this quorum: the next one's place if it commits
             trained = self.place is not None and self.place == self.computing
             if trained and self.replay is not None and self.place not in self.replay.groups(engine.step + 1):
                 trained = False
@@ -303,6 +304,8 @@ class FaultTolerantSteps:
             self.experts.combined(self.combined)
         exchanged = time.perf_counter()
         self.committed = bool(self.manager.should_commit())
+        if self.committed and in_quorum is not None:  # a failed attempt's quorum (a group alone, say) says nothing
+            self.next_place = in_quorum
         self.timings = (waited - started, exchanged - waited, time.perf_counter() - exchanged)
         return self.committed
 

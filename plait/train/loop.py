@@ -374,7 +374,7 @@ def _run(
     run_dir = Path(train.out) if train.out else default_run_dir()
     ckpt = run_dir / "ckpt"
     previous = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else None
-    if has_checkpoints(ckpt) and not replicas.heals_from_peers(guard.attempt):  # newest intact; refuses if none is
+    if has_checkpoints(ckpt):  # newest intact; refuses if none is (a replica group too: if every group was lost)
         guard.beat("loading the checkpoint", timed=False)
         engine.load(ckpt)
         if world.rank == 0:
@@ -386,8 +386,8 @@ def _run(
     ft = replicas.start(config, engine, world, run_dir)  # per-step fault tolerance (plait.ft), when launched so
     if lead:
         _note_restart(guard.attempt, engine.step, train.save_every, heals=ft is not None)
-        if ft is None:  # a healing replica group resumes from a peer: its records of committed steps stay
-            resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)  # a resumed step is recorded once
+        # a resumed step is recorded once (a replica group's later steps are in the live groups' records)
+        resume_metrics(run_dir / "metrics.jsonl", engine.step, train.steps)
     writer = MetricsWriter(run_dir, open_tensorboard(run_dir, train.tensorboard, engine.step)) if lead else None
     if lead:
         (run_dir / "config.toml").write_text(config.dumps())

@@ -72,12 +72,6 @@ class SlotBatches:
         return self._loaders[slot].batch_at(step)
 
 
-def heals_from_peers(attempt: int) -> bool:
-    """Whether this start of a replica group takes its state from a live group rather than from its checkpoint: a
-    restart by its own agent (attempt > 0) under fault tolerance. A whole job started again reads its checkpoints."""
-    return attempt > 0 and FTOptions.from_env() is not None
-
-
 def engine_sync(train: TrainConfig) -> SemiSync | None:
     """The ``SemiSync`` the engine itself runs: ``train.semisync()``, except under fault tolerance, where a group's
     engine trains synchronously inside the group and its session runs the outer step over the quorum
@@ -110,4 +104,4 @@ def start(config: RunConfig, engine: Any, world: Any, run_dir: Path) -> Any:
     return FaultTolerantSteps(options, engine, world, print_, sync)
 
 
-__all__ = ["SlotBatches", "engine_sync", "fingerprint", "heals_from_peers", "start"]
+__all__ = ["SlotBatches", "engine_sync", "fingerprint", "start"]
