@@ -171,6 +171,7 @@ def test_a_spare_takes_a_lost_groups_slot_at_once_and_the_run_equals_one_without
         "PLAIT_FT_FAULT_GROUP": "1",
         "PLAIT_FAULT_INJECT": "rank=0,step=4,action=kill",
         "PLAIT_FT_STEP_DELAY_S": "0.2",
+        "PLAIT_FT_REJOIN_DELAY_S": "5",  # group 1 comes back well after the spare took its slot
     }
     done = ft.run_ft(run, steps, extra=["--ft-spares", "1"], env=kill, nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -219,7 +219,8 @@ def test_a_killed_rank_of_an_moe_job_heals_its_biases_and_the_run_replays_bitwis
     settings = _settings(instructions, "layout.zero=2", "model.moe_balance=aux_free", "model.bias_update_rate=0.01")
     settings += ["train.max_grad_norm=0.5"]
     kill = {"PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FAULT_INJECT": "rank=1,step=4,action=kill"}
-    done = ft.run_ft(run, steps, settings=settings, env={**kill, "PLAIT_FT_STEP_DELAY_S": "0.3"})
+    slow = {"PLAIT_FT_STEP_DELAY_S": "0.3", "PLAIT_FT_REJOIN_DELAY_S": "5"}  # group 1 back well after the stall
+    done = ft.run_ft(run, steps, settings=settings, env={**kill, **slow})
     assert done.returncode == 0, done.stderr[-3000:]
     assert [s["attempt"] for s in ft.starts(run, 0)] == [0, 0]
     assert sorted(s["attempt"] for s in ft.starts(run, 1)) == [0, 0, 1, 1]
@@ -253,7 +254,7 @@ def test_a_spare_of_an_moe_job_adds_zeros_and_takes_a_lost_slot_bitwise(instruct
     steps, run = 60, tmp_path / "run"
     settings = [s for s in _settings(instructions, "layout.zero=2", "model.aux_loss_coef=0.1") if "ep=" not in s]
     kill = {"PLAIT_FT_FAULT_GROUP": "1", "PLAIT_FAULT_INJECT": "rank=0,step=4,action=kill"}
-    env = {**kill, "PLAIT_FT_STEP_DELAY_S": "0.2", "PLAIT_FT_TIMEOUT_S": "60"}
+    env = {**kill, "PLAIT_FT_STEP_DELAY_S": "0.2", "PLAIT_FT_TIMEOUT_S": "60", "PLAIT_FT_REJOIN_DELAY_S": "5"}
     done = ft.run_ft(run, steps, ["--ft-spares", "1"], env=env, nproc=2, settings=settings)
     assert done.returncode == 0, done.stderr[-3000:]
     records, spare = ft.step_records(run, 0), ft.step_records(run, 2)

@@ -13,6 +13,8 @@ fault-tolerant launcher (``plait.ft.launch``, ``plait train --ft``) or a user's 
     PLAIT_FT_FAULT       a testing aid: "where=sync,step=3,group=1" (group 1 dies inside the cross-group exchange of
                          step 3) or "where=heal,group=0" (group 0 dies while sending a healing group its state);
                          on the first attempt only
+    PLAIT_FT_REJOIN_DELAY_S  a testing aid: a restarted group waits this long before it asks for a quorum (a
+                         replacement node that takes a while to come back)
     PLAIT_FT_STEP_DELAY_S  a testing aid: sleep this long after each committed step (a tiny CPU model's steps take
                          milliseconds; a restarted group must find the run still going to rejoin it)
 """
@@ -29,6 +31,7 @@ GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "PLAIT_FT_GROUP", "PLAIT_FT_GROUPS", "PL
 SPARES_ENV = "PLAIT_FT_SPARES"
 BIND_ENV, MIN_GROUPS_ENV, TIMEOUT_ENV = "PLAIT_FT_BIND", "PLAIT_FT_MIN_GROUPS", "PLAIT_FT_TIMEOUT_S"
 REPLAY_ENV, FAULT_ENV, DELAY_ENV = "PLAIT_FT_REPLAY", "PLAIT_FT_FAULT", "PLAIT_FT_STEP_DELAY_S"
+REJOIN_ENV = "PLAIT_FT_REJOIN_DELAY_S"
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -46,6 +49,7 @@ class FTOptions:
     fault: dict[str, str] | None = None
     step_delay_s: float = 0.0
     spares: int = 0
+    rejoin_delay_s: float = 0.0
 
     @property
     def members(self) -> int:
@@ -101,6 +105,7 @@ class FTOptions:
             fault=fault,
             step_delay_s=float(environ.get(DELAY_ENV, "0") or 0),
             spares=spares,
+            rejoin_delay_s=float(environ.get(REJOIN_ENV, "0") or 0),
         )
 
 

@@ -104,6 +104,8 @@ class FaultTolerantSteps:
                 "--ft got an engine with its own outer step (parallelize(sync=...)): under --ft the quorum runs it. "
                 "Fix: build the group's engine with sync=None and pass the SemiSync to FaultTolerantSteps."
             )
+        if options.rejoin_delay_s and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+            time.sleep(options.rejoin_delay_s)  # the testing aid: a replacement that takes a while to come back
         self.replay = ReplayLog.read(options.replay) if options.replay else None
         if self.replay is not None:
             self.replay.check(fingerprint, options.groups)
@@ -319,7 +321,7 @@ class FaultTolerantSteps:
         at this step: a membership change costs the slot it moves one step (the records say so)."""
         if self.windows is not None:  # semi-synchronous: a quorum per window (plait.ft.outer)
             return self.windows.train_step(loader)
-        started, attempts, quorum_s = time.perf_counter(), 0, 0.0
+        started, attempts, quorum_s, healed_from = time.perf_counter(), 0, 0.0, None
         while True:
             attempts += 1
             before = self.engine.step
@@ -328,6 +330,8 @@ class FaultTolerantSteps:
             guess = self.next_place
             self.computing = guess if guess < self.options.groups else None
             stats = self.engine.train_step(loader.batch_at(self.computing or 0, step))
+            if healed_from is None and self.engine.step != before + 1:  # healed (in this attempt's quorum)
+                healed_from = before
             quorum_s += self.timings[0]
             if self.committed and self.combined is not None:
                 break
@@ -339,7 +343,7 @@ class FaultTolerantSteps:
                 time.sleep(0.2)  # waiting for groups to join: do not spin
         if self.replay is None:
             self.manager._min_replica_size = self.options.min_groups  # a job starts whole; then min_groups commit
-        combined, healed_from = self.combined, (before if stats.step - 1 != before else None)  # healed: a peer's step
+        combined = self.combined
         step = stats.step - 1
         cross.report(stats, combined)
         info = {
