@@ -47,7 +47,7 @@ test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -m "long and not docs"
 
 test-ft: $(STAMP)
-	$(BIN)/python -m pytest -q -m "long or not long" tests/test_ft.py tests/test_ft_faults.py
+	$(BIN)/python -m pytest -q -m "long or not long" $(wildcard tests/test_ft*.py)
 
 PLAIT_DOCS_SCALE ?= ci
 test-docs: $(STAMP)

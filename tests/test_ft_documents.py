@@ -115,6 +115,7 @@ def check_fault(tmp_path: Path, documents: Path, steps: int, env: dict[str, str]
 
 
 @pytest.mark.timeout(900)  # a run with a kill and its replay: ~2 min on 2 busy cores
+@pytest.mark.long  # make test-ft: a kill variant (tests/test_ft.py kills in CI)
 def test_a_rank_killed_on_uneven_documents_heals_and_trains_the_committed_tokens(tmp_path, documents):
     # 25 steps of 1 s at least after the kill at step 5: the restarted group (~3 s on 2 idle cores, 9-20 s busy)
     # rejoins a run still going; few long steps rather than many short ones, since the replay has no pause

@@ -211,6 +211,7 @@ def test_fp16_under_ft_keeps_hsdp_loss_scale_trajectory(tmp_path):
 @pytest.mark.slow
 @pytest.mark.cli
 @pytest.mark.timeout(900)  # a run with a restart and its replay: ~2 min on 2 busy cores
+@pytest.mark.long  # make test-ft: a kill variant (tests/test_ft.py kills in CI)
 def test_a_killed_rank_of_an_moe_job_heals_its_biases_and_the_run_replays_bitwise(instructions, tmp_path):
     """tests/test_ft.py's kill, on an MoE model with aux-free biases: group 1 loses a rank at step 4, group 0 trains
     alone (its own balance weights and statistics), group 1 heals (biases included) and rejoins; every replica

@@ -114,6 +114,7 @@ def test_fault_free_equals_semisync_hsdp_and_the_simulation(tmp_path, mode):
 @pytest.mark.slow
 @pytest.mark.cli
 @pytest.mark.timeout(900)  # a faulty run (a restart, a failed window), its replay and a simulation: ~3 min busy
+@pytest.mark.long  # make test-ft: a kill variant (tests/test_ft.py kills in CI)
 def test_a_rank_killed_mid_window_costs_the_window_and_the_run_replays_bitwise(tmp_path):
     steps, run = 12 * EVERY, tmp_path / "run"
     kill = {  # rank 1 of group 1 dies before step 6: inside the window of steps 5-8
