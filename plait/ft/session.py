@@ -195,10 +195,8 @@ class FaultTolerantSteps:
                 self.quorum_error = None
                 return
             except Exception as error:  # noqa: BLE001 - torchft raises bare RuntimeErrors from its Rust client
-                self.manager._quorum_future = None
-                self.quorum_error = error
+                self._quorum_failed(error)
                 self._give_up_after(started, 1, "waiting for the quorum")
-                log.warning("no quorum yet (%s); asking again", str(error).splitlines()[0][:120])
             finally:
                 self._waiting = False
 
@@ -257,8 +255,8 @@ class FaultTolerantSteps:
         return fault.get("where") == "sync" and int(fault.get("step", -1)) == self.engine.step + 1
 
     def _counted(self, step: int) -> bool:
-        """Whether this group's rows count at ``step``: it trains a data slot (not a spare) and, in a replay, the
-        log committed that slot."""
+        """Whether this group's rows count at ``step``: the quorum placed it at the data slot it computed (not a
+        spare, not healing, not moved) and, in a replay, the log committed that slot."""
         if self.place is None or self.place >= self.options.groups or self.place != self.computing:
             return False
         return self.replay is None or self.place in self.replay.groups(step)
@@ -281,11 +279,8 @@ class FaultTolerantSteps:
                 self.manager._min_replica_size = self.options.min_groups
             self.place = self.manager.participating_rank()  # among the groups at the newest step; None: healing
             in_quorum = self.comm.mesh.rank  # among every group of this quorum: the next one's place if it commits
-            trained = self.place is not None and self.place == self.computing
-            if trained and self.replay is not None and self.place not in self.replay.groups(engine.step + 1):
-                trained = False
-            self.trained = trained
-            key = self.place if self.place is not None else self.options.members + self.comm.mesh.rank
+            trained = self.trained = self._counted(engine.step + 1)
+            key = self.place if self.place is not None else self.options.members + in_quorum
             waited = time.perf_counter()
             try:  # a group of another job fails its exchange here (a ConfigError names it)
                 weight, loss = cross.group_weight(engine)
